@@ -1,0 +1,197 @@
+"""Configuration objects and the pre-network checks (sidecar.md §4, §6). PURE: no I/O, no Trio.
+
+Construction never validates: the checks run in :func:`validate_sidecar_config` / :func:`prepare`, in the
+order §6 fixes, so the first problem reported is the one the spec expects. (The CLI adds its own usage
+checks, e.g. zero values, before building these objects.)
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+import math
+
+import attrs
+
+from .endpoint import GrpcEndpoint, parse_grpc_endpoint
+from .errors import InvalidArgument, format_duration
+
+__all__ = [
+    "DisaggregationMode",
+    "SidecarConfig",
+    "WorkerOptions",
+    "validate_sidecar_config",
+    "prepare",
+    "dynamo_available",
+    "discovery_banner",
+    "DYNAMO_EXTRA_MISSING",
+    "MAX_DEADLINE_SECONDS",
+]
+
+# A Rust `Instant + Duration` must stay inside the monotonic clock's i64 nanoseconds.
+MAX_DEADLINE_SECONDS = 2**63 / 1_000_000_000
+
+DYNAMO_EXTRA_MISSING = "the Dynamo upstream requires the optional 'dynamo' extra (ai-dynamo-runtime==1.6.1)"
+
+
+class DisaggregationMode(enum.Enum):
+    AGG = "agg"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    ENCODE = "encode"
+
+    @classmethod
+    def parse(cls, value: str | DisaggregationMode) -> DisaggregationMode:
+        """``"agg"``/``"aggregated"``/``"prefill"``/``"decode"``/``"encode"`` (case-insensitive)."""
+        if isinstance(value, DisaggregationMode):
+            return value
+        text = str(value).strip().lower()
+        if text == "aggregated":
+            return cls.AGG
+        try:
+            return cls(text)
+        except ValueError:
+            raise InvalidArgument(
+                f"invalid disaggregation mode `{value}`; expected one of agg, aggregated, prefill, decode, encode"
+            ) from None
+
+    @property
+    def is_prefill(self) -> bool:
+        return self is DisaggregationMode.PREFILL
+
+    @property
+    def is_decode(self) -> bool:
+        return self is DisaggregationMode.DECODE
+
+
+@attrs.frozen(kw_only=True)
+class SidecarConfig:
+    """vLLM-side configuration (§4.1). Durations are seconds (fractional in the Python API)."""
+
+    grpc_endpoint: str
+    disaggregation_mode: DisaggregationMode = attrs.field(
+        default=DisaggregationMode.AGG, converter=DisaggregationMode.parse
+    )
+    grpc_connections: int = 8
+    connect_attempt_timeout: float = 30.0
+    retry_interval: float = 1.0
+    startup_deadline: float = 1800.0
+    health_prober: bool = True
+    abort_on_cancel: bool = True
+    abort_timeout: float = 30.0
+
+
+def _endpoint_types(value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = value.split(",")
+    return tuple(str(v).strip().lower() for v in value if str(v).strip())  # type: ignore[union-attr]
+
+
+@attrs.frozen(kw_only=True)
+class WorkerOptions:
+    """Dynamo-side options (§4.1, §3.1–§3.2) plus the CLI's project options (§3.4, clarifications #4, #14)."""
+
+    namespace: str = "dynamo"
+    component: str = "backend"
+    endpoint: str = "generate"
+    endpoint_types: tuple[str, ...] = attrs.field(default=("chat", "completions"), converter=_endpoint_types)
+    custom_jinja_template: str | None = None
+    exclude_tools_when_tool_choice_none: bool = True
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    route_to_encoder: bool = False
+    enable_rl: bool = False
+    discovery_backend: str = "etcd"
+    request_plane: str = "tcp"
+    response_plane: str = "tcp"
+    event_plane: str | None = None  # None: the runtime's default (zmq)
+    vllm_http_endpoint: str | None = None  # accepted for compatibility; only RL would use it
+    vllm_rl_world_size: int | None = None  # accepted for compatibility; ignored
+    unserving_grace: float = 5.0
+    drain_timeout: float = 30.0
+    log_level: str = "info"
+
+
+def validate_sidecar_config(config: SidecarConfig) -> GrpcEndpoint:
+    """The ``SidecarConfig`` part of §6 (items 1, 5, 6), in order.
+
+    Returns:
+        The normalized endpoint.
+
+    Raises:
+        InvalidArgument: with the §6 texts.
+    """
+    if DisaggregationMode.parse(config.disaggregation_mode) is DisaggregationMode.ENCODE:
+        raise InvalidArgument("encode mode is not supported by the vLLM sidecar")
+    endpoint = parse_grpc_endpoint(config.grpc_endpoint)
+    _check_transport(config)
+    return endpoint
+
+
+def _check_transport(config: SidecarConfig) -> None:
+    connections = config.grpc_connections
+    if isinstance(connections, bool) or not isinstance(connections, int) or connections < 1:
+        raise InvalidArgument("grpc_connections must be at least 1")
+    for name in ("connect_attempt_timeout", "retry_interval"):
+        value = getattr(config, name)
+        if not _is_number(value) or not value > 0:
+            raise InvalidArgument(f"{name} must be positive")
+    deadline = config.startup_deadline
+    if not _is_number(deadline):
+        raise InvalidArgument("startup_deadline must be positive")
+    if math.isnan(deadline) or deadline > MAX_DEADLINE_SECONDS:
+        raise InvalidArgument(
+            f"gRPC startup deadline {format_duration(deadline)} exceeds the supported monotonic clock range"
+        )
+    if not deadline > 0:
+        raise InvalidArgument("startup_deadline must be positive")
+    if not _is_number(config.abort_timeout) or not config.abort_timeout > 0:
+        raise InvalidArgument("abort_timeout must be positive")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def dynamo_available() -> bool:
+    """Whether the optional ``dynamo`` extra (``ai-dynamo-runtime``) can be imported."""
+    try:
+        return importlib.util.find_spec("dynamo.llm") is not None and (
+            importlib.util.find_spec("dynamo.runtime") is not None
+        )
+    except (ImportError, ValueError):
+        return False
+
+
+def prepare(config: SidecarConfig, worker_options: WorkerOptions, *, dynamo_required: bool) -> GrpcEndpoint:
+    """All of §6 items 1–7, in order, before any socket is opened.
+
+    Item 8 (the ``Discovering vLLM model metadata ...`` line) is printed by the caller, from
+    :func:`discovery_banner`, so this function stays free of I/O.
+
+    Raises:
+        InvalidArgument: the first failing check, with its exact text.
+    """
+    if DisaggregationMode.parse(config.disaggregation_mode) is DisaggregationMode.ENCODE:
+        raise InvalidArgument("encode mode is not supported by the vLLM sidecar")
+    if worker_options.route_to_encoder:
+        raise InvalidArgument("route-to-encoder is not supported by the vLLM sidecar")
+    if worker_options.tool_call_parser or worker_options.reasoning_parser:
+        raise InvalidArgument(
+            "vLLM gRPC does not preserve the request options required by Dynamo tool-call and reasoning parsers"
+        )
+    if worker_options.enable_rl:
+        raise InvalidArgument("RL controls are not supported by trio-sidecar yet")
+    endpoint = parse_grpc_endpoint(config.grpc_endpoint)
+    _check_transport(config)
+    if dynamo_required and not dynamo_available():
+        raise InvalidArgument(DYNAMO_EXTRA_MISSING)
+    return endpoint
+
+
+def discovery_banner(endpoint: GrpcEndpoint, startup_deadline: float) -> str:
+    """§6 item 8's stderr line."""
+    return (
+        f"Discovering vLLM model metadata from {endpoint.canonical}; "
+        f"startup deadline: {format_duration(startup_deadline)}"
+    )

@@ -1,0 +1,170 @@
+"""The sidecar's error family (sidecar.md §15). PURE: no I/O, no Trio.
+
+Every failure the sidecar reports is a :class:`SidecarError` whose ``kind`` mirrors the native sidecar's
+error kinds (``lib/sidecar/common/src/error.rs``). gRPC statuses are translated once, at the edge, by
+:func:`status_to_error`; nothing else should build a status-derived message.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+from .status import StatusCode
+
+__all__ = [
+    "ErrorKind",
+    "SidecarError",
+    "InvalidArgument",
+    "UnknownError",
+    "ProtocolError",
+    "EngineShutdown",
+    "CannotConnect",
+    "ConnectionTimeout",
+    "RequestCancelled",
+    "PROTOCOL_ERROR_PREFIX",
+    "status_to_error",
+    "format_status",
+    "format_duration",
+]
+
+PROTOCOL_ERROR_PREFIX = "invalid vLLM gRPC response: "
+
+
+class ErrorKind(enum.Enum):
+    INVALID_ARGUMENT = "InvalidArgument"
+    UNKNOWN = "Unknown"
+    ENGINE_SHUTDOWN = "EngineShutdown"
+    CANNOT_CONNECT = "CannotConnect"
+    CONNECTION_TIMEOUT = "ConnectionTimeout"
+    CANCELLED = "Cancelled"
+
+
+class SidecarError(Exception):
+    """Root of the family. ``str(err) == err.message``; ``err.kind`` is the §15.1 kind."""
+
+    kind: ErrorKind = ErrorKind.UNKNOWN
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.message!r})"
+
+    def __reduce__(self):  # keep pickling (and copy) working despite subclass __init__ signatures
+        return (_rebuild, (type(self), self.message))
+
+
+def _rebuild(cls: type[SidecarError], message: str) -> SidecarError:
+    err = Exception.__new__(cls)
+    Exception.__init__(err, message)
+    err.message = message
+    if issubclass(cls, ProtocolError):
+        err.detail = message.removeprefix(PROTOCOL_ERROR_PREFIX)  # type: ignore[attr-defined]
+    return err
+
+
+class InvalidArgument(SidecarError):
+    """Bad configuration or request; nothing was sent to vLLM because of it (or vLLM rejected it)."""
+
+    kind = ErrorKind.INVALID_ARGUMENT
+
+
+class UnknownError(SidecarError):
+    """Kind ``UNKNOWN``: a mapped gRPC status outside the other kinds (``INTERNAL``, ``ABORTED``, ...)."""
+
+    kind = ErrorKind.UNKNOWN
+
+
+class ProtocolError(UnknownError):
+    """vLLM answered something the sidecar cannot accept.
+
+    ``ProtocolError("x").message == "invalid vLLM gRPC response: x"``; ``detail`` keeps ``"x"``.
+    """
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(PROTOCOL_ERROR_PREFIX + detail)
+        self.detail = detail
+
+
+class EngineShutdown(SidecarError):
+    kind = ErrorKind.ENGINE_SHUTDOWN
+
+
+class CannotConnect(SidecarError):
+    kind = ErrorKind.CANNOT_CONNECT
+
+
+class ConnectionTimeout(SidecarError):
+    kind = ErrorKind.CONNECTION_TIMEOUT
+
+
+class RequestCancelled(SidecarError):
+    """A gRPC ``CANCELLED`` status from vLLM (not ``trio.Cancelled``, which is never shadowed)."""
+
+    kind = ErrorKind.CANCELLED
+
+
+# sidecar.md §15.2: a table, not branches.
+_STATUS_CLASS: dict[StatusCode, type[SidecarError]] = {
+    StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    StatusCode.NOT_FOUND: InvalidArgument,
+    StatusCode.OUT_OF_RANGE: InvalidArgument,
+    StatusCode.FAILED_PRECONDITION: InvalidArgument,
+    StatusCode.ALREADY_EXISTS: InvalidArgument,
+    StatusCode.UNAVAILABLE: CannotConnect,
+    StatusCode.CANCELLED: RequestCancelled,
+    StatusCode.DEADLINE_EXCEEDED: ConnectionTimeout,
+}
+
+
+def format_status(code: StatusCode, message: str) -> str:
+    """Render a gRPC status as ``{message} ({CodeName})`` (§8, §15.2)."""
+    return f"{message} ({StatusCode(code).rust_name})"
+
+
+def status_to_error(rpc: str, code: StatusCode, message: str) -> SidecarError:
+    """Translate a gRPC status of ``rpc`` into the sidecar error family.
+
+    Args:
+        rpc: the RPC name as upstream prints it (``"GenerateStream"``, ``"GetModelInfo"``).
+        code: the status code (connection-level failures are passed as ``UNAVAILABLE``).
+        message: the percent-decoded ``grpc-message``.
+
+    Returns:
+        The error (not raised): ``"{rpc}: {message} ({CodeName})"`` with the §15.2 kind.
+    """
+    code = StatusCode(code)
+    cls = _STATUS_CLASS.get(code, UnknownError)
+    return cls(f"{rpc}: {format_status(code, message)}")
+
+
+def _trim_fraction(integer: int, fraction: int, digits: int, unit: str) -> str:
+    if fraction == 0:
+        return f"{integer}{unit}"
+    text = f"{fraction:0{digits}d}".rstrip("0")
+    return f"{integer}.{text}{unit}"
+
+
+def format_duration(seconds: float) -> str:
+    """Format like Rust's ``Debug`` for ``Duration`` (§4.2): ``5s``, ``1.5s``, ``100ms``, ``12.5ms``, ``3µs``, ``7ns``.
+
+    The value is first rounded to whole nanoseconds (a ``Duration``'s resolution). Non-finite inputs
+    (which no ``Duration`` can hold) render as ``inf``/``nan``; negative ones get a leading ``-``.
+    """
+    if not math.isfinite(seconds):
+        return str(seconds)
+    if seconds < 0:
+        return "-" + format_duration(-seconds)
+    nanos = round(seconds * 1_000_000_000)
+    if nanos >= 1_000_000_000:
+        return _trim_fraction(nanos // 1_000_000_000, nanos % 1_000_000_000, 9, "s")
+    if nanos >= 1_000_000:
+        return _trim_fraction(nanos // 1_000_000, nanos % 1_000_000, 6, "ms")
+    if nanos >= 1_000:
+        return _trim_fraction(nanos // 1_000, nanos % 1_000, 3, "µs")
+    return f"{nanos}ns"
