@@ -1,0 +1,487 @@
+"""The continuous health prober (sidecar.md §20, clarifications #5, #8, #20).
+
+Theory of operation
+-------------------
+
+The prober is one task in ``open_sidecar``'s nursery. It owns a *dedicated* connection to vLLM (never a
+pool slot) and publishes its view in ``health``, an ``AsyncValue[HealthState]`` that the admission gate of
+the engine reads. It never cancels in-flight requests; it only opens and closes admission.
+
+One *session* is the lifetime of one connection:
+
+1. Connect with the pool's per-attempt rules (``connect_attempt_timeout`` per attempt, a fixed
+   ``retry_interval`` between attempts, no overall deadline). A failed attempt publishes
+   ``UNREACHABLE(detail)``.
+2. Open ``Health.Watch`` for ``vllm.Control`` and ``vllm.Inference`` concurrently. Each watcher only
+   *reports* (status, end, error) over a memory channel to the session's coordinator, which alone decides
+   the state. A watcher whose ``Watch`` is ``UNIMPLEMENTED`` polls ``Health.Check`` every
+   ``retry_interval`` instead and reports the same way.
+3. Both first statuses must arrive within ``connect_attempt_timeout``. Afterwards the combined state is
+   ``SERVING`` only while both latest statuses are ``SERVING``; any other status closes admission with
+   ``NOT_SERVING``.
+4. A stream that ends with OK (vLLM's graceful shutdown) or fails ends the session
+   (``NOT_SERVING("vLLM Health.Watch ended")`` / ``UNREACHABLE(detail)``); after ``retry_interval`` a
+   new session starts.
+
+Recovery (§20.4) starts whenever both services report ``SERVING`` while the published state is not
+``SERVING``: the state becomes ``RECOVERING`` and a recovery task rediscovers the model on the prober's
+connection. A status change away from ``SERVING`` cancels it. Its outcome comes back to the coordinator
+as a value (never as an exception through the session nursery, so a single failure never surfaces as an
+``ExceptionGroup``):
+
+* same identity and DP size → ``on_recovered(model, sources)``, then ``SERVING``;
+* changed identity or DP size → ``FAILED`` and the fatal :class:`~trio_sidecar.errors.ProtocolError`
+  leaves :func:`run_health_prober` (and so ``open_sidecar``);
+* a transient failure → ``NOT_SERVING``/``UNREACHABLE``; retried ``retry_interval`` later while both
+  services still report ``SERVING``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NoReturn
+
+import attrs
+import trio
+import trio_util
+
+from ._proto.grpc.health.v1 import health_pb2
+from ._proto.vllm import control_pb2
+from .errors import ProtocolError, SidecarError, status_to_error
+from .status import StatusCode
+
+if TYPE_CHECKING:
+    from .config import SidecarConfig
+    from .endpoint import GrpcEndpoint
+    from .model import DiscoveredModel
+    from .routing import KvEventSource
+
+__all__ = ["HealthKind", "HealthState", "run_health_prober", "SERVICES"]
+
+LOGGER = logging.getLogger("trio_sidecar.prober")
+
+SERVICES: tuple[str, ...] = ("vllm.Control", "vllm.Inference")
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+
+# Fixed reasons (sidecar.md §20.2).
+WATCH_TIMED_OUT = "Health.Watch initial status timed out"
+WATCH_NOT_SERVING = "vLLM Health.Watch is not SERVING"
+WATCH_ENDED = "vLLM Health.Watch ended"
+CHECK_NOT_SERVING = "vLLM Health.Check is not SERVING"
+
+
+class HealthKind(enum.Enum):
+    SERVING = "serving"
+    NOT_SERVING = "not_serving"
+    UNREACHABLE = "unreachable"
+    RECOVERING = "recovering"
+    FAILED = "failed"
+
+
+@attrs.frozen
+class HealthState:
+    """What the prober knows about vLLM. Admission is open only for ``SERVING``."""
+
+    kind: HealthKind
+    reason: str = ""
+
+    @property
+    def admits(self) -> bool:
+        return self.kind is HealthKind.SERVING
+
+
+SERVING_STATE = HealthState(HealthKind.SERVING)
+RECOVERING_STATE = HealthState(HealthKind.RECOVERING)
+_CLOSED_KINDS = frozenset({HealthKind.NOT_SERVING, HealthKind.UNREACHABLE})
+
+
+# --- events from the session's tasks to its coordinator -------------------------------------------------
+
+
+@attrs.frozen
+class _Status:
+    service: str
+    status: int
+    via_check: bool = False
+
+
+@attrs.frozen
+class _SessionEnd:
+    """A watcher is over; the session ends with ``state``."""
+
+    state: HealthState
+
+
+@attrs.frozen
+class _RecoveryDone:
+    model: DiscoveredModel
+    sources: tuple[KvEventSource, ...]
+
+
+@attrs.frozen
+class _RecoveryFailed:
+    state: HealthState
+
+
+@attrs.frozen
+class _RecoveryFatal:
+    error: ProtocolError
+
+
+_Event = _Status | _SessionEnd | _RecoveryDone | _RecoveryFailed | _RecoveryFatal
+
+
+def _cause_chain(exc: BaseException) -> str:
+    """``str()`` of an exception and its causes, joined with ``": "`` (the pool's rule, §7.2)."""
+    parts: list[str] = []
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = str(current) or type(current).__name__
+        if text not in parts:
+            parts.append(text)
+        current = current.__cause__ or current.__context__
+    return ": ".join(parts)
+
+
+class _Prober:
+    def __init__(
+        self,
+        *,
+        endpoint: GrpcEndpoint,
+        config: SidecarConfig,
+        model: DiscoveredModel,
+        kv_sources: tuple[KvEventSource, ...],
+        health: trio_util.AsyncValue[HealthState],
+        on_recovered: Callable[[DiscoveredModel, tuple[KvEventSource, ...]], None],
+    ) -> None:
+        self.endpoint = endpoint
+        self.config = config
+        self.model = model
+        self.kv_sources = tuple(kv_sources)
+        self.health = health
+        self.on_recovered = on_recovered
+        self._warned_kind: HealthKind | None = None
+
+    # --- publishing ---------------------------------------------------------------------------------
+
+    def publish(self, state: HealthState) -> None:
+        if state.kind in _CLOSED_KINDS and self._warned_kind is not state.kind:
+            LOGGER.warning("vLLM is not serving (%s); new requests are rejected", state.reason)
+            self._warned_kind = state.kind
+        elif state.kind is HealthKind.SERVING:
+            self._warned_kind = None
+        self.health.value = state
+
+    def close_admission(self, state: HealthState) -> None:
+        """Publish a non-serving state (a no-op for FAILED, which is final)."""
+        if self.health.value.kind is not HealthKind.FAILED:
+            self.publish(state)
+
+    # --- sessions -----------------------------------------------------------------------------------
+
+    async def run(self) -> NoReturn:
+        from .transport import connect_channel  # noqa: PLC0415  (the transport lands concurrently)
+
+        cfg = self.config
+        while True:
+            async with trio.open_nursery() as conn_nursery:
+                channel = None
+                with trio.move_on_after(cfg.connect_attempt_timeout) as attempt:
+                    try:
+                        channel = await connect_channel(conn_nursery, self.endpoint.host, self.endpoint.port)
+                    except (OSError, SidecarError, _rpc_error_types()) as exc:
+                        self.close_admission(
+                            HealthState(
+                                HealthKind.UNREACHABLE,
+                                f"cannot connect to {self.endpoint.canonical}: {_cause_chain(exc)}",
+                            )
+                        )
+                if attempt.cancelled_caught:
+                    self.close_admission(
+                        HealthState(
+                            HealthKind.UNREACHABLE,
+                            f"cannot connect to {self.endpoint.canonical}: the connection attempt timed out",
+                        )
+                    )
+                if channel is not None:
+                    try:
+                        fatal = await self.session(channel)
+                    finally:
+                        with trio.CancelScope(shield=True):
+                            await channel.aclose()
+                    if fatal is not None:
+                        self.publish(HealthState(HealthKind.FAILED, fatal.message))
+                        raise fatal
+                conn_nursery.cancel_scope.cancel()
+            await trio.sleep(cfg.retry_interval)
+
+    async def session(self, channel) -> ProtocolError | None:
+        """Watch both services on ``channel`` until the session ends; returns a fatal error, if any."""
+        cfg = self.config
+        send, receive = trio.open_memory_channel[_Event](math.inf)
+        latest: dict[str, int | None] = dict.fromkeys(SERVICES)
+        fatal: ProtocolError | None = None
+        recovery: trio.CancelScope | None = None
+        retry_recovery_at = math.inf
+        initial_deadline = trio.current_time() + cfg.connect_attempt_timeout
+
+        def cancel_recovery() -> None:
+            nonlocal recovery
+            if recovery is not None:
+                recovery.cancel()
+                recovery = None
+
+        async with send, receive, trio.open_nursery() as nursery:
+            for service in SERVICES:
+                nursery.start_soon(self.watch, channel, service, send.clone())
+
+            def start_recovery() -> None:
+                nonlocal recovery, retry_recovery_at
+                retry_recovery_at = math.inf
+                scope = trio.CancelScope()
+                recovery = scope
+                self.publish(RECOVERING_STATE)
+                nursery.start_soon(self.recover, channel, scope, send.clone())
+
+            while True:
+                waiting_initial = any(status is None for status in latest.values())
+                wake_at = initial_deadline if waiting_initial else retry_recovery_at
+                event = None
+                with trio.move_on_at(wake_at):
+                    event = await receive.receive()
+                if event is None:
+                    if waiting_initial:
+                        cancel_recovery()
+                        self.close_admission(HealthState(HealthKind.UNREACHABLE, WATCH_TIMED_OUT))
+                        break
+                    # A transient recovery failure: retry while both services still report SERVING.
+                    if recovery is None and self.health.value.kind is not HealthKind.SERVING:
+                        start_recovery()
+                    else:
+                        retry_recovery_at = math.inf
+                    continue
+                if isinstance(event, _SessionEnd):
+                    cancel_recovery()
+                    self.close_admission(event.state)
+                    break
+                if isinstance(event, _RecoveryFatal):
+                    fatal = event.error
+                    break
+                if isinstance(event, _RecoveryDone):
+                    recovery = None
+                    self.finish_recovery(event.model, event.sources)
+                    continue
+                if isinstance(event, _RecoveryFailed):
+                    recovery = None
+                    self.close_admission(event.state)
+                    retry_recovery_at = trio.current_time() + cfg.retry_interval
+                    continue
+                # A status update.
+                latest[event.service] = event.status
+                if any(status is None for status in latest.values()):
+                    if event.status != _SERVING:
+                        self.close_admission(
+                            HealthState(
+                                HealthKind.NOT_SERVING, CHECK_NOT_SERVING if event.via_check else WATCH_NOT_SERVING
+                            )
+                        )
+                    continue
+                if all(status == _SERVING for status in latest.values()):
+                    if self.health.value.kind is not HealthKind.SERVING and recovery is None:
+                        start_recovery()
+                else:
+                    cancel_recovery()
+                    retry_recovery_at = math.inf
+                    self.close_admission(
+                        HealthState(
+                            HealthKind.NOT_SERVING, CHECK_NOT_SERVING if event.via_check else WATCH_NOT_SERVING
+                        )
+                    )
+            nursery.cancel_scope.cancel()
+        return fatal
+
+    # --- watchers -----------------------------------------------------------------------------------
+
+    async def watch(self, channel, service: str, send: trio.MemorySendChannel[_Event]) -> None:
+        from .transport import RpcError, watch_health  # noqa: PLC0415
+
+        async with send:
+            try:
+                async with watch_health(channel, service) as statuses:
+                    async for status in statuses:
+                        await send.send(_Status(service, int(status)))
+            except RpcError as exc:
+                if exc.code == StatusCode.UNIMPLEMENTED:
+                    await self.poll(channel, service, send)
+                    return
+                await send.send(_SessionEnd(HealthState(HealthKind.UNREACHABLE, f"{service} Health.Watch failed: {exc}")))
+            except (OSError, SidecarError) as exc:
+                await send.send(
+                    _SessionEnd(HealthState(HealthKind.UNREACHABLE, f"{service} Health.Watch failed: {_cause_chain(exc)}"))
+                )
+            else:
+                await send.send(_SessionEnd(HealthState(HealthKind.NOT_SERVING, WATCH_ENDED)))
+
+    async def poll(self, channel, service: str, send: trio.MemorySendChannel[_Event]) -> None:
+        """The ``Health.Check`` fallback for a server without ``Watch`` (§20.2)."""
+        from .transport import RpcError, check_health  # noqa: PLC0415
+
+        cfg = self.config
+        while True:
+            try:
+                status = await check_health(channel, service, timeout=cfg.connect_attempt_timeout)
+            except (RpcError, OSError, SidecarError) as exc:
+                await send.send(
+                    _SessionEnd(HealthState(HealthKind.UNREACHABLE, f"{service} Health.Check failed: {_cause_chain(exc)}"))
+                )
+                return
+            await send.send(_Status(service, int(status), via_check=True))
+            await trio.sleep(cfg.retry_interval)
+
+    # --- recovery (§20.4) ---------------------------------------------------------------------------
+
+    async def recover(self, channel, scope: trio.CancelScope, send: trio.MemorySendChannel[_Event]) -> None:
+        async with send:
+            with scope:
+                outcome = await self._rediscover(channel)
+            if not scope.cancelled_caught:
+                await send.send(outcome)
+
+    async def _rediscover(self, channel) -> _Event:
+        from .model import DiscoveredModel
+        from .routing import validate_kv_event_sources
+        from .transport import ConnectionLostError, RpcError  # noqa: PLC0415
+
+        timeout = self.config.connect_attempt_timeout
+
+        async def call(rpc: str, request, response_type):
+            try:
+                return await channel.unary_unary(f"/vllm.Control/{rpc}", request, response_type, timeout=timeout)
+            except ConnectionLostError as exc:
+                raise _Transient(HealthKind.UNREACHABLE, str(status_to_error(rpc, exc.code, exc.message))) from exc
+            except RpcError as exc:
+                err = status_to_error(rpc, exc.code, exc.message)
+                kind = HealthKind.UNREACHABLE if exc.code in _UNREACHABLE_CODES else HealthKind.NOT_SERVING
+                raise _Transient(kind, str(err)) from exc
+            except OSError as exc:
+                raise _Transient(HealthKind.UNREACHABLE, f"{rpc}: {_cause_chain(exc)}") from exc
+
+        try:
+            model_info = await call("GetModelInfo", control_pb2.GetModelInfoRequest(), control_pb2.ModelInfo)
+            server_info = await call("GetServerInfo", control_pb2.GetServerInfoRequest(), control_pb2.ServerInfo)
+            try:
+                observed = DiscoveredModel.from_proto(model_info, server_info)
+            except ProtocolError as exc:
+                raise _Transient(HealthKind.NOT_SERVING, exc.message) from exc
+            fatal = self._compare(observed)
+            if fatal is not None:
+                return _RecoveryFatal(fatal)
+            response = await call(
+                "GetKvEventSources", control_pb2.GetKvEventSourcesRequest(), control_pb2.GetKvEventSourcesResponse
+            )
+            try:
+                sources, warnings = validate_kv_event_sources(
+                    response.sources, observed.data_parallel_size(), self.endpoint.host
+                )
+            except ProtocolError as exc:
+                raise _Transient(HealthKind.NOT_SERVING, exc.message) from exc
+        except _Transient as exc:
+            LOGGER.debug("vLLM recovery attempt failed: %s", exc.state.reason)
+            return _RecoveryFailed(exc.state)
+        for warning in warnings:
+            LOGGER.warning("%s", warning)
+        return _RecoveryDone(observed, tuple(sources))
+
+    def _compare(self, observed: DiscoveredModel) -> ProtocolError | None:
+        expected = self.model
+        if observed.identity != expected.identity:
+            return ProtocolError(
+                f"model identity changed after vLLM recovery: expected {expected.identity!r}, "
+                f"observed {observed.identity!r}"
+            )
+        if observed.data_parallel_size() != expected.data_parallel_size():
+            return ProtocolError(
+                "data-parallel size changed after vLLM recovery: "
+                f"expected {expected.data_parallel_size()}, observed {observed.data_parallel_size()}"
+            )
+        return None
+
+    def finish_recovery(self, observed: DiscoveredModel, sources: tuple[KvEventSource, ...]) -> None:
+        old_instance = self.model.server_info.instance_id
+        if sources != self.kv_sources:
+            LOGGER.warning(
+                "KV-event sources changed after vLLM recovery; replacing them: %s -> %s",
+                [s.endpoint for s in self.kv_sources],
+                [s.endpoint for s in sources],
+            )
+        self.model = observed
+        self.kv_sources = sources
+        self.on_recovered(observed, sources)
+        LOGGER.info("vLLM is serving again (instance %s → %s)", old_instance, observed.server_info.instance_id)
+        self.publish(SERVING_STATE)
+
+
+class _Transient(Exception):
+    def __init__(self, kind: HealthKind, reason: str) -> None:
+        super().__init__(reason)
+        self.state = HealthState(kind, reason)
+
+
+_UNREACHABLE_CODES = frozenset({StatusCode.UNAVAILABLE, StatusCode.DEADLINE_EXCEEDED})
+
+
+def _rpc_error_types():
+    from .transport import RpcError  # noqa: PLC0415
+
+    return RpcError
+
+
+async def run_health_prober(
+    *,
+    endpoint: GrpcEndpoint,
+    config: SidecarConfig,
+    model: DiscoveredModel,
+    kv_sources: tuple[KvEventSource, ...],
+    health: trio_util.AsyncValue[HealthState],
+    on_recovered: Callable[[DiscoveredModel, tuple[KvEventSource, ...]], None],
+    task_status=trio.TASK_STATUS_IGNORED,
+) -> NoReturn:
+    """Watch vLLM's health until cancelled (sidecar.md §20).
+
+    Args:
+        endpoint: where vLLM listens; the prober opens its own connection there.
+        config: ``connect_attempt_timeout`` bounds each connect attempt, each first Watch status and each
+            rediscovery RPC; ``retry_interval`` spaces reconnects, Check polls and recovery retries.
+        model: the model found at start; recovery compares identity and DP size against it.
+        kv_sources: the KV-event sources found at start (already rewritten, §18.2).
+        health: published state; the caller initialises it (``SERVING`` after a successful start).
+        on_recovered: called synchronously after every successful recovery, just before ``SERVING`` is
+            published, with the rediscovered model (its ``instance_id`` may be new) and the rewritten
+            KV-event sources (which may differ from the previous ones, clarification #5: the caller
+            replaces its publishers then). An exception from it propagates out of the prober.
+
+    Returns:
+        Never.
+
+    Raises:
+        ProtocolError: ``model identity changed after vLLM recovery: ...`` or ``data-parallel size changed
+            after vLLM recovery: ...``; ``health`` is ``FAILED`` with the same message first.
+
+    Cancellation:
+        Cancelling the caller's scope stops the prober; its connection is closed (shielded).
+    """
+    prober = _Prober(
+        endpoint=endpoint,
+        config=config,
+        model=model,
+        kv_sources=kv_sources,
+        health=health,
+        on_recovered=on_recovered,
+    )
+    task_status.started()
+    await prober.run()
