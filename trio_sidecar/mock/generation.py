@@ -1,0 +1,270 @@
+"""Deterministic synthetic generation for the mock server (mock-server.md §7–§8). PURE: no I/O, no Trio.
+
+Theory of operation
+-------------------
+Everything a request produces is a function of values the client controls, so tests can predict it:
+
+* ``blake3(seed as u64 LE ‖ request_id UTF-8)`` gives a 32-byte digest. Its first 16 bytes, with the UUID
+  version/variant bits forced, are the **request UUID** (the scheduler's key; ``Abort`` maps ids the same way).
+  Its first 8 bytes as a little-endian u64 are the **token seed**.
+* With engine argument ``token_seed_source = "prompt"`` (clarifications.md #9) the token seed comes from
+  ``blake3(seed as u64 LE ‖ prompt ids as u32 LE)`` instead, so the same prompt always yields the same tokens
+  whatever the request id. The UUID still comes from the request id.
+* Token ``p`` is splitmix64's finaliser over ``token_seed + p × golden ratio``, folded into [1000, 32000).
+  Positions are independent, so the whole output plan (already cut by stop tokens and the context cap) is
+  computed up front and handed to the scheduler.
+* Text, logprobs and candidates are synthetic functions of the token id (§7.4); the protobuf pieces of the
+  responses are built here too, so the server only moves them.
+"""
+
+from __future__ import annotations
+
+import uuid as _uuid
+from collections.abc import Iterable, Sequence
+
+import attrs
+from blake3 import blake3
+
+from trio_sidecar._proto.vllm import inference_pb2 as pb
+from trio_sidecar.status import StatusCode
+
+__all__ = [
+    "DEFAULT_MAX_NEW_TOKENS",
+    "MAX_CANDIDATES",
+    "MAX_NEW_TOKENS_LIMIT",
+    "CandidateSpec",
+    "OutputPlan",
+    "RequestRejected",
+    "build_prompt_info",
+    "build_sequence_output",
+    "candidates_for",
+    "plan_output",
+    "planned_tokens",
+    "prompt_token_seed",
+    "request_uuid",
+    "token_at",
+    "token_logprob",
+    "token_seed",
+    "token_text",
+]
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+TOKEN_BASE = 1000
+TOKEN_SPAN = 31000
+DEFAULT_MAX_NEW_TOKENS = 20  # StoppingCriteria.max_new_tokens == 0 means this (vllm-grpc-contract §8)
+MAX_NEW_TOKENS_LIMIT = 32768  # the upstream stack's limit (mock-server §6 row 16)
+MAX_CANDIDATES = 20  # per position; more are truncated, not rejected (§7.4)
+
+FinishReason = pb.FinishInfo.FinishReason
+
+
+class RequestRejected(Exception):
+    """A request the mock refuses: the gRPC status and the exact message the client receives.
+
+    Raised by the pure request model (validation, handoff, multimodal); the server turns it into the RPC
+    status at its edge. ``str(err)`` is the message.
+    """
+
+    def __init__(self, code: StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    def __repr__(self) -> str:
+        return f"RequestRejected({self.code.name}, {self.message!r})"
+
+
+# --- identity and seeds (§7.1) ------------------------------------------------------------------------
+
+
+def _digest(seed: int, request_id: str) -> bytes:
+    return blake3((seed & _MASK64).to_bytes(8, "little") + request_id.encode("utf-8")).digest()
+
+
+def request_uuid(seed: int, request_id: str) -> str:
+    """The request UUID of §7.1: the digest's first 16 bytes with the version-4 and RFC 4122 variant bits."""
+    b = bytearray(_digest(seed, request_id)[:16])
+    b[6] = (b[6] & 0x0F) | 0x40
+    b[8] = (b[8] & 0x3F) | 0x80
+    return str(_uuid.UUID(bytes=bytes(b)))
+
+
+def token_seed(seed: int, request_id: str) -> int:
+    """The token seed of §7.1: the raw digest's first 8 bytes as a little-endian u64."""
+    return int.from_bytes(_digest(seed, request_id)[:8], "little")
+
+
+def prompt_token_seed(seed: int, prompt: Iterable[int]) -> int:
+    """The token seed for ``token_seed_source = "prompt"`` (clarifications.md #9).
+
+    ``blake3(seed as u64 LE ‖ each prompt id as u32 LE)``, first 8 bytes little-endian.
+    """
+    hasher = blake3((seed & _MASK64).to_bytes(8, "little"))
+    hasher.update(b"".join(int(t).to_bytes(4, "little") for t in prompt))
+    return int.from_bytes(hasher.digest()[:8], "little")
+
+
+# --- tokens (§7.2) ------------------------------------------------------------------------------------
+
+
+def token_at(seed_value: int, position: int) -> int:
+    """The planned token at 0-based ``position`` for a token seed (splitmix64, wrapping u64)."""
+    v = (seed_value + position * _GOLDEN) & _MASK64
+    v = ((v ^ (v >> 30)) * _MIX1) & _MASK64
+    v = ((v ^ (v >> 27)) * _MIX2) & _MASK64
+    v ^= v >> 31
+    return TOKEN_BASE + (v & 0xFFFFFFFF) % TOKEN_SPAN
+
+
+def planned_tokens(seed: int, request_id: str, n: int) -> list[int]:
+    """The first ``n`` tokens the mock plans for ``request_id`` under ``seed`` (request-id seeding)."""
+    s = token_seed(seed, request_id)
+    return [token_at(s, p) for p in range(n)]
+
+
+@attrs.frozen
+class OutputPlan:
+    """What the scheduler will emit for one request, decided up front (§8)."""
+
+    tokens: tuple[int, ...]
+    finish_reason: int  # FinishReason.LENGTH or FinishReason.STOP
+    stop_token_id: int | None = None
+
+
+def plan_output(
+    seed_value: int, max_tokens: int, min_tokens: int = 0, stop_token_ids: Iterable[int] = ()
+) -> OutputPlan:
+    """Plan the output: ``max_tokens`` tokens ending ``LENGTH``, or cut after the first stop token.
+
+    A stop token counts only from position ``min_tokens`` on (vLLM masks stop tokens until the minimum);
+    the matching token itself is emitted and the terminal is ``STOP`` with ``stop_token_id``.
+    """
+    stops = frozenset(stop_token_ids)
+    tokens: list[int] = []
+    for p in range(max_tokens):
+        token = token_at(seed_value, p)
+        tokens.append(token)
+        if p >= min_tokens and token in stops:
+            return OutputPlan(tuple(tokens), FinishReason.STOP, token)
+    return OutputPlan(tuple(tokens), FinishReason.LENGTH)
+
+
+# --- text, logprobs, candidates (§7.4) ----------------------------------------------------------------
+
+
+def token_text(token: int) -> str:
+    return f"<token:{token}>"
+
+
+def token_logprob(token: int) -> float:
+    """Synthetic logprob: ``−0.1 × ((id mod 10) + 1)``; the rank is always 1."""
+    return -0.1 * ((token % 10) + 1)
+
+
+@attrs.frozen
+class CandidateSpec:
+    """A decoded ``CandidateTokens`` selector: ``kind`` is ``"top_n"``, ``"token_ids"`` or ``"all"``."""
+
+    kind: str
+    top_n: int = 0
+    token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_proto(cls, msg: pb.CandidateTokens) -> CandidateSpec | None:
+        which = msg.WhichOneof("select")
+        if which == "top_n":
+            return cls("top_n", top_n=msg.top_n) if msg.top_n > 0 else None
+        if which == "token_ids":
+            ids = tuple(msg.token_ids.ids[:MAX_CANDIDATES])
+            return cls("token_ids", token_ids=ids) if ids else None
+        if which == "all" and msg.all:
+            return cls("all")
+        return None
+
+
+def candidates_for(token: int, logprob: float, spec: CandidateSpec | None) -> list[tuple[int, float, int]]:
+    """The candidate list ``(id, logprob, rank)`` for a selected token (§7.4 with clarifications.md #6).
+
+    ``top_n = n`` matches real vLLM: the sampled token first (rank 1, its own logprob), then the next
+    ``n − 1`` synthetic ids. ``token_ids`` and ``all`` list synthetic alternatives only: candidate ``i``
+    has logprob ``L − 0.1 × (i + 1)`` and rank ``i + 2``. At most 20 entries.
+    """
+    if spec is None:
+        return []
+    if spec.kind == "top_n":
+        n = min(spec.top_n, MAX_CANDIDATES)
+        out = [(token, logprob, 1)]
+        out.extend((token + 1 + i, logprob - 0.1 * (i + 1), i + 2) for i in range(n - 1))
+        return out
+    ids = spec.token_ids if spec.kind == "token_ids" else tuple(token + 1 + i for i in range(MAX_CANDIDATES))
+    return [(cid, logprob - 0.1 * (i + 1), i + 2) for i, cid in enumerate(ids[:MAX_CANDIDATES])]
+
+
+def _candidate_info(cands: Sequence[tuple[int, float, int]]) -> pb.CandidateTokenInfo:
+    info = pb.CandidateTokenInfo()
+    for cid, lp, rank in cands:
+        info.tokens.add(id=cid, logprob=lp, rank=rank)
+    return info
+
+
+@attrs.frozen
+class OutputOptions:
+    """The ``ResponseOptions`` that shape each ``SequenceOutput``."""
+
+    text: bool = True
+    token_ids: bool = False
+    logprobs: bool = False
+    candidates: CandidateSpec | None = None
+    candidates_requested: bool = False
+
+    @classmethod
+    def from_proto(cls, response: pb.ResponseOptions) -> OutputOptions:
+        has_candidates = response.HasField("output_candidates")
+        return cls(
+            text=response.output_text if response.HasField("output_text") else True,
+            token_ids=response.output_token_ids,
+            logprobs=response.output_logprobs,
+            candidates=CandidateSpec.from_proto(response.output_candidates) if has_candidates else None,
+            candidates_requested=has_candidates,
+        )
+
+
+def build_sequence_output(tokens: Sequence[int], options: OutputOptions) -> pb.SequenceOutput:
+    """One ``SequenceOutput`` delta carrying ``tokens`` as the options ask (no ``finish_info``)."""
+    out = pb.SequenceOutput(index=0, num_tokens=len(tokens))
+    if options.text:
+        out.text = "".join(f"<token:{t}>" for t in tokens)
+    if options.token_ids:
+        out.token_ids.extend(tokens)
+    if options.logprobs or options.candidates_requested:
+        for t in tokens:
+            lp = token_logprob(t)
+            if options.logprobs:
+                out.logprobs.append(lp)
+                out.ranks.append(1)
+            out.candidate_tokens.append(_candidate_info(candidates_for(t, lp, options.candidates)))
+    return out
+
+
+def build_prompt_info(prompt: Sequence[int], response: pb.ResponseOptions) -> pb.PromptInfo:
+    """``PromptInfo`` of §7.5: the count, and ids/logprobs/ranks/candidates when asked."""
+    info = pb.PromptInfo(num_prompt_tokens=len(prompt))
+    if response.prompt_token_ids or response.prompt_logprobs:
+        info.token_ids.extend(prompt)
+    if response.prompt_logprobs:
+        spec = CandidateSpec.from_proto(response.prompt_candidates) if response.HasField("prompt_candidates") else None
+        for p, t in enumerate(prompt):
+            if p == 0:
+                info.logprobs.append(0.0)
+                info.ranks.append(0)
+                info.candidate_tokens.add()
+                continue
+            lp = token_logprob(t)
+            info.logprobs.append(lp)
+            info.ranks.append(1)
+            info.candidate_tokens.append(_candidate_info(candidates_for(t, lp, spec)))
+    return info
