@@ -1,0 +1,75 @@
+"""Image media acceptance and placeholder expansion (mock-server.md §16, clarifications.md #1). PURE.
+
+Images are never fetched or decoded. With ``--supports-multimodal`` each image placeholder token
+(``image_token_id``, default 31999) in ``token_ids`` stands for one ``media`` item and is expanded to
+``tokens_per_image`` copies (default 16), which is what the scheduler computes and what ``PromptInfo``
+reports. A request without media (a decode request carrying already-expanded ids) is taken as-is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from trio_sidecar._proto.vllm import inference_pb2 as pb
+from trio_sidecar.mock.generation import RequestRejected
+from trio_sidecar.status import StatusCode
+
+__all__ = [
+    "DEFAULT_IMAGE_TOKEN_ID",
+    "DEFAULT_TOKENS_PER_IMAGE",
+    "MULTIMODAL_DISABLED",
+    "check_media",
+    "expand_image_placeholders",
+]
+
+DEFAULT_IMAGE_TOKEN_ID = 31999
+DEFAULT_TOKENS_PER_IMAGE = 16
+MULTIMODAL_DISABLED = (
+    "multimodal input is not supported by this mock server; start it with --supports-multimodal"
+)
+
+
+def _invalid(message: str) -> RequestRejected:
+    return RequestRejected(StatusCode.INVALID_ARGUMENT, message)
+
+
+def check_media(media: Sequence[pb.MediaItem], supports_multimodal: bool) -> None:
+    """Validate ``GenerateRequest.media`` (§6 rows 9–10).
+
+    Raises:
+        RequestRejected: ``INVALID_ARGUMENT`` naming the first bad item.
+    """
+    if not media:
+        return
+    if not supports_multimodal:
+        raise _invalid(MULTIMODAL_DISABLED)
+    for i, item in enumerate(media):
+        if item.modality != pb.MODALITY_IMAGE:
+            raise _invalid("only image media is supported by the mock server")
+        source = item.WhichOneof("source")
+        if source is None or not getattr(item, source):
+            raise _invalid(f"media item {i} has no source")
+
+
+def expand_image_placeholders(
+    token_ids: Sequence[int], media_count: int, image_token_id: int, tokens_per_image: int
+) -> tuple[int, ...]:
+    """Replace each placeholder by ``tokens_per_image`` copies of it (clarifications.md #1).
+
+    With no media the ids are returned unchanged.
+
+    Raises:
+        RequestRejected: ``INVALID_ARGUMENT`` when the placeholder count differs from ``media_count``.
+    """
+    if media_count == 0:
+        return tuple(token_ids)
+    found = sum(1 for t in token_ids if t == image_token_id)
+    if found != media_count:
+        raise _invalid(f"expected {media_count} image placeholders in token_ids, found {found}")
+    out: list[int] = []
+    for t in token_ids:
+        if t == image_token_id:
+            out.extend([image_token_id] * tokens_per_image)
+        else:
+            out.append(t)
+    return tuple(out)

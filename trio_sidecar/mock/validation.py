@@ -1,0 +1,236 @@
+"""Request validation in the mock's fixed order (mock-server.md §6, clarifications.md #1, #11, #22). PURE.
+
+The order of the table in §6 is the contract: the first failing row decides the status. Rows that need
+server state stay in the server and bracket the pure part:
+
+* rows 1–2 (``x-data-parallel-rank``): :func:`parse_dp_rank`;
+* row 3 (concurrency permit): the server's non-blocking semaphore;
+* rows 4–18 and the chunked-prefill budget: :func:`prepare_request`, which also plans the output;
+* row 19 (duplicate in-flight id) and row 20 (KV capacity): the server's routes and the scheduler.
+
+Differences from the §6 table adopted from clarifications.md #11 (parity with vLLM): a wrong model is
+``NOT_FOUND`` ``model `{name}` not found``; ``lora_name`` is ``FAILED_PRECONDITION``; ``top_p`` outside
+(0, 1] and an empty stop string are rejected (after row 11, where vLLM checks sampling parameters).
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import uuid as _uuid
+from collections.abc import Callable, Sequence
+
+import attrs
+
+from trio_sidecar._proto.vllm import inference_pb2 as pb
+from trio_sidecar.mock import handoff, multimodal
+from trio_sidecar.mock.generation import (
+    DEFAULT_MAX_NEW_TOKENS,
+    MAX_NEW_TOKENS_LIMIT,
+    OutputOptions,
+    OutputPlan,
+    RequestRejected,
+    plan_output,
+    prompt_token_seed,
+    request_uuid,
+    token_seed,
+)
+from trio_sidecar.mock.handoff import Role
+from trio_sidecar.status import StatusCode
+
+__all__ = [
+    "DP_RANK_METADATA",
+    "PreparedRequest",
+    "RequestPolicy",
+    "RequestRejected",
+    "format_f32",
+    "parse_dp_rank",
+    "prepare_request",
+]
+
+DP_RANK_METADATA = "x-data-parallel-rank"
+
+
+def _invalid(message: str) -> RequestRejected:
+    return RequestRejected(StatusCode.INVALID_ARGUMENT, message)
+
+
+def _parse_u32(text: str) -> int | None:
+    # Rust's `str::trim` then `parse::<u32>()`: ASCII digits with an optional '+'.
+    text = text.strip()
+    digits = text[1:] if text.startswith("+") else text
+    if not digits or not (digits.isascii() and digits.isdigit()):
+        return None
+    value = int(digits)
+    return value if value < 2**32 else None
+
+
+def parse_dp_rank(metadata: Sequence[tuple[str, str]], dp_size: int) -> int | None:
+    """Rows 1–2: the ``x-data-parallel-rank`` metadata as a hosted rank, or ``None`` when absent.
+
+    Raises:
+        RequestRejected: ``INVALID_ARGUMENT`` for a value that is not a u32, or a rank not hosted.
+    """
+    raw = next((value for key, value in metadata if key.lower() == DP_RANK_METADATA), None)
+    if raw is None:
+        return None
+    rank = _parse_u32(raw)
+    if rank is None:
+        raise _invalid("x-data-parallel-rank metadata must be an unsigned 32-bit integer")
+    if rank >= dp_size:
+        ranks = ", ".join(str(r) for r in range(dp_size))
+        raise _invalid(
+            f"engine-core error: data parallel rank {rank} is not connected to this frontend; "
+            f"connected ranks: [{ranks}]"
+        )
+    return rank
+
+
+def format_f32(value: float) -> str:
+    """Format a float32 the way Rust's ``Display`` does (``2`` not ``2.0``; shortest round-trip digits)."""
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    f32 = struct.unpack("<f", struct.pack("<f", value))[0]
+    for digits in range(1, 10):
+        text = f"{f32:.{digits}g}"
+        if struct.unpack("<f", struct.pack("<f", float(text)))[0] == f32:
+            break
+    as_float = float(text)
+    if as_float.is_integer() and abs(as_float) < 1e16:
+        return str(int(as_float)) if as_float != 0 or not math.copysign(1, as_float) < 0 else "-0"
+    if "e" in text:  # Rust never prints exponents for Display
+        return f"{as_float:.{abs(int(text.split('e')[1])) + digits}f}".rstrip("0").rstrip(".")
+    return text
+
+
+@attrs.frozen(kw_only=True)
+class RequestPolicy:
+    """What validation needs to know about the server (from ``MockConfig`` and the engine arguments)."""
+
+    served_model_name: str
+    seed: int = 42
+    mode: Role = Role.AGGREGATED
+    supports_multimodal: bool = False
+    max_model_len: int | None = None
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    token_seed_source: str = "request_id"
+    image_token_id: int = multimodal.DEFAULT_IMAGE_TOKEN_ID
+    tokens_per_image: int = multimodal.DEFAULT_TOKENS_PER_IMAGE
+
+
+@attrs.frozen(kw_only=True)
+class PreparedRequest:
+    """A request that passed rows 4–18: its identity, effective prompt and the planned output."""
+
+    request_id: str
+    uuid: str
+    prompt: tuple[int, ...]
+    plan: OutputPlan
+    role: Role
+    output: OutputOptions
+    cache_salt: str = ""
+    bypass_prefix_cache: bool = False
+    priority: int = 0
+
+
+def _new_request_id() -> str:
+    return str(_uuid.uuid4())
+
+
+def prepare_request(
+    request: pb.GenerateRequest,
+    policy: RequestPolicy,
+    *,
+    new_request_id: Callable[[], str] = _new_request_id,
+) -> PreparedRequest:
+    """Rows 4–18 of §6 in order, then plan the output (§7–§8).
+
+    Args:
+        request: the decoded ``GenerateRequest``.
+        policy: the server's configuration.
+        new_request_id: replaces an empty ``request_id`` (a random UUID4 by default).
+
+    Raises:
+        RequestRejected: the first failing row's status and message.
+    """
+    # Row 4 (clarifications.md #11: vLLM's status and wording).
+    if request.model and request.model != policy.served_model_name:
+        raise RequestRejected(StatusCode.NOT_FOUND, f"model `{request.model}` not found")
+    # Rows 5–7.
+    which = request.WhichOneof("prompt")
+    if which == "text":
+        raise RequestRejected(
+            StatusCode.UNIMPLEMENTED,
+            "text tokenization is not available in the CPU-only Mocker server; send token_ids",
+        )
+    if which is None:
+        raise _invalid("prompt is required")
+    prompt = tuple(request.token_ids.ids)
+    if not prompt:
+        raise _invalid("token_ids must not be empty")
+    if 0 < request.truncate_prompt_tokens < len(prompt):
+        prompt = prompt[-request.truncate_prompt_tokens :]
+    # Row 8 (clarifications.md #11).
+    if request.lora_name:
+        raise RequestRejected(StatusCode.FAILED_PRECONDITION, "engine was not started with LoRA enabled")
+    # Rows 9–10, then the placeholder expansion of clarifications.md #1.
+    multimodal.check_media(request.media, policy.supports_multimodal)
+    if request.media:
+        prompt = multimodal.expand_image_placeholders(
+            prompt, len(request.media), policy.image_token_id, policy.tokens_per_image
+        )
+    # Row 11, then vLLM's sampling checks (clarifications.md #11).
+    if request.sampling.num_sequences > 1:
+        raise _invalid("num_sequences must be 0 or 1")
+    top_p = request.sampling.top_p
+    if top_p != 0.0 and not (0.0 < top_p <= 1.0):
+        raise _invalid(f"top_p must be in (0, 1], got {format_f32(top_p)}")
+    if any(s == "" for s in request.stopping.stop_strings):
+        raise _invalid("stop strings cannot be empty")
+    # Rows 12–13 are accepted (clarifications.md #7); rows 14–15.
+    kv_params = request.kv.kv_transfer_params if request.kv.HasField("kv_transfer_params") else None
+    role = handoff.classify_kv_transfer_params(kv_params)
+    handoff.check_role(policy.mode, role)
+    # Rows 16–18 and the context cap of §8.
+    stopping = request.stopping
+    max_tokens = stopping.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+    if max_tokens > MAX_NEW_TOKENS_LIMIT:
+        raise _invalid(f"max_new_tokens must not exceed {MAX_NEW_TOKENS_LIMIT}")
+    if policy.max_model_len is not None:
+        if len(prompt) >= policy.max_model_len:
+            raise _invalid(
+                f"this model's maximum context length is {policy.max_model_len} tokens, "
+                f"but the prompt contains {len(prompt)} input tokens"
+            )
+        max_tokens = min(max_tokens, policy.max_model_len - len(prompt))
+    if stopping.min_new_tokens > max_tokens:
+        raise _invalid(
+            f"min_new_tokens ({stopping.min_new_tokens}) must not exceed effective max_new_tokens ({max_tokens})"
+        )
+    # clarifications.md #22: without chunked prefill a prompt must fit one pass.
+    budget = policy.max_num_batched_tokens
+    if not policy.enable_chunked_prefill and budget is not None and len(prompt) > budget:
+        raise _invalid(
+            f"prompt of {len(prompt)} tokens exceeds max_num_batched_tokens {budget} with chunked prefill disabled"
+        )
+
+    request_id = request.request_id or new_request_id()
+    if policy.token_seed_source == "prompt":
+        seed_value = prompt_token_seed(policy.seed, prompt)
+    else:
+        seed_value = token_seed(policy.seed, request_id)
+    plan = plan_output(seed_value, max_tokens, stopping.min_new_tokens, stopping.stop_token_ids)
+    return PreparedRequest(
+        request_id=request_id,
+        uuid=request_uuid(policy.seed, request_id),
+        prompt=prompt,
+        plan=plan,
+        role=role,
+        output=OutputOptions.from_proto(request.response),
+        cache_salt=request.kv.cache_salt,
+        bypass_prefix_cache=request.kv.bypass_prefix_cache,
+        priority=request.priority,
+    )
