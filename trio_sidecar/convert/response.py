@@ -1,0 +1,213 @@
+"""``GenerateResponse`` stream → ``LLMEngineOutput`` chunks (sidecar.md §14, §19.5). PURE: no I/O, no Trio.
+
+Theory of operation: :class:`ResponseState` is fed each received message in order (``convert``) and
+returns at most one chunk per message; it never reads a socket. It checks every message against the
+request and the running token count (upstream ``convert.rs`` ``ResponseState``). A violation raises
+:class:`ProtocolError`; the owner then drops the stream. After the terminal chunk ``finished`` is true and
+any further message is ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from .._proto.vllm import inference_pb2
+from ..config import DisaggregationMode
+from ..errors import ProtocolError
+from ..jsonstruct import struct_to_json
+from ..multimodal import HANDOFF_KEY, prefill_handoff_ids
+from ..protocol import CompletionUsage, LLMEngineOutput, PreprocessedRequest, TopLogprob, cancelled_chunk
+from .request import BuiltRequest
+
+__all__ = ["ResponseState", "normalize_logprob", "LOGPROB_FLOOR"]
+
+LOGPROB_FLOOR = -9999.0
+
+_FinishReason = inference_pb2.FinishInfo.FinishReason
+_FINISH_REASONS = {
+    _FinishReason.LENGTH: "length",
+    _FinishReason.STOP: "stop",
+    _FinishReason.ABORTED: "cancelled",
+}
+
+
+def normalize_logprob(value: float) -> float:
+    """The −9999 floor: finite values are clamped below; NaN and ±infinity become −9999.0."""
+    if not math.isfinite(value):
+        return LOGPROB_FLOOR
+    return max(value, LOGPROB_FLOOR)
+
+
+def _length_error(kind: str, expected: int, token_ids: int, logprobs: int, ranks: int, candidates: int) -> ProtocolError:
+    return ProtocolError(
+        f"{kind} logprob array lengths do not match expected count {expected}: token_ids={token_ids}, "
+        f"logprobs={logprobs}, ranks={ranks}, candidate_tokens={candidates}"
+    )
+
+
+class ResponseState:
+    """Per-request response conversion state (§14.1).
+
+    Attributes:
+        prompt_tokens: usage prompt count (with media: vLLM's ``num_prompt_tokens``, once seen).
+        completion_tokens: tokens streamed so far.
+        finished: a terminal chunk was converted.
+    """
+
+    def __init__(self, request: PreprocessedRequest, built: BuiltRequest, mode: DisaggregationMode) -> None:
+        mode = DisaggregationMode.parse(mode)
+        self.prompt_tokens: int = built.prompt_tokens
+        self.completion_tokens: int = 0
+        self.finished: bool = False
+        self.is_prefill: bool = mode is DisaggregationMode.PREFILL
+        self.has_media: bool = built.has_media
+        self.output_logprobs: int | None = request.output_options.logprobs
+        self.expect_prompt_logprobs: bool = request.output_options.prompt_logprobs is not None
+        self.prompt_info: inference_pb2.PromptInfo | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"<ResponseState prompt_tokens={self.prompt_tokens} completion_tokens={self.completion_tokens} "
+            f"finished={self.finished}>"
+        )
+
+    def reported_completion_tokens(self) -> int:
+        """Usage's completion count: 0 for prefill (its one token is decode's to report)."""
+        return 0 if self.is_prefill else self.completion_tokens
+
+    def cancelled_chunk(self) -> LLMEngineOutput:
+        """The §14.4 cancelled chunk with the usage accumulated so far."""
+        return cancelled_chunk(self.prompt_tokens, self.reported_completion_tokens())
+
+    @staticmethod
+    def completes_transfer(response: inference_pb2.GenerateResponse) -> bool:
+        """Decode deferral (§17.3): a token arrived or the request finished."""
+        if not response.HasField("outputs"):
+            return False
+        outputs = response.outputs
+        return outputs.num_tokens > 0 or outputs.HasField("finish_info")
+
+    def convert(self, response: inference_pb2.GenerateResponse) -> LLMEngineOutput | None:
+        """Convert one message (§14.2); ``None`` when it yields no chunk.
+
+        Raises:
+            ProtocolError: a §14.2 / §19.5 consistency check failed.
+        """
+        if self.finished:
+            return None  # anything after the terminal is ignored
+        if response.HasField("prompt_info"):
+            self._prompt_info(response.prompt_info)
+        if not response.HasField("outputs"):
+            return None
+        outputs = response.outputs
+        if outputs.index != 0:
+            raise ProtocolError(f"received unsupported sequence index {outputs.index}")
+        n_ids = len(outputs.token_ids)
+        if outputs.num_tokens != n_ids:
+            raise ProtocolError(f"num_tokens {outputs.num_tokens} does not match {n_ids} token IDs")
+
+        chunk = LLMEngineOutput()
+        if self.output_logprobs is not None and not self.is_prefill:
+            self._output_logprobs(outputs, chunk)
+
+        self.completion_tokens += outputs.num_tokens
+        if not self.is_prefill:
+            chunk.token_ids = list(outputs.token_ids)
+            if outputs.text:
+                chunk.text = outputs.text
+
+        if not outputs.HasField("finish_info"):
+            if self.is_prefill or outputs.num_tokens == 0:
+                return None
+            return chunk
+        self._terminal(outputs.finish_info, chunk)
+        self.finished = True
+        return chunk
+
+    # -- helpers --------------------------------------------------------------------------------------
+
+    def _prompt_info(self, info: inference_pb2.PromptInfo) -> None:
+        if self.has_media:
+            # vLLM's expanded prompt is authoritative (§19.3).
+            self.prompt_tokens = info.num_prompt_tokens
+        elif info.num_prompt_tokens != self.prompt_tokens:
+            raise ProtocolError(
+                f"prompt token count {info.num_prompt_tokens} does not match request count {self.prompt_tokens}"
+            )
+        if self.expect_prompt_logprobs:
+            n = info.num_prompt_tokens
+            lengths = (len(info.token_ids), len(info.logprobs), len(info.ranks), len(info.candidate_tokens))
+            if any(length != n for length in lengths):
+                raise _length_error("prompt", n, *lengths)
+        self.prompt_info = info
+
+    def _output_logprobs(self, outputs: inference_pb2.SequenceOutput, chunk: LLMEngineOutput) -> None:
+        n = len(outputs.token_ids)
+        lengths = (n, len(outputs.logprobs), len(outputs.ranks), len(outputs.candidate_tokens))
+        if any(length != n for length in lengths[1:]):
+            raise _length_error("output", n, *lengths)
+        chunk.log_probs = [normalize_logprob(lp) for lp in outputs.logprobs]
+        if not self.output_logprobs:
+            return
+        top: list[list[TopLogprob]] = []
+        for token_id, logprob, rank, candidates in zip(
+            outputs.token_ids, outputs.logprobs, outputs.ranks, outputs.candidate_tokens
+        ):
+            # Clarification #6: the server's candidates in its order; the sampled token first only if absent.
+            position = [
+                TopLogprob(rank=c.rank, token_id=c.id, logprob=normalize_logprob(c.logprob))
+                for c in candidates.tokens
+            ]
+            if all(c.id != token_id for c in candidates.tokens):
+                position.insert(0, TopLogprob(rank=rank, token_id=token_id, logprob=normalize_logprob(logprob)))
+            top.append(position)
+        chunk.top_logprobs = top
+
+    def _terminal(self, finish: inference_pb2.FinishInfo, chunk: LLMEngineOutput) -> None:
+        if finish.num_output_tokens != self.completion_tokens:
+            raise ProtocolError(
+                f"terminal num_output_tokens {finish.num_output_tokens} does not match streamed count "
+                f"{self.completion_tokens}"
+            )
+        reason = finish.finish_reason
+        if reason == _FinishReason.NOT_FINISHED:
+            raise ProtocolError("terminal response has NOT_FINISHED finish reason")
+        if reason not in _FINISH_REASONS:
+            raise ProtocolError(f"unknown finish reason {int(reason)}")
+        chunk.finish_reason = _FINISH_REASONS[reason]
+
+        which = finish.WhichOneof("stop_reason")
+        if which == "stop_token_id":
+            chunk.stop_reason = finish.stop_token_id
+        elif which == "eos_token_id":
+            chunk.stop_reason = finish.eos_token_id
+        elif which == "stop_string":
+            chunk.stop_reason = finish.stop_string
+
+        chunk.completion_usage = CompletionUsage.of(self.prompt_tokens, self.reported_completion_tokens())
+
+        if finish.HasField("kv_transfer_params"):
+            params: dict[str, Any] = struct_to_json(finish.kv_transfer_params)
+            if self.is_prefill and self.has_media:
+                params[HANDOFF_KEY] = prefill_handoff_ids(self.prompt_info)
+            chunk.disaggregated_params = params
+        elif self.is_prefill:
+            raise ProtocolError("prefill terminal is missing kv_transfer_params")
+
+        if self.expect_prompt_logprobs and self.prompt_info is not None:
+            chunk.engine_data = {"prompt_logprobs": _prompt_logprobs(self.prompt_info)}
+
+
+def _prompt_logprobs(info: inference_pb2.PromptInfo) -> list[dict[str, dict[str, Any]] | None]:
+    """``engine_data.prompt_logprobs``: position 0 ``None``; then the prompt token, then its candidates."""
+    n = info.num_prompt_tokens
+    if n == 0:
+        return []
+    result: list[dict[str, dict[str, Any]] | None] = [None]
+    for i in range(1, n):
+        entry = {str(info.token_ids[i]): {"logprob": normalize_logprob(info.logprobs[i]), "rank": info.ranks[i]}}
+        for c in info.candidate_tokens[i].tokens:
+            entry.setdefault(str(c.id), {"logprob": normalize_logprob(c.logprob), "rank": c.rank})
+        result.append(entry)
+    return result
