@@ -1,0 +1,310 @@
+"""The asyncio-thread bridge (dynamo-worker.md §10), with a fake Dynamo context and a fake sidecar.
+
+These tests need no Dynamo install: the bridge only sees a context with ``id()``,
+``async_killed_or_stopped()`` and ``notify_first_token()``, and a ``generate(request, ctx)`` context manager.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from contextlib import asynccontextmanager
+from functools import partial
+
+import pytest
+import trio
+
+from trio_sidecar.dynamo.bridge import QUEUE_WARN_THRESHOLD, SHUTTING_DOWN, AsyncioThread, RequestBridge
+from trio_sidecar.errors import EngineShutdown, InvalidArgument
+
+pytestmark = pytest.mark.dynamo
+
+CANCELLED = {"token_ids": [], "index": 0, "finish_reason": "cancelled"}
+
+
+class Chunk:
+    def __init__(self, data: dict) -> None:
+        self.data = data
+
+    def to_dict(self) -> dict:
+        return dict(self.data)
+
+
+class FakeDynamoContext:
+    """The asyncio-side request context (Dynamo's ``Context``); used only on the loop thread."""
+
+    def __init__(self, request_id: str, *, stopped: bool = False) -> None:
+        self._id = request_id
+        self._pre_stopped = stopped
+        self._future: asyncio.Future | None = None
+        self.first_token_threads: list[int] = []
+
+    def id(self) -> str:
+        return self._id
+
+    def async_killed_or_stopped(self) -> asyncio.Future:
+        self._future = asyncio.get_running_loop().create_future()
+        if self._pre_stopped:
+            self._future.set_result(True)
+        return self._future
+
+    def stop_generating(self) -> None:
+        if self._future is not None and not self._future.done():
+            self._future.set_result(True)
+
+    def notify_first_token(self) -> None:
+        self.first_token_threads.append(threading.get_ident())
+
+
+class FakeGenerateContext:
+    """Stands in for ``trio_sidecar.api.GenerateContext`` (Trio side)."""
+
+    def __init__(self, request_id: str, on_first_token) -> None:
+        self.request_id = request_id
+        self.on_first_token = on_first_token
+        self.stopped = False
+        self.stop_calls = 0
+        self._event = trio.Event()
+
+    def stop(self) -> None:
+        self.stop_calls += 1
+        self.stopped = True
+        self._event.set()
+
+    async def wait_stopped(self) -> None:
+        await self._event.wait()
+
+
+class FakeSidecar:
+    """``generate`` yields ``plan`` chunks; with ``hold`` it waits for stop after the first chunk."""
+
+    def __init__(self, *, plan: int = 3, hold: bool = False, error: Exception | None = None) -> None:
+        self.plan = plan
+        self.hold = hold
+        self.error = error
+        self.contexts: dict[str, FakeGenerateContext] = {}
+        self.finished: list[str] = []
+
+    @asynccontextmanager
+    async def generate(self, request: dict, ctx: FakeGenerateContext):
+        self.contexts[ctx.request_id] = ctx
+        if self.error is not None:
+            raise self.error
+
+        async def chunks():
+            try:
+                if ctx.stopped:
+                    yield Chunk(CANCELLED)
+                    return
+                for i in range(self.plan):
+                    if i == 1 and self.hold:
+                        await ctx.wait_stopped()
+                    if ctx.stopped:
+                        yield Chunk(CANCELLED)
+                        return
+                    if i == 0:
+                        ctx.on_first_token()
+                    yield Chunk({"token_ids": [request["token_ids"][0] + i], "index": 0})
+                    await trio.lowlevel.checkpoint()
+            finally:
+                self.finished.append(ctx.request_id)
+
+        yield chunks()
+
+
+@pytest.fixture
+async def loop_thread():
+    thread = AsyncioThread()
+    await thread.start()
+    try:
+        yield thread
+    finally:
+        await thread.stop()
+
+
+@asynccontextmanager
+async def running_bridge(thread: AsyncioThread, sidecar: FakeSidecar, *, dispatch: bool = True):
+    bridge = RequestBridge(thread, make_context=FakeGenerateContext)
+    async with trio.open_nursery() as nursery:
+        if dispatch:
+            nursery.start_soon(bridge.run_dispatcher, sidecar.generate, nursery)
+        yield bridge, nursery
+        nursery.cancel_scope.cancel()
+
+
+async def consume(bridge: RequestBridge, request: dict, context: FakeDynamoContext, *, close_after=None,
+                  stop_after=None, pause_first: float = 0.0):
+    """Runs on the asyncio thread, as Dynamo's runtime would drive the handler."""
+    out: list = []
+    agen = bridge.handler(request, context)
+    try:
+        async for item in agen:
+            out.append(item)
+            if pause_first and len(out) == 1:
+                await asyncio.sleep(pause_first)  # a stalled consumer
+            if stop_after is not None and len(out) == stop_after:
+                context.stop_generating()
+            if close_after is not None and len(out) == close_after:
+                break
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        out.append(exc)
+    finally:
+        await agen.aclose()
+    return out
+
+
+@pytest.mark.parametrize("plan", [1, 3])
+async def test_chunks_flow_from_trio_to_the_dynamo_handler_in_order(loop_thread, plan):
+    sidecar = FakeSidecar(plan=plan)
+    async with running_bridge(loop_thread, sidecar) as (bridge, _):
+        ctx = FakeDynamoContext("req-1")
+        out = await loop_thread.run(consume, bridge, {"token_ids": [100]}, ctx)
+        await bridge.wait_idle()
+    assert out == [{"token_ids": [100 + i], "index": 0} for i in range(plan)]
+    assert sidecar.finished == ["req-1"]
+    assert sidecar.contexts["req-1"].stop_calls == 0
+    assert bridge.completed == 1
+
+
+async def test_cancel_before_the_trio_task_starts_is_not_lost(loop_thread):
+    sidecar = FakeSidecar(plan=5)
+    async with running_bridge(loop_thread, sidecar, dispatch=False) as (bridge, nursery):
+        ctx = FakeDynamoContext("early", stopped=True)  # killed before the request reaches Trio
+        result: list = []
+
+        async def drive():
+            result.extend(await loop_thread.run(consume, bridge, {"token_ids": [7]}, ctx))
+
+        nursery.start_soon(drive)
+        # Let the spawn and the stop request both arrive before the dispatcher exists.
+        for _ in range(50):
+            await trio.sleep(0.01)
+        nursery.start_soon(bridge.run_dispatcher, sidecar.generate, nursery)
+        with trio.fail_after(10):
+            while not result:
+                await trio.sleep(0.01)
+    assert result == [CANCELLED]
+    assert sidecar.contexts["early"].stop_calls == 1
+
+
+async def test_stop_from_dynamo_mid_stream_ends_with_the_cancelled_chunk(loop_thread):
+    sidecar = FakeSidecar(plan=5, hold=True)
+    async with running_bridge(loop_thread, sidecar) as (bridge, _):
+        ctx = FakeDynamoContext("mid")
+        with trio.fail_after(10):
+            out = await loop_thread.run(partial(consume, stop_after=1), bridge, {"token_ids": [1]}, ctx)
+            await bridge.wait_idle()
+    assert out == [{"token_ids": [1], "index": 0}, CANCELLED]
+    assert sidecar.contexts["mid"].stopped
+
+
+async def test_runtime_closing_the_generator_stops_the_trio_request(loop_thread):
+    sidecar = FakeSidecar(plan=5, hold=True)
+    async with running_bridge(loop_thread, sidecar) as (bridge, _):
+        ctx = FakeDynamoContext("closed")
+        with trio.fail_after(10):
+            out = await loop_thread.run(partial(consume, close_after=1), bridge, {"token_ids": [1]}, ctx)
+            await bridge.wait_idle()
+    assert out == [{"token_ids": [1], "index": 0}]
+    assert sidecar.contexts["closed"].stop_calls == 1
+    assert sidecar.finished == ["closed"]
+
+
+async def test_sidecar_error_is_raised_from_the_handler_with_its_text(loop_thread):
+    sidecar = FakeSidecar(error=InvalidArgument("max_tokens must be at least 1"))
+    async with running_bridge(loop_thread, sidecar) as (bridge, _):
+        out = await loop_thread.run(consume, bridge, {"token_ids": [1]}, FakeDynamoContext("bad"))
+        await bridge.wait_idle()
+    assert len(out) == 1
+    assert isinstance(out[0], InvalidArgument)
+    assert str(out[0]) == "max_tokens must be at least 1"
+
+
+async def test_requests_after_stop_admitting_are_rejected(loop_thread):
+    sidecar = FakeSidecar()
+    async with running_bridge(loop_thread, sidecar) as (bridge, _):
+        bridge.stop_admitting()
+        out = await loop_thread.run(consume, bridge, {"token_ids": [1]}, FakeDynamoContext("late"))
+    assert len(out) == 1 and isinstance(out[0], EngineShutdown)
+    assert str(out[0]) == SHUTTING_DOWN
+    assert sidecar.contexts == {}
+
+
+async def test_first_token_notification_runs_on_the_asyncio_thread(loop_thread):
+    sidecar = FakeSidecar(plan=2)
+    async with running_bridge(loop_thread, sidecar) as (bridge, _):
+        ctx = FakeDynamoContext("ftt")
+        await loop_thread.run(consume, bridge, {"token_ids": [1]}, ctx)
+        await bridge.wait_idle()
+
+    async def loop_thread_id():
+        return threading.get_ident()
+
+    asyncio_ident = await loop_thread.run(loop_thread_id)
+    assert ctx.first_token_threads == [asyncio_ident]
+    assert asyncio_ident != threading.get_ident()
+
+
+async def test_stop_all_cancels_every_in_flight_request(loop_thread):
+    sidecar = FakeSidecar(plan=5, hold=True)
+    async with running_bridge(loop_thread, sidecar) as (bridge, nursery):
+        results: dict[str, list] = {}
+
+        async def drive(rid):
+            results[rid] = await loop_thread.run(consume, bridge, {"token_ids": [1]}, FakeDynamoContext(rid))
+
+        for rid in ("a", "b", "c"):
+            nursery.start_soon(drive, rid)
+        with trio.fail_after(10):
+            while len(bridge.in_flight) < 3 or len(sidecar.contexts) < 3:
+                await trio.sleep(0.01)
+            assert "3 in flight" in repr(bridge)
+            assert bridge.stop_all() == 3
+            await bridge.wait_idle()
+            while len(results) < 3:
+                await trio.sleep(0.01)
+    assert all(out[-1] == CANCELLED for out in results.values())
+
+
+async def test_a_stalled_consumer_is_reported_once(loop_thread, caplog):
+    sidecar = FakeSidecar(plan=QUEUE_WARN_THRESHOLD + 50)
+    caplog.set_level(logging.WARNING, logger="trio_sidecar.dynamo.bridge")
+    async with running_bridge(loop_thread, sidecar) as (bridge, _):
+        with trio.fail_after(30):
+            out = await loop_thread.run(
+                partial(consume, pause_first=0.5), bridge, {"token_ids": [0]}, FakeDynamoContext("slow")
+            )
+            await bridge.wait_idle()
+    assert len(out) == QUEUE_WARN_THRESHOLD + 50
+    stalled = [r for r in caplog.records if "consumer is stalled" in r.getMessage()]
+    assert len(stalled) == 1
+
+
+async def test_run_returns_results_and_raises_exceptions_from_the_loop(loop_thread):
+    async def add(a, b):
+        await asyncio.sleep(0)
+        return a + b
+
+    async def fail():
+        raise ValueError("boom")
+
+    assert await loop_thread.run(add, 2, 3) == 5
+    with pytest.raises(ValueError, match="boom"):
+        await loop_thread.run(fail)
+
+
+async def test_cancelling_a_trio_caller_cancels_the_asyncio_task(loop_thread):
+    cancelled = threading.Event()
+
+    async def forever():
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    with trio.move_on_after(0.2):
+        await loop_thread.run(forever)
+    await trio.to_thread.run_sync(cancelled.wait, 5)
+    assert cancelled.is_set()

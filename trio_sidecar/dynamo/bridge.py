@@ -1,0 +1,372 @@
+"""The asyncio-thread bridge between Dynamo's runtime and the Trio sidecar (dynamo-worker.md §10).
+
+Theory of operation
+-------------------
+
+Dynamo's Python bindings only work on asyncio, and every Dynamo object must be touched on the loop that
+created it. Trio owns the process; one dedicated thread runs an asyncio loop that owns every Dynamo
+object. The two sides talk only through non-blocking, thread-safe scheduling calls, so neither loop ever
+blocks on the other:
+
+* asyncio → Trio: ``trio_token.run_sync_soon(fn, *args)``. It raises ``trio.RunFinishedError`` once the
+  Trio run is over, which the asyncio side catches.
+* Trio → asyncio: ``loop.call_soon_threadsafe(fn, *args)``, or for a coroutine
+  ``asyncio.run_coroutine_threadsafe``; Trio waits for the resulting future through a done-callback that
+  sets a ``trio.Event`` via ``run_sync_soon`` (:meth:`AsyncioThread.run`).
+
+Per request (:meth:`RequestBridge.handler`, on the asyncio thread):
+
+1. an unbounded ``asyncio.Queue`` and an ``emit`` function that Trio calls to put into it
+   (``call_soon_threadsafe(queue.put_nowait, item)``);
+2. a :class:`CancelHandle`: a flag plus, later, the request's ``GenerateContext``. The handle is only ever
+   read or written on the Trio thread, so it needs no lock;
+3. the request is handed to Trio's dispatcher with ``run_sync_soon(spawn.send_nowait, item)``;
+4. a watcher on ``context.async_killed_or_stopped()`` requests stop on the handle (via ``run_sync_soon``);
+5. the handler yields queued chunks, raises a queued exception, and returns on the end sentinel;
+6. if the runtime closes the generator before the end sentinel, stop is requested on the handle.
+
+``run_sync_soon`` callbacks run in FIFO order, so the spawn always reaches Trio before any stop request
+for the same request. The dispatcher may not have started the request task yet when the stop arrives:
+the handle then only records the flag, and :meth:`CancelHandle.bind` calls ``ctx.stop()`` as soon as the
+task creates its context — a cancel that arrives before the Trio task starts is never lost (a naive
+"list that will later hold the cancel scope" loses it).
+
+Trio side: :meth:`RequestBridge.run_dispatcher` reads the spawn channel and starts one request task per
+item in the caller's request nursery; each task runs ``sidecar.generate(request, ctx)`` and emits
+``chunk.to_dict()`` per chunk, a :class:`~trio_sidecar.errors.SidecarError` as an exception object, and
+always the end sentinel.
+
+Back-pressure: the per-request queue is unbounded (chunks are small and vLLM's output rate is bounded);
+a queue that grows past :data:`QUEUE_WARN_THRESHOLD` items means the consumer stalled, and is logged once
+per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any, Protocol
+
+import attrs
+import trio
+
+from ..errors import EngineShutdown, SidecarError
+
+__all__ = [
+    "AsyncioThread",
+    "CancelHandle",
+    "RequestBridge",
+    "RequestItem",
+    "QUEUE_WARN_THRESHOLD",
+    "SHUTTING_DOWN",
+]
+
+LOGGER = logging.getLogger("trio_sidecar.dynamo.bridge")
+
+QUEUE_WARN_THRESHOLD = 1024
+SHUTTING_DOWN = "trio-sidecar is shutting down"
+
+
+class _End:
+    """The end-of-stream sentinel (one per request, always emitted last)."""
+
+    def __repr__(self) -> str:
+        return "<end of stream>"
+
+
+END = _End()
+
+
+class _StopContext(Protocol):
+    def stop(self) -> None: ...
+
+
+class CancelHandle:
+    """Per-request cancellation handle. Trio thread only.
+
+    ``request_stop()`` may come before the request task exists (the flag is kept) or after it bound its
+    context (``ctx.stop()`` at once).
+    """
+
+    __slots__ = ("stop_requested", "_ctx")
+
+    def __init__(self) -> None:
+        self.stop_requested = False
+        self._ctx: _StopContext | None = None
+
+    def request_stop(self) -> None:
+        if self.stop_requested:
+            return
+        self.stop_requested = True
+        if self._ctx is not None:
+            self._ctx.stop()
+
+    def bind(self, ctx: _StopContext) -> None:
+        self._ctx = ctx
+        if self.stop_requested:
+            ctx.stop()
+
+    def __repr__(self) -> str:
+        return f"<CancelHandle stop_requested={self.stop_requested} bound={self._ctx is not None}>"
+
+
+@attrs.frozen
+class RequestItem:
+    """What the asyncio handler hands to Trio for one request."""
+
+    request: dict
+    request_id: str
+    emit: Callable[[Any], None]  # thread-safe; puts a chunk dict, an exception, or END
+    handle: CancelHandle
+    on_first_token: Callable[[], None]  # thread-safe; marshals notify_first_token() to the loop
+
+
+class AsyncioThread:
+    """A dedicated thread running an asyncio loop, driven from Trio.
+
+    Use :meth:`open` (an async context manager); :meth:`run` executes a coroutine function on the loop and
+    waits for it without blocking Trio; :meth:`call_soon` schedules a plain callable there.
+    """
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: asyncio.Event | None = None
+        self._finished = trio.Event()
+        self._started = trio.Event()
+        self._error: BaseException | None = None
+
+    # -- lifetime --------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the thread and wait until its loop runs."""
+        self._token = trio.lowlevel.current_trio_token()
+        self._thread = threading.Thread(target=self._thread_main, name="dynamo-asyncio", daemon=False)
+        self._thread.start()
+        await self._started.wait()
+        if self.loop is None:
+            raise RuntimeError("the asyncio thread failed to start") from self._error
+
+    async def stop(self) -> None:
+        """Stop the loop (cancelling whatever still runs on it) and join the thread."""
+        if self._thread is None:
+            return
+        if self.loop is not None and self._stop is not None and not self._finished.is_set():
+            try:
+                self.loop.call_soon_threadsafe(self._stop.set)
+            except RuntimeError:  # loop already closed
+                pass
+        with trio.CancelScope(shield=True):
+            await self._finished.wait()
+            await trio.to_thread.run_sync(self._thread.join)
+        self._thread = None
+
+    def _thread_main(self) -> None:
+        try:
+            asyncio.run(self._aio_main())
+        except BaseException as exc:  # noqa: BLE001 - reported to Trio, never lost
+            self._error = exc
+            LOGGER.debug("asyncio thread ended with %r", exc)
+        finally:
+            self._notify_trio(self._started.set)
+            self._notify_trio(self._finished.set)
+
+    async def _aio_main(self) -> None:
+        self._stop = asyncio.Event()
+        self.loop = asyncio.get_running_loop()
+        self._notify_trio(self._started.set)
+        await self._stop.wait()
+
+    def _notify_trio(self, fn: Callable[..., Any], *args: Any) -> bool:
+        assert self._token is not None
+        try:
+            self._token.run_sync_soon(fn, *args)
+        except trio.RunFinishedError:
+            return False
+        return True
+
+    # -- calls -----------------------------------------------------------------------------------------
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Schedule ``fn(*args)`` on the loop (thread-safe, never blocks)."""
+        assert self.loop is not None
+        self.loop.call_soon_threadsafe(fn, *args)
+
+    async def run(self, async_fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        """Run ``await async_fn(*args)`` on the loop and return its result (or raise its exception).
+
+        ``async_fn`` may return a coroutine or any awaitable (Dynamo's bindings return futures).
+
+        Cancellation: cancelling the Trio caller cancels the asyncio task (best effort) and returns at once.
+        """
+        assert self.loop is not None
+
+        async def invoke() -> Any:
+            return await async_fn(*args)
+
+        done = trio.Event()
+        future = asyncio.run_coroutine_threadsafe(invoke(), self.loop)
+        future.add_done_callback(lambda _f: self._notify_trio(done.set))
+        try:
+            await done.wait()
+        except trio.Cancelled:
+            future.cancel()
+            raise
+        return future.result()
+
+
+class _Generate(Protocol):
+    def __call__(self, request: dict, ctx: Any) -> AbstractAsyncContextManager[Any]: ...
+
+
+class RequestBridge:
+    """Carries requests from Dynamo's handler (asyncio thread) to Trio request tasks and chunks back.
+
+    Args:
+        thread: the running :class:`AsyncioThread`.
+        make_context: ``make_context(request_id, on_first_token) -> ctx`` with ``ctx.stop()``; by default
+            :class:`trio_sidecar.api.GenerateContext`.
+    """
+
+    def __init__(
+        self,
+        thread: AsyncioThread,
+        make_context: Callable[[str, Callable[[], None]], Any] | None = None,
+    ) -> None:
+        self._thread = thread
+        self._make_context = make_context or _default_context
+        self._spawn_send, self._spawn_recv = trio.open_memory_channel[RequestItem](float("inf"))
+        self.admitting = True
+        self.in_flight: dict[str, CancelHandle] = {}  # request id -> handle (Trio thread)
+        self._idle = trio.Event()
+        self._idle.set()
+        self.completed = 0
+
+    # -- asyncio side ----------------------------------------------------------------------------------
+
+    async def handler(self, request: dict, context: Any):
+        """The Dynamo endpoint handler (runs on the asyncio thread): an async generator of output dicts."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        request_id = str(context.id())
+        handle = CancelHandle()
+        token = self._thread._token
+        assert token is not None
+
+        def emit(item: Any) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        def on_first_token() -> None:
+            loop.call_soon_threadsafe(_notify_first_token, context)
+
+        def request_stop(_future: Any = None) -> None:
+            try:
+                token.run_sync_soon(handle.request_stop)
+            except trio.RunFinishedError:
+                pass
+
+        item = RequestItem(request, request_id, emit, handle, on_first_token)
+        try:
+            token.run_sync_soon(self._spawn_send.send_nowait, item)
+        except (trio.RunFinishedError, trio.ClosedResourceError):
+            raise EngineShutdown(SHUTTING_DOWN) from None
+
+        watcher = asyncio.ensure_future(context.async_killed_or_stopped())
+        watcher.add_done_callback(lambda f: None if f.cancelled() else request_stop())
+        ended = False
+        warned = False
+        try:
+            while True:
+                out = await queue.get()
+                if not warned and queue.qsize() > QUEUE_WARN_THRESHOLD:
+                    warned = True
+                    LOGGER.warning(
+                        "request %s: %d output chunks are queued for Dynamo; the consumer is stalled",
+                        request_id,
+                        queue.qsize(),
+                    )
+                if out is END:
+                    ended = True
+                    return
+                if isinstance(out, BaseException):
+                    ended = True
+                    raise out
+                yield out
+        finally:
+            watcher.cancel()
+            if not ended:
+                request_stop()
+
+    # -- Trio side -------------------------------------------------------------------------------------
+
+    async def run_dispatcher(self, sidecar_generate: _Generate, request_nursery: trio.Nursery) -> None:
+        """Start one request task per handed-over request, in ``request_nursery``. Runs until cancelled."""
+        async for item in self._spawn_recv:
+            if not self.admitting:
+                item.emit(EngineShutdown(SHUTTING_DOWN))
+                item.emit(END)
+                continue
+            self.in_flight[item.request_id] = item.handle
+            self._idle = trio.Event() if len(self.in_flight) == 1 else self._idle
+            request_nursery.start_soon(self._run_request, sidecar_generate, item, name=item.request_id)
+
+    async def _run_request(self, sidecar_generate: _Generate, item: RequestItem) -> None:
+        emit = item.emit
+        try:
+            ctx = self._make_context(item.request_id, item.on_first_token)
+            item.handle.bind(ctx)
+            async with sidecar_generate(item.request, ctx) as chunks:
+                async for chunk in chunks:
+                    emit(chunk.to_dict())
+        except SidecarError as exc:
+            emit(exc)
+        except trio.Cancelled:
+            emit(EngineShutdown(SHUTTING_DOWN))
+            raise
+        except Exception as exc:  # noqa: BLE001 - the frontend turns it into HTTP 500
+            LOGGER.exception("request %s failed unexpectedly", item.request_id)
+            emit(exc)
+        finally:
+            emit(END)
+            self.in_flight.pop(item.request_id, None)
+            self.completed += 1
+            if not self.in_flight:
+                self._idle.set()
+
+    def stop_admitting(self) -> None:
+        self.admitting = False
+
+    def stop_all(self) -> int:
+        """Request stop on every in-flight request (each ends with its cancelled chunk). Returns the count."""
+        handles = list(self.in_flight.values())
+        for handle in handles:
+            handle.request_stop()
+        return len(handles)
+
+    async def wait_idle(self) -> None:
+        """Return once no request task is in flight."""
+        while self.in_flight:
+            await self._idle.wait()
+
+    def __repr__(self) -> str:
+        return (
+            f"<RequestBridge [{'admitting' if self.admitting else 'draining'} | "
+            f"{len(self.in_flight)} in flight, {self.completed} completed]>"
+        )
+
+
+def _notify_first_token(context: Any) -> None:
+    try:
+        context.notify_first_token()
+    except Exception:  # noqa: BLE001 - a best-effort signal to Dynamo
+        LOGGER.debug("notify_first_token failed", exc_info=True)
+
+
+def _default_context(request_id: str, on_first_token: Callable[[], None]) -> Any:
+    from ..api import GenerateContext
+
+    return GenerateContext(request_id, on_first_token=on_first_token)
