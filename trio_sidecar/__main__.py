@@ -1,0 +1,19 @@
+"""``python -m trio_sidecar`` / the ``trio-sidecar`` script."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``trio-sidecar`` with ``argv`` (default ``sys.argv[1:]``) and return its exit code."""
+    from .cli import main as cli_main
+
+    return cli_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

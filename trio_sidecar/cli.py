@@ -1,0 +1,340 @@
+"""``trio-sidecar run`` / ``trio-sidecar mock``: argument and environment parsing (sidecar.md §3).
+
+Precedence is flag > environment variable > default. argparse only collects raw strings (every default is
+a sentinel, so an unset flag never hides its environment variable); values are then converted here with
+the project's messages, and structured into ``SidecarConfig`` / ``WorkerOptions`` with cattrs.
+
+Exit codes (clarification #12): 0 clean shutdown, ``--help``, ``--version``; 2 usage or configuration
+error before any socket is opened (including the §6 checks and a missing ``dynamo`` extra); otherwise
+whatever the worker returns (1 for failures after startup began).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import cattrs
+
+from . import __version__
+from .config import DisaggregationMode, SidecarConfig, WorkerOptions, discovery_banner, prepare
+from .errors import SidecarError
+
+__all__ = ["main", "parse_run_args", "UsageError", "OPTIONS", "parse_bool"]
+
+PROG = "trio-sidecar"
+
+
+class UsageError(Exception):
+    """A bad command line or environment value (exit 2)."""
+
+
+_SENTINEL: Any = object()
+
+_TRUE = frozenset({"true", "1", "yes", "on"})
+_FALSE = frozenset({"false", "0", "no", "off"})
+
+
+def parse_bool(text: str, source: str) -> bool:
+    """``true/false/1/0/yes/no/on/off`` (case-insensitive)."""
+    lowered = text.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise UsageError(f"invalid boolean value `{text}` for {source}; expected true/false/1/0/yes/no/on/off")
+
+
+@attrs.frozen
+class Option:
+    """One ``run`` option: its flag(s), environment variable, default and converter."""
+
+    flag: str
+    env: str | None
+    dest: str
+    target: str  # "sidecar" | "worker"
+    default: Any
+    kind: str  # "str", "opt_str", "choice", "opt_choice", "bool_value", "switch", "pair", "count", "secs", "mode"
+    help: str
+    choices: tuple[str, ...] = ()
+    metavar: str | None = None
+
+
+OPTIONS: tuple[Option, ...] = (
+    # §3.3 vLLM gRPC transport
+    Option("--grpc-endpoint", "DYN_SIDECAR_GRPC_ENDPOINT", "grpc_endpoint", "sidecar", "", "str",
+           "vLLM gRPC endpoint (HOST:PORT, http://HOST:PORT or grpc://HOST:PORT); required", metavar="URL"),
+    Option("--grpc-connections", "DYN_SIDECAR_GRPC_CONNECTIONS", "grpc_connections", "sidecar", 8, "count",
+           "number of pooled gRPC connections (default 8)", metavar="N"),
+    Option("--grpc-connect-attempt-timeout-secs", "DYN_SIDECAR_GRPC_CONNECT_ATTEMPT_TIMEOUT_SECS",
+           "connect_attempt_timeout", "sidecar", 30, "count", "per-attempt connect timeout (default 30)",
+           metavar="SECS"),
+    Option("--grpc-retry-interval-secs", "DYN_SIDECAR_GRPC_RETRY_INTERVAL_SECS", "retry_interval", "sidecar", 1,
+           "count", "fixed retry interval (default 1)", metavar="SECS"),
+    Option("--grpc-startup-deadline-secs", "DYN_SIDECAR_GRPC_STARTUP_DEADLINE_SECS", "startup_deadline",
+           "sidecar", 1800, "count", "Maximum duration for each sidecar gRPC startup phase (default 1800)",
+           metavar="SECS"),
+    # §3.2 worker registration
+    Option("--disaggregation-mode", "DYN_DISAGGREGATION_MODE", "disaggregation_mode", "sidecar", "agg", "mode",
+           "agg (alias aggregated), prefill, decode (encode is rejected)", metavar="MODE"),
+    Option("--namespace", "DYN_NAMESPACE", "namespace", "worker", "dynamo", "str", "Dynamo namespace"),
+    Option("--component", "DYN_COMPONENT", "component", "worker", "backend", "str",
+           "Dynamo component (honoured in aggregated mode only)"),
+    Option("--endpoint", "DYN_ENDPOINT", "endpoint", "worker", "generate", "str", "Dynamo endpoint name"),
+    Option("--endpoint-types", "DYN_ENDPOINT_TYPES", "endpoint_types", "worker", "chat,completions",
+           "endpoint_types", "comma list of chat, completions", metavar="TYPES"),
+    Option("--custom-jinja-template", "DYN_CUSTOM_JINJA_TEMPLATE", "custom_jinja_template", "worker", None,
+           "opt_str", "custom chat template path", metavar="PATH"),
+    Option("--dyn-tool-call-parser", "DYN_TOOL_CALL_PARSER", "tool_call_parser", "worker", None, "opt_str",
+           "must be unset (vLLM gRPC does not preserve the options the parsers need)", metavar="NAME"),
+    Option("--dyn-reasoning-parser", "DYN_REASONING_PARSER", "reasoning_parser", "worker", None, "opt_str",
+           "must be unset", metavar="NAME"),
+    Option("--exclude-tools-when-tool-choice-none", "DYN_EXCLUDE_TOOLS_WHEN_TOOL_CHOICE_NONE",
+           "exclude_tools_when_tool_choice_none", "worker", True, "bool_value", "passed through (default true)",
+           metavar="BOOL"),
+    Option("--route-to-encoder", "DYN_ROUTE_TO_ENCODER", "route_to_encoder", "worker", False, "switch",
+           "must be off"),
+    Option("--enable-rl", "DYN_ENABLE_RL", "enable_rl", "worker", False, "switch",
+           "must be off (RL controls are not supported)"),
+    Option("--vllm-http-endpoint", "VLLM_HTTP_ENDPOINT", "vllm_http_endpoint", "worker", None, "opt_str",
+           "accepted for compatibility; ignored", metavar="URL"),
+    Option("--vllm-rl-world-size", "DYN_VLLM_RL_WORLD_SIZE", "vllm_rl_world_size", "worker", None, "opt_int",
+           "accepted for compatibility; ignored", metavar="N"),
+    # §3.1 Dynamo runtime planes
+    Option("--discovery-backend", "DYN_DISCOVERY_BACKEND", "discovery_backend", "worker", "etcd", "choice",
+           "discovery backend", choices=("kubernetes", "etcd", "file", "mem")),
+    Option("--request-plane", "DYN_REQUEST_PLANE", "request_plane", "worker", "tcp", "choice", "request plane",
+           choices=("tcp", "nats")),
+    Option("--response-plane", "DYN_RESPONSE_PLANE", "response_plane", "worker", "tcp", "choice",
+           "response plane (must match the frontend)", choices=("tcp", "quic")),
+    Option("--event-plane", "DYN_EVENT_PLANE", "event_plane", "worker", None, "opt_choice",
+           "event plane (default: the runtime's, zmq)", choices=("nats", "zmq")),
+    # §3.4 project flags
+    Option("--health-prober", "TRIO_SIDECAR_HEALTH_PROBER", "health_prober", "sidecar", True, "pair",
+           "continuous Health.Watch prober (default on)"),
+    Option("--abort-on-cancel", "TRIO_SIDECAR_ABORT_ON_CANCEL", "abort_on_cancel", "sidecar", True, "pair",
+           "send Control.Abort for abandoned streams (default on)"),
+    Option("--unserving-grace-secs", "TRIO_SIDECAR_UNSERVING_GRACE_SECS", "unserving_grace", "worker", 5.0,
+           "secs", "take the instance out of rotation after vLLM is not serving this long (default 5)",
+           metavar="SECS"),
+    Option("--drain-timeout-secs", "TRIO_SIDECAR_DRAIN_TIMEOUT_SECS", "drain_timeout", "worker", 30.0, "secs",
+           "graceful-shutdown drain bound (default 30)", metavar="SECS"),
+    Option("--log-level", "TRIO_SIDECAR_LOG_LEVEL", "log_level", "worker", "info", "choice", "log level",
+           choices=("debug", "info", "warning", "error")),
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises :class:`UsageError` instead of exiting."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        raise UsageError(message)
+
+
+def _build_run_parser() -> _Parser:
+    parser = _Parser(
+        prog=f"{PROG} run",
+        description="Serve a vLLM gRPC engine as an NVIDIA Dynamo worker.",
+        epilog="Every option also reads its environment variable (shown in brackets); flags win.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    for opt in OPTIONS:
+        env = f" [{opt.env}]" if opt.env else ""
+        if opt.kind == "switch":
+            parser.add_argument(opt.flag, dest=opt.dest, action="store_const", const=True, default=_SENTINEL,
+                                help=opt.help + env)
+        elif opt.kind == "pair":
+            parser.add_argument(opt.flag, dest=opt.dest, action="store_const", const=True, default=_SENTINEL,
+                                help=opt.help + env)
+            parser.add_argument("--no-" + opt.flag[2:], dest=opt.dest, action="store_const", const=False,
+                                default=_SENTINEL, help=argparse.SUPPRESS)
+        else:
+            parser.add_argument(opt.flag, dest=opt.dest, default=_SENTINEL, metavar=opt.metavar or "VALUE",
+                                help=opt.help + env)
+    return parser
+
+
+def _convert(opt: Option, raw: Any, source: str) -> Any:
+    kind = opt.kind
+    if kind in ("switch", "pair") and isinstance(raw, bool):
+        return raw
+    text = str(raw)
+    if kind in ("switch", "pair", "bool_value"):
+        return parse_bool(text, source)
+    if kind == "str":
+        return text
+    if kind == "opt_str":
+        return text if text.strip() else None
+    if kind == "count":
+        value = _decimal(text, source)
+        if value < 1:
+            raise UsageError(f"`{opt.flag}` must be at least 1" + _from_env(source))
+        return value
+    if kind == "opt_int":
+        if not text.strip():
+            return None
+        value = _decimal(text, source)
+        if value < 1:
+            raise UsageError(f"`{opt.flag}` must be at least 1" + _from_env(source))
+        return value
+    if kind == "secs":
+        try:
+            value = float(text.strip())
+        except ValueError:
+            raise UsageError(f"invalid value `{text}` for {source}: expected a number of seconds") from None
+        if not value >= 0 or value == float("inf"):
+            raise UsageError(f"`{opt.flag}` must be a finite, non-negative number of seconds" + _from_env(source))
+        return value
+    if kind in ("choice", "opt_choice"):
+        lowered = text.strip().lower()
+        if kind == "opt_choice" and not lowered:
+            return None
+        if lowered not in opt.choices:
+            raise UsageError(f"invalid value `{text}` for {source}; expected one of {', '.join(opt.choices)}")
+        return lowered
+    if kind == "mode":
+        lowered = text.strip().lower()
+        if lowered != "aggregated" and lowered not in {m.value for m in DisaggregationMode}:
+            raise UsageError(
+                f"invalid value `{text}` for {source}; expected one of agg, aggregated, prefill, decode, encode"
+            )
+        return DisaggregationMode.parse(lowered)
+    if kind == "endpoint_types":
+        types = tuple(t.strip().lower() for t in text.split(",") if t.strip())
+        if not types:
+            raise UsageError(f"{source} must name at least one endpoint type (chat, completions)")
+        for t in types:
+            if t not in ("chat", "completions"):
+                raise UsageError(f"invalid endpoint type `{t}` for {source}; expected chat or completions")
+        return types
+    raise AssertionError(kind)  # pragma: no cover
+
+
+def _decimal(text: str, source: str) -> int:
+    stripped = text.strip()
+    digits = stripped[1:] if stripped[:1] in "+-" else stripped
+    if not digits.isascii() or not digits.isdigit():
+        raise UsageError(f"invalid value `{text}` for {source}: expected a decimal integer")
+    return int(stripped)
+
+
+def _from_env(source: str) -> str:
+    return f" (from {source})" if source.startswith("environment") else ""
+
+
+_converter = cattrs.Converter(forbid_extra_keys=True)
+_converter.register_structure_hook(DisaggregationMode, lambda v, _t: DisaggregationMode.parse(v))
+
+
+def parse_run_args(
+    argv: Sequence[str], environ: Mapping[str, str] | None = None
+) -> tuple[SidecarConfig, WorkerOptions]:
+    """Parse ``run``'s flags and environment into the two config objects.
+
+    Raises:
+        UsageError: an unknown flag or a bad value (exit 2). ``--help``/``--version`` raise ``SystemExit(0)``.
+    """
+    environ = os.environ if environ is None else environ
+    namespace = _build_run_parser().parse_args(list(argv))
+    values: dict[str, dict[str, Any]] = {"sidecar": {}, "worker": {}}
+    for opt in OPTIONS:
+        raw = getattr(namespace, opt.dest)
+        if raw is not _SENTINEL:
+            value = _convert(opt, raw, f"`{opt.flag}`")
+        elif opt.env is not None and opt.env in environ:
+            value = _convert(opt, environ[opt.env], f"environment variable {opt.env}")
+        else:
+            value = opt.default
+        values[opt.target][opt.dest] = value
+    try:
+        config = _converter.structure(values["sidecar"], SidecarConfig)
+        options = _converter.structure(values["worker"], WorkerOptions)
+    except Exception as exc:  # cattrs raises ExceptionGroup subclasses: report them as one usage error
+        raise UsageError("; ".join(_error_lines(exc))) from None
+    return config, options
+
+
+def _error_lines(exc: BaseException) -> list[str]:
+    try:
+        return list(cattrs.transform_error(exc))  # type: ignore[arg-type]
+    except Exception:  # pragma: no cover - transform_error only understands cattrs' errors
+        return [str(exc)]
+
+
+def _print_error(message: str) -> None:
+    from rich.console import Console
+
+    Console(file=sys.stderr, soft_wrap=True).print(f"error: {message}", markup=False, highlight=False,
+                                                  style="bold red")
+
+
+def _setup_logging(level: str) -> None:
+    from rich.logging import RichHandler
+
+    handler = RichHandler(console=None, show_path=False, rich_tracebacks=False)
+    root = logging.getLogger("trio_sidecar")
+    root.setLevel(getattr(logging, level.upper(), logging.INFO))
+    if not any(isinstance(h, RichHandler) for h in root.handlers):
+        root.addHandler(handler)
+
+
+def _run(argv: Sequence[str], environ: Mapping[str, str] | None) -> int:
+    try:
+        config, options = parse_run_args(argv, environ)
+        endpoint = prepare(config, options, dynamo_required=True)
+    except (UsageError, SidecarError) as exc:
+        _print_error(str(exc))
+        return 2
+    print(discovery_banner(endpoint, config.startup_deadline), file=sys.stderr, flush=True)
+    _setup_logging(options.log_level)
+    from .dynamo.worker import run_worker  # lazy: imports the optional Dynamo extra
+
+    return int(run_worker(config, options))
+
+
+_TOP_USAGE = f"""usage: {PROG} [--help] [--version] {{run,mock}} ...
+
+A Trio sidecar connecting vLLM's native gRPC services to NVIDIA Dynamo.
+
+commands:
+  run     serve a vLLM gRPC engine as a Dynamo worker ({PROG} run --help)
+  mock    run the CPU-only mock vLLM gRPC server ({PROG} mock --help)
+"""
+
+
+def main(argv: Sequence[str] | None = None, *, environ: Mapping[str, str] | None = None) -> int:
+    """Entry point of ``trio-sidecar``; returns the exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        sys.stdout.write(_TOP_USAGE)
+        return 0 if args else 2
+    if args[0] == "--version":
+        print(f"{PROG} {__version__}")
+        return 0
+    command, rest = args[0], args[1:]
+    try:
+        if command == "run":
+            return _run(rest, environ)
+        if command == "mock":
+            from .mock.cli import main as mock_main
+
+            return int(mock_main(rest))
+    except SystemExit as exc:  # --help / --version inside a subcommand
+        return _exit_code(exc)
+    _print_error(f"unknown command `{command}`; expected `run` or `mock`")
+    return 2
+
+
+def _exit_code(exc: SystemExit) -> int:
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    print(exc.code, file=sys.stderr)
+    return 1
