@@ -86,7 +86,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("--component", "DYN_COMPONENT", "component", "worker", "backend", "str",
            "Dynamo component (honoured in aggregated mode only)"),
     Option("--endpoint", "DYN_ENDPOINT", "endpoint", "worker", "generate", "str", "Dynamo endpoint name"),
-    Option("--endpoint-types", "DYN_ENDPOINT_TYPES", "endpoint_types", "worker", "chat,completions",
+    Option("--endpoint-types", "DYN_ENDPOINT_TYPES", "endpoint_types", "worker", ("chat", "completions"),
            "endpoint_types", "comma list of chat, completions", metavar="TYPES"),
     Option("--custom-jinja-template", "DYN_CUSTOM_JINJA_TEMPLATE", "custom_jinja_template", "worker", None,
            "opt_str", "custom chat template path", metavar="PATH"),
