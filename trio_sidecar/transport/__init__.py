@@ -1,0 +1,67 @@
+"""gRPC over HTTP/2 on Trio, on purerpc 0.8.0's sans-IO core.
+
+Theory of operation
+===================
+
+purerpc's protocol core (``purerpc.grpclib``: ``GRPCConnection`` over h2, message framing, status and
+header parsing) is sound; its anyio I/O layer is not safe for a long-lived process (transport-findings §5).
+This package keeps the core and replaces the I/O layer with a small Trio one.
+
+Layers:
+
+* ``_protocol`` (pure): ``GrpcProtocol``, a ``GRPCConnection`` subclass that turns every per-stream failure
+  (RST_STREAM from the peer, an oversize message, malformed headers) into an event for that stream instead
+  of an exception that kills the connection, and ``_H2Connection``, which tolerates h2 3.2.0's
+  WINDOW_UPDATE-after-close race inside h2's own frame handling (findings §10).
+* ``_connection``: one socket = one ``Connection`` with exactly two tasks. The **reader** feeds received
+  bytes to the protocol and dispatches the events to ``Call`` objects (one per HTTP/2 stream) without
+  awaiting. The **writer** is the only task that writes to the socket: everyone else queues frames in h2
+  and ``kick()``s it. A cancelled call therefore can never leave half a frame on the wire, and
+  "reset this stream" is a synchronous operation that works even from a cancelled task's ``finally``.
+* ``_client`` / ``_server``: calls. A call's owner task (the client caller, or the server's handler task)
+  parks on its ``Call`` and re-checks state when woken.
+
+Rules that close the measured defects:
+
+1. *Cancellation.* Leaving a client call before the server's trailers (break, cancel scope, exception,
+   deadline) sends RST_STREAM(CANCEL) at once and hands the stream's unread bytes back to the connection
+   window, so abandoned streams cost neither memory nor window. On the server, every handler runs in its own
+   ``CancelScope``; RST_STREAM or connection loss cancels it immediately, even while it is idle.
+2. *Connection loss.* EOF, a socket error, or an HTTP/2 protocol error marks the connection ``lost``:
+   every open call fails at once with ``ConnectionLostError`` (UNAVAILABLE), new calls fail the same way,
+   and the socket is closed. A channel never reconnects; its owner replaces a ``broken`` channel.
+3. *Deadlines.* A client ``timeout`` is sent as ``grpc-timeout`` and enforced locally
+   (DEADLINE_EXCEEDED); the server turns a received ``grpc-timeout`` into its handler scope's deadline.
+4. *Message size.* The limit (default 64 MiB) applies each way; an over-limit message fails only its own
+   call with RESOURCE_EXHAUSTED.
+5. *Flow control.* Received messages are acknowledged when consumed, so a slow consumer pushes back on its
+   sender; a sender parks while the peer's window is closed and while 64 KiB are queued for the socket.
+6. *Errors.* One family (``RpcError`` > ``ConnectionLostError``). A handler's unexpected exception
+   answers UNKNOWN ``"unexpected server error"`` and is logged; ordinary cancellation logs nothing. No
+   single failure leaves the package as an ExceptionGroup.
+7. *Resources.* Closing a channel sends GOAWAY and closes its socket; the server binds exactly the host
+   it is given, without SO_REUSEPORT, and closes every connection when cancelled.
+"""
+
+from __future__ import annotations
+
+from ._client import Channel, ResponseStream, connect_channel, open_channel
+from ._errors import DEFAULT_MAX_MESSAGE_LENGTH, ConnectionLostError, RpcError
+from ._server import CallContext, GrpcServer, serve_grpc
+from .health import HealthServicer, check_health, watch_health
+
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_LENGTH",
+    "CallContext",
+    "Channel",
+    "ConnectionLostError",
+    "GrpcServer",
+    "HealthServicer",
+    "ResponseStream",
+    "RpcError",
+    "check_health",
+    "connect_channel",
+    "open_channel",
+    "serve_grpc",
+    "watch_health",
+]

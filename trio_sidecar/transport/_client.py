@@ -1,0 +1,454 @@
+"""The client side: ``connect_channel`` / ``open_channel`` and ``Channel``."""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import h2.exceptions
+import trio
+from google.protobuf.message import DecodeError
+from purerpc.grpclib.config import GRPCConfiguration
+
+from ._connection import Call, Connection, _copy_error, deadline_after, frame_message
+from ._errors import DEFAULT_MAX_MESSAGE_LENGTH, ConnectionLostError, RpcError
+from ._protocol import (
+    ErrorCodes,
+    GoAway,
+    GrpcProtocol,
+    MessageReceived,
+    ResponseEnded,
+    ResponseReceived,
+    SettingsReceived,
+    StreamFailed,
+    StreamReset,
+    WindowUpdated,
+    encode_timeout,
+)
+from ._util import collapse_single_exception
+from trio_sidecar.status import StatusCode
+
+__all__ = ["Channel", "ResponseStream", "connect_channel", "open_channel"]
+
+_REQUEST_HEADERS_TAIL = (("te", "trailers"), ("content-type", "application/grpc"))
+_USER_AGENT = ("user-agent", "trio-sidecar (purerpc 0.8.0 core)")
+
+_RESET_CODES = {
+    ErrorCodes.CANCEL: (StatusCode.CANCELLED, "stream cancelled by the server"),
+    ErrorCodes.REFUSED_STREAM: (StatusCode.UNAVAILABLE, "stream refused by the server"),
+    ErrorCodes.ENHANCE_YOUR_CALM: (StatusCode.RESOURCE_EXHAUSTED, "stream reset by the server (ENHANCE_YOUR_CALM)"),
+}
+
+
+def _deadline_exceeded() -> RpcError:
+    return RpcError(StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+
+def _encode_metadata(metadata: Sequence[tuple[str, Any]]) -> list[tuple[str, str]]:
+    encoded = []
+    for key, value in metadata:
+        key = key.lower()
+        if key.startswith((":", "grpc-")) or key in ("te", "content-type", "user-agent"):
+            raise ValueError(f"reserved metadata key {key!r}")
+        if key.endswith("-bin"):
+            value = base64.b64encode(value).rstrip(b"=").decode("ascii")
+        encoded.append((key, value))
+    return encoded
+
+
+class _ClientCall(Call):
+    __slots__ = ("end", "headers")
+
+    def __init__(self, conn: Connection, stream_id: int) -> None:
+        super().__init__(conn, stream_id)
+        self.headers: ResponseReceived | None = None
+        self.end: ResponseEnded | None = None
+
+    def close(self) -> None:
+        """Forget the call; if the server has not ended the stream, reset it (RST_STREAM CANCEL) now."""
+        if self.done:
+            return
+        self.done = True
+        conn = self.conn
+        conn.calls.pop(self.stream_id, None)
+        if conn.lost is None:
+            if self.end is None and self.error is None:
+                conn.protocol.reset_stream(self.stream_id, ErrorCodes.CANCEL)
+                conn.kick()
+            self.release_messages()
+
+    def status_error(self) -> RpcError | None:
+        """The error a non-OK end represents (None for OK)."""
+        status = self.end.status  # type: ignore[union-attr]
+        code = status.int_value
+        if code == 0:
+            return None
+        return RpcError(StatusCode.from_wire(code), status.status_message, self.end.custom_metadata)  # type: ignore[union-attr]
+
+    def take_message(self) -> bytes:
+        event = self.messages.popleft()
+        self.conn.acknowledge(self.stream_id, event.flow_controlled_length)
+        return event.data
+
+
+class _ClientConnection(Connection):
+    def __init__(self, stream: trio.SocketStream, protocol: GrpcProtocol, description: str) -> None:
+        super().__init__(stream, protocol, description)
+        self.goaway: str | None = None
+
+    def handle_events(self, events: list) -> None:
+        calls = self.calls
+        for event in events:
+            kind = type(event)
+            if kind is MessageReceived:
+                call = calls.get(event.stream_id)
+                if call is None:
+                    self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                else:
+                    call.messages.append(event)
+                    call.wake()
+            elif kind is ResponseReceived:
+                call = calls.get(event.stream_id)
+                if call is not None:
+                    call.headers = event  # type: ignore[attr-defined]
+                    call.wake()
+            elif kind is ResponseEnded:
+                call = calls.pop(event.stream_id, None)
+                if call is not None:
+                    call.end = event  # type: ignore[attr-defined]
+                    call.wake()
+            elif kind is WindowUpdated:
+                self.wake_window_waiters(event.stream_id)
+            elif kind is StreamReset:
+                call = calls.pop(event.stream_id, None)
+                if call is not None and call.end is None:  # type: ignore[attr-defined]
+                    code, message = _RESET_CODES.get(
+                        event.error_code,
+                        (StatusCode.INTERNAL, f"stream reset by the server (error code {event.error_code})"),
+                    )
+                    call.fail(RpcError(code, message))
+            elif kind is StreamFailed:
+                call = calls.pop(event.stream_id, None)
+                if call is not None:
+                    call.fail(RpcError(event.code, event.message))
+            elif kind is SettingsReceived:
+                self.wake_window_waiters(0)
+            elif kind is GoAway:
+                self._goaway(event)
+
+    def _goaway(self, event: GoAway) -> None:
+        if event.error_code:
+            reason = f"connection to {self.description} closed by the peer (GOAWAY, error code {event.error_code})"
+        else:
+            reason = f"connection to {self.description} is shutting down (GOAWAY)"
+        self.goaway = reason
+        for stream_id in [sid for sid in self.calls if sid > event.last_stream_id]:
+            self.calls.pop(stream_id).fail(ConnectionLostError(reason))
+        if event.error_code:
+            self.lose(reason)
+
+
+class Channel:
+    """One HTTP/2 connection to a gRPC server; any number of concurrent calls.
+
+    Created by ``connect_channel`` (caller's nursery) or ``open_channel``. A channel never reconnects:
+    after a connection-level failure it is ``broken`` and every call raises ``ConnectionLostError``
+    (UNAVAILABLE); the owner replaces it.
+    """
+
+    def __init__(self, stream: trio.SocketStream, host: str, port: int, max_message_length: int) -> None:
+        description = f"{host}:{port}"
+        protocol = GrpcProtocol(GRPCConfiguration(client_side=True, max_message_length=max_message_length))
+        self._conn = _ClientConnection(stream, protocol, description)
+        authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        self._head = ((":method", "POST"), (":scheme", "http"), (":authority", authority))
+        self.max_message_length = max_message_length
+        self.host = host
+        self.port = port
+        self.closed = False
+        self.local_address: tuple[str, int] = tuple(stream.socket.getsockname()[:2])  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "broken" if self.broken else "open"
+        return f"<Channel {self.host}:{self.port} [{state}, {len(self._conn.calls)} active calls]>"
+
+    @property
+    def broken(self) -> bool:
+        """A connection-level failure (or GOAWAY) was observed: the owner should replace the channel."""
+        return self._conn.lost is not None or self._conn.goaway is not None
+
+    # -- calls ---------------------------------------------------------------------------------------
+
+    def _check_size(self, data: bytes) -> None:
+        if len(data) > self.max_message_length:
+            raise RpcError(
+                StatusCode.RESOURCE_EXHAUSTED,
+                f"trying to send message larger than max ({len(data)} vs. {self.max_message_length})",
+            )
+
+    def _start_call(self, method: str, metadata: Sequence[tuple[str, Any]], timeout: float | None) -> _ClientCall:
+        conn = self._conn
+        if conn.lost is not None:
+            raise ConnectionLostError("channel closed" if self.closed else conn.lost)
+        if conn.goaway is not None:
+            raise ConnectionLostError(conn.goaway)
+        headers = [*self._head, (":path", method), *_REQUEST_HEADERS_TAIL]
+        if timeout is not None:
+            headers.append(("grpc-timeout", encode_timeout(timeout)))
+        if metadata:
+            headers.extend(_encode_metadata(metadata))
+        h2conn = conn.h2
+        try:
+            stream_id = h2conn.get_next_available_stream_id()
+            h2conn.send_headers(stream_id, headers)
+        except h2.exceptions.TooManyStreamsError:
+            raise RpcError(StatusCode.RESOURCE_EXHAUSTED, "too many concurrent streams on the connection") from None
+        except h2.exceptions.NoAvailableStreamIDError:
+            conn.goaway = f"connection to {conn.description} ran out of stream ids"
+            raise ConnectionLostError(conn.goaway) from None
+        call = _ClientCall(conn, stream_id)
+        conn.calls[stream_id] = call
+        return call
+
+    async def unary_unary(
+        self,
+        method: str,
+        request: Any,
+        response_type: Any,
+        *,
+        metadata: Sequence[tuple[str, Any]] = (),
+        timeout: float | None = None,
+    ) -> Any:
+        """Call a unary RPC (``method`` is the full path, e.g. ``"/vllm.Control/GetModelInfo"``).
+
+        Raises:
+            RpcError: the server answered a non-OK status; DEADLINE_EXCEEDED when ``timeout`` (seconds,
+                also sent as ``grpc-timeout``) expires; RESOURCE_EXHAUSTED for an over-limit message.
+            ConnectionLostError: the connection failed (UNAVAILABLE).
+
+        Cancellation: the stream is reset (RST_STREAM CANCEL) at once; the channel stays usable.
+        """
+        data = request.SerializeToString()
+        self._check_size(data)
+        deadline = deadline_after(timeout)
+        if timeout is not None and timeout <= 0:
+            raise _deadline_exceeded()
+        call = self._start_call(method, metadata, timeout)
+        try:
+            with trio.move_on_at(deadline) as scope:
+                await self._conn.send_message(call, frame_message(data), True)
+                while call.end is None:
+                    if call.error is not None:
+                        raise _copy_error(call.error)
+                    await call.wait()
+            if scope.cancelled_caught:
+                raise _deadline_exceeded()
+            error = call.status_error()
+            if error is not None:
+                raise error
+            if len(call.messages) != 1:
+                raise RpcError(
+                    StatusCode.INTERNAL, f"unary call {method} returned {len(call.messages)} messages, expected 1"
+                )
+            payload = call.take_message()
+        finally:
+            call.close()
+        try:
+            return response_type.FromString(payload)
+        except DecodeError:
+            raise RpcError(StatusCode.INTERNAL, f"failed to parse the response message of {method}") from None
+
+    def unary_stream(
+        self,
+        method: str,
+        request: Any,
+        response_type: Any,
+        *,
+        metadata: Sequence[tuple[str, Any]] = (),
+        timeout: float | None = None,
+    ) -> ResponseStream:
+        """Open a server-streaming call: ``async with channel.unary_stream(...) as stream: async for ...``.
+
+        ``__aenter__`` sends the request and waits for the response headers: a non-OK trailers-only answer
+        raises ``RpcError`` there. Iterating yields messages until OK trailers; a non-OK status raises
+        ``RpcError``; a lost connection raises ``ConnectionLostError`` promptly.
+
+        Cancellation: leaving the block before the end (break, cancel, exception) resets the stream
+        (RST_STREAM CANCEL) at once; other calls on the channel are unaffected.
+        """
+        return ResponseStream(self, method, request, response_type, metadata, timeout)
+
+    async def aclose(self) -> None:
+        """Close the connection (GOAWAY, then the socket); open calls fail with ``ConnectionLostError``."""
+        if self.closed:
+            return
+        self.closed = True
+        await self._conn.aclose()
+
+    async def __aenter__(self) -> Channel:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+
+class ResponseStream:
+    """The response side of a server-streaming call (see ``Channel.unary_stream``)."""
+
+    def __init__(
+        self,
+        channel: Channel,
+        method: str,
+        request: Any,
+        response_type: Any,
+        metadata: Sequence[tuple[str, Any]],
+        timeout: float | None,
+    ) -> None:
+        self._channel = channel
+        self._method = method
+        self._request = request
+        self._response_type = response_type
+        self._metadata = metadata
+        self._timeout = timeout
+        self._deadline = math.inf
+        self._call: _ClientCall | None = None
+        self.initial_metadata: tuple = ()
+        self.trailing_metadata: tuple = ()
+
+    async def __aenter__(self) -> ResponseStream:
+        channel = self._channel
+        data = self._request.SerializeToString()
+        channel._check_size(data)
+        timeout = self._timeout
+        if timeout is not None and timeout <= 0:
+            raise _deadline_exceeded()
+        self._deadline = deadline_after(timeout)
+        call = self._call = channel._start_call(self._method, self._metadata, timeout)
+        try:
+            with trio.move_on_at(self._deadline) as scope:
+                await channel._conn.send_message(call, frame_message(data), True)
+                while call.headers is None and call.end is None:
+                    if call.error is not None:
+                        raise _copy_error(call.error)
+                    await call.wait()
+            if scope.cancelled_caught:
+                raise _deadline_exceeded()
+            if call.headers is not None:
+                self.initial_metadata = call.headers.custom_metadata
+            if call.end is not None:
+                error = call.status_error()
+                if error is not None:
+                    raise error
+        except BaseException:
+            call.close()
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._call is not None:
+            self._call.close()
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self
+
+    async def __anext__(self) -> Any:
+        call = self._call
+        if call is None:
+            raise RuntimeError("use 'async with channel.unary_stream(...) as stream:' before iterating")
+        while True:
+            if call.messages:
+                payload = call.take_message()
+                try:
+                    return self._response_type.FromString(payload)
+                except DecodeError:
+                    call.close()
+                    raise RpcError(
+                        StatusCode.INTERNAL, f"failed to parse a response message of {self._method}"
+                    ) from None
+            if call.end is not None:
+                self.trailing_metadata = call.end.custom_metadata
+                call.close()
+                error = call.status_error()
+                if error is not None:
+                    raise error
+                raise StopAsyncIteration
+            if call.error is not None:
+                call.close()
+                raise _copy_error(call.error)
+            if call.done:
+                raise RuntimeError("the response stream is closed")
+            if self._deadline == math.inf:
+                await call.wait()
+            else:
+                with trio.move_on_at(self._deadline):
+                    await call.wait()
+                if trio.current_time() >= self._deadline and not call.messages and call.end is None:
+                    call.close()
+                    raise _deadline_exceeded()
+
+
+async def connect_channel(
+    nursery: trio.Nursery,
+    host: str,
+    port: int,
+    *,
+    max_message_length: int = DEFAULT_MAX_MESSAGE_LENGTH,
+) -> Channel:
+    """Connect over TCP and exchange the HTTP/2 preface; returns once the server's SETTINGS arrived.
+
+    The channel's reader and writer run in ``nursery``; ``await channel.aclose()`` ends them.
+
+    Raises:
+        OSError: the TCP connection failed (refused, unreachable, ...).
+        ConnectionLostError: the peer closed or broke the connection during the handshake.
+
+    Cancellation: the caller bounds the attempt with a cancel scope; a cancelled attempt closes its socket.
+    """
+    stream = await trio.open_tcp_stream(host, port)
+    try:
+        channel = Channel(stream, host, port, max_message_length)
+        conn = channel._conn
+        conn.protocol.initiate_connection()
+        await stream.send_all(conn.h2.data_to_send())
+        settled = False
+        while not settled:
+            try:
+                data = await stream.receive_some(65536)
+            except trio.BrokenResourceError as exc:
+                raise ConnectionLostError(f"connection to {host}:{port} lost during the HTTP/2 handshake: {exc}") from exc
+            if not data:
+                raise ConnectionLostError(f"connection to {host}:{port} closed during the HTTP/2 handshake")
+            try:
+                events = conn.protocol.receive_data(data)
+            except h2.exceptions.ProtocolError as exc:
+                raise ConnectionLostError(f"HTTP/2 handshake with {host}:{port} failed: {exc}") from exc
+            for event in events:
+                if type(event) is SettingsReceived:
+                    settled = True
+                elif type(event) is GoAway:
+                    raise ConnectionLostError(f"connection to {host}:{port} refused during the handshake (GOAWAY)")
+        pending = conn.h2.data_to_send()
+        if pending:
+            await stream.send_all(pending)
+        await nursery.start(conn.run)
+    except BaseException:
+        stream.socket.close()
+        raise
+    return channel
+
+
+@asynccontextmanager
+async def open_channel(
+    host: str, port: int, *, max_message_length: int = DEFAULT_MAX_MESSAGE_LENGTH
+) -> AsyncIterator[Channel]:
+    """``connect_channel`` with its own nursery; the channel is closed when the block exits."""
+    with collapse_single_exception():
+        async with trio.open_nursery() as nursery:
+            channel = await connect_channel(nursery, host, port, max_message_length=max_message_length)
+            try:
+                yield channel
+            finally:
+                await channel.aclose()

@@ -1,0 +1,323 @@
+"""One HTTP/2 connection on a Trio socket stream: the reader, the writer, and per-stream calls.
+
+Shared by the client (``_client``) and the server (``_server``); see the theory of operation in
+``trio_sidecar/transport/__init__.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+from collections import deque
+
+import h2.exceptions
+import trio
+from trio.lowlevel import Abort, current_task, reschedule, wait_task_rescheduled
+
+from ._errors import ConnectionLostError, RpcError
+from ._protocol import GrpcProtocol
+from trio_sidecar.status import StatusCode
+
+LOGGER = logging.getLogger("trio_sidecar.transport")
+
+RECEIVE_SIZE = 256 * 1024
+# A sender parks until the writer has flushed once this much is queued, so a fast producer batches its
+# writes without ever holding more than this much outbound data per connection.
+WRITE_HIGH_WATER = 64 * 1024
+
+_pack_prefix = struct.Struct(">BI").pack
+
+
+def frame_message(data: bytes) -> bytes:
+    """gRPC length-prefixed message (never compressed)."""
+    return _pack_prefix(0, len(data)) + data
+
+
+def deadline_after(timeout: float | None) -> float:
+    """Absolute Trio deadline for a call timeout (``inf`` for none)."""
+    if timeout is None:
+        return math.inf
+    return trio.current_time() + timeout
+
+
+class Call:
+    """State of one HTTP/2 stream carrying a call, shared by the reader task and the call's owner task.
+
+    Only the owner task ever parks on a call (``wait``); the reader and the writer ``wake`` it. Every wait
+    sits in a loop that re-checks the call's state, so spurious wake-ups are harmless.
+    """
+
+    __slots__ = ("_task", "conn", "done", "error", "messages", "stream_id")
+
+    def __init__(self, conn: Connection, stream_id: int) -> None:
+        self.conn = conn
+        self.stream_id = stream_id
+        self.messages: deque = deque()  # purerpc MessageReceived events, not yet acknowledged
+        self.error: RpcError | None = None
+        self.done = False
+        self._task = None
+
+    def wake(self) -> None:
+        task = self._task
+        if task is not None:
+            self._task = None
+            reschedule(task)
+
+    async def wait(self) -> None:
+        self._task = current_task()
+
+        def abort(raise_cancel):  # type: ignore[no-untyped-def]
+            self._task = None
+            return Abort.SUCCEEDED
+
+        await wait_task_rescheduled(abort)
+
+    def fail(self, error: RpcError) -> None:
+        """The stream is gone (connection lost, reset by the peer): remember why and wake the owner."""
+        if self.error is None:
+            self.error = error
+        self.wake()
+
+    def release_messages(self) -> None:
+        """Hand unconsumed messages back to the connection's flow-control window."""
+        if self.messages:
+            total = sum(event.flow_controlled_length for event in self.messages)
+            self.messages.clear()
+            self.conn.acknowledge(self.stream_id, total)
+
+
+class Connection:
+    """Reader + writer for one socket; subclasses dispatch the protocol events (``handle_events``)."""
+
+    def __init__(self, stream: trio.SocketStream, protocol: GrpcProtocol, description: str) -> None:
+        self.stream = stream
+        self.protocol = protocol
+        self.h2 = protocol.h2_connection
+        self.description = description
+        self.calls: dict[int, Call] = {}
+        self.lost: str | None = None  # why the connection is unusable; set once
+        self.closing = False
+        self.window_waiters: set[Call] = set()
+        self.nursery: trio.Nursery | None = None
+        self._writer = None  # the writer task while it is parked
+        self._drain_waiters: list = []
+        self._scope = trio.CancelScope()
+        self._done = trio.Event()
+
+    # -- writing -------------------------------------------------------------------------------------
+
+    def kick(self) -> None:
+        """Wake the writer (it sends whatever h2 has queued)."""
+        task = self._writer
+        if task is not None:
+            self._writer = None
+            reschedule(task)
+
+    def acknowledge(self, stream_id: int, length: int) -> None:
+        """The application consumed ``length`` flow-controlled bytes of a stream."""
+        if length and self.lost is None:
+            self.h2.acknowledge_received_data(length, stream_id)
+            if self.h2._data_to_send:
+                self.kick()
+
+    async def _write_loop(self) -> None:
+        h2conn = self.h2
+        send_all = self.stream.send_all
+        try:
+            while True:
+                data = h2conn.data_to_send()
+                if data:
+                    await send_all(data)
+                    if self._drain_waiters:
+                        self._wake_drain_waiters()
+                elif self.closing:
+                    self.lose("channel closed")
+                    return
+                else:
+                    self._writer = current_task()
+
+                    def abort(raise_cancel):  # type: ignore[no-untyped-def]
+                        self._writer = None
+                        return Abort.SUCCEEDED
+
+                    await wait_task_rescheduled(abort)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            self.lose(f"connection to {self.description} lost: {exc or type(exc).__name__}")
+
+    def _wake_drain_waiters(self) -> None:
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for task in waiters:
+            reschedule(task)
+
+    async def wait_drained(self) -> None:
+        """Park until the writer has flushed the queued data (or the connection is lost)."""
+        if self.lost is not None:
+            return
+        self.kick()
+        task = current_task()
+        self._drain_waiters.append(task)
+
+        def abort(raise_cancel):  # type: ignore[no-untyped-def]
+            try:
+                self._drain_waiters.remove(task)
+            except ValueError:
+                pass
+            return Abort.SUCCEEDED
+
+        await wait_task_rescheduled(abort)
+
+    async def send_message(self, call: Call, payload: bytes, end_stream: bool) -> None:
+        """Queue one framed message on ``call``'s stream, respecting HTTP/2 flow control.
+
+        Returns once the message is queued for the writer; parks while the peer's window is closed or too
+        much is queued. Raises the call's error if the stream or the connection fails meanwhile.
+        """
+        h2conn = self.h2
+        stream_id = call.stream_id
+        total = len(payload)
+        if call.error is None:
+            try:
+                window = h2conn.local_flow_control_window(stream_id)
+            except h2.exceptions.StreamClosedError:
+                window = -1
+            if total <= window and total <= h2conn.max_outbound_frame_size:
+                # Fast path: the whole message fits the window and one frame.
+                h2conn.send_data(stream_id, payload, end_stream=end_stream)
+                self.kick()
+                if len(h2conn._data_to_send) >= WRITE_HIGH_WATER:
+                    await self.wait_drained()
+                    self._raise_if_failed(call)
+                return
+        position = 0
+        while True:
+            self._raise_if_failed(call)
+            try:
+                window = h2conn.local_flow_control_window(stream_id)
+            except h2.exceptions.StreamClosedError:
+                # The peer closed the stream; its RST_STREAM event will (or did) fail the call.
+                raise RpcError(StatusCode.CANCELLED, "stream closed by the peer") from None
+            frame_size = h2conn.max_outbound_frame_size
+            while window > 0 and position < total:
+                size = min(window, frame_size, total - position)
+                last = position + size >= total
+                h2conn.send_data(stream_id, payload[position:position + size], end_stream=end_stream and last)
+                position += size
+                window -= size
+            if position >= total:
+                if total == 0 and end_stream:
+                    h2conn.send_data(stream_id, b"", end_stream=True)
+                self.kick()
+                if len(h2conn._data_to_send) >= WRITE_HIGH_WATER:
+                    await self.wait_drained()
+                    self._raise_if_failed(call)
+                return
+            self.kick()
+            self.window_waiters.add(call)
+            try:
+                await call.wait()
+            finally:
+                self.window_waiters.discard(call)
+
+    def _raise_if_failed(self, call: Call) -> None:
+        if call.error is not None:
+            raise _copy_error(call.error)
+
+    def wake_window_waiters(self, stream_id: int) -> None:
+        if stream_id == 0:
+            waiters = list(self.window_waiters)
+            for call in waiters:
+                call.wake()
+        else:
+            call = self.calls.get(stream_id)
+            if call is not None and call in self.window_waiters:
+                call.wake()
+
+    # -- reading -------------------------------------------------------------------------------------
+
+    def handle_events(self, events: list) -> None:
+        raise NotImplementedError
+
+    async def _read_loop(self) -> None:
+        receive_some = self.stream.receive_some
+        receive_data = self.protocol.receive_data
+        h2conn = self.h2
+        while True:
+            try:
+                data = await receive_some(RECEIVE_SIZE)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                self.lose(f"connection to {self.description} lost: {exc or type(exc).__name__}")
+                return
+            if not data:
+                self.lose(f"connection to {self.description} closed by the peer")
+                return
+            try:
+                events = receive_data(data)
+            except h2.exceptions.ProtocolError as exc:
+                self.lose(f"HTTP/2 protocol error on the connection to {self.description}: {exc}")
+                return
+            if events:
+                self.handle_events(events)
+            if h2conn._data_to_send:
+                self.kick()
+
+    # -- lifetime ------------------------------------------------------------------------------------
+
+    def lose(self, reason: str) -> None:
+        """Mark the connection dead: fail every open call at once and stop the reader and the writer."""
+        if self.lost is not None:
+            return
+        self.lost = reason
+        calls = list(self.calls.values())
+        self.calls.clear()
+        for call in calls:
+            self.connection_lost(call, reason)
+        self._wake_drain_waiters()
+        self._scope.cancel()
+
+    def connection_lost(self, call: Call, reason: str) -> None:
+        call.fail(ConnectionLostError(reason))
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the reader and the writer until the connection is lost or closed; closes the socket.
+
+        Never raises except ``Cancelled``: failures become ``lost`` and fail the open calls.
+        """
+        try:
+            with self._scope:
+                async with trio.open_nursery() as nursery:
+                    self.nursery = nursery
+                    nursery.start_soon(self._write_loop)
+                    task_status.started()
+                    try:
+                        await self._read_loop()
+                    except Exception as exc:  # a bug here must not take the owner's nursery down
+                        LOGGER.exception("transport: unexpected error on %s", self.description)
+                        self.lose(f"internal transport error on the connection to {self.description}: {exc!r}")
+        finally:
+            self.lose(f"connection to {self.description} closed")
+            self.stream.socket.close()
+            self._done.set()
+
+    async def aclose(self, *, grace: float = 0.5) -> None:
+        """Send GOAWAY, let the writer flush for up to ``grace`` seconds, then close the socket."""
+        if self.lost is None and not self.closing:
+            self.closing = True
+            try:
+                self.h2.close_connection()
+            except h2.exceptions.ProtocolError:
+                pass
+            self.kick()
+            with trio.move_on_after(grace) as scope:
+                scope.shield = True
+                await self._done.wait()
+        self.lose("channel closed")
+        with trio.CancelScope(shield=True):
+            await self._done.wait()
+
+
+def _copy_error(error: RpcError) -> RpcError:
+    """A fresh exception per raise (a shared instance would accumulate tracebacks across tasks)."""
+    if isinstance(error, ConnectionLostError):
+        return ConnectionLostError(error.message)
+    return RpcError(error.code, error.message, error.trailing_metadata)

@@ -1,0 +1,343 @@
+"""purerpc's sans-IO gRPC core, with the gaps the transport needs closed (pure: no I/O, no Trio).
+
+``GrpcProtocol`` subclasses ``purerpc.grpclib.connection.GRPCConnection`` (transport-findings §10):
+
+* RST_STREAM from the peer becomes a ``StreamReset`` event (the core drops it);
+* an oversize inbound message fails only its stream (``StreamFailed`` RESOURCE_EXHAUSTED) instead of
+  raising out of ``receive_data`` and losing the other events of that read;
+* malformed response/request headers or trailers fail only their stream (``StreamFailed``);
+* DATA for a stream without a read buffer no longer raises ``KeyError``;
+* GOAWAY becomes a ``GoAway`` event and the peer's first SETTINGS a ``SettingsReceived`` event;
+* the h2 3.2.0 WINDOW_UPDATE-after-close race is handled inside h2 (``_H2Connection``).
+
+Flow control: received DATA is acknowledged when the application consumes the message (or drops the
+stream), so a slow reader pushes back on its sender. ``discard_stream`` hands back everything still
+buffered for a stream, so abandoned streams never eat the connection window.
+"""
+
+from __future__ import annotations
+
+import math
+import urllib.parse
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+import h2.settings
+from h2.errors import ErrorCodes
+from h2.settings import SettingCodes
+from purerpc.grpclib.buffers import MessageReadBuffer
+from purerpc.grpclib.config import GRPCConfiguration
+from purerpc.grpclib.connection import GRPCConnection
+from purerpc.grpclib.events import (
+    MessageReceived,
+    RequestEnded,
+    RequestReceived,
+    ResponseEnded,
+    ResponseReceived,
+    WindowUpdated,
+)
+from purerpc.grpclib.exceptions import MessageTooLargeError
+from purerpc.grpclib.exceptions import ProtocolError as GrpcProtocolError
+from purerpc.grpclib.headers import HeaderDict
+
+from trio_sidecar.status import StatusCode
+
+__all__ = [
+    "GoAway",
+    "GrpcProtocol",
+    "MessageReceived",
+    "RequestEnded",
+    "RequestReceived",
+    "ResponseEnded",
+    "ResponseReceived",
+    "SettingsReceived",
+    "StreamFailed",
+    "StreamReset",
+    "WindowUpdated",
+    "decode_grpc_message",
+    "encode_grpc_message",
+    "encode_timeout",
+    "ErrorCodes",
+]
+
+_MAX_WINDOW = 2**31 - 1
+
+# Errors that parsing a header block can raise (purerpc's parsers index dicts and call int()).
+_HEADER_ERRORS = (GrpcProtocolError, ValueError, KeyError, IndexError, AttributeError)
+
+
+class StreamReset:
+    """The peer sent RST_STREAM."""
+
+    __slots__ = ("error_code", "stream_id")
+
+    def __init__(self, stream_id: int, error_code: int) -> None:
+        self.stream_id = stream_id
+        self.error_code = error_code
+
+
+class StreamFailed:
+    """One stream failed locally (oversize message, malformed headers); it has already been reset."""
+
+    __slots__ = ("code", "message", "stream_id")
+
+    def __init__(self, stream_id: int, code: StatusCode, message: str) -> None:
+        self.stream_id = stream_id
+        self.code = code
+        self.message = message
+
+
+class GoAway:
+    """The peer sent GOAWAY: streams above ``last_stream_id`` were not processed."""
+
+    __slots__ = ("error_code", "last_stream_id")
+
+    def __init__(self, last_stream_id: int, error_code: int) -> None:
+        self.last_stream_id = last_stream_id
+        self.error_code = error_code
+
+
+class SettingsReceived:
+    """The peer's SETTINGS arrived (completes the client's handshake; may open every stream's window)."""
+
+    __slots__ = ()
+
+
+_SETTINGS_RECEIVED = SettingsReceived()
+
+
+class _H2Connection(h2.connection.H2Connection):
+    """h2 3.2.0 with h2 4.x's tolerance of a WINDOW_UPDATE for an already-closed stream.
+
+    grpcio's C core sends WINDOW_UPDATE for streams that are closing. h2 3.2.0 has already pruned them and
+    raises ``StreamClosedError`` from ``_receive_window_update_frame``; ``receive_data`` then queues GOAWAY,
+    moves the connection to CLOSED and drops the events of the frames before it in the same read
+    (transport-findings §5.7, §10). Catching the error here, per frame, turns it into "no events" as h2 4.x
+    does, and the remaining frames of the read are processed normally.
+    """
+
+    def _receive_window_update_frame(self, frame):  # type: ignore[no-untyped-def]
+        try:
+            return super()._receive_window_update_frame(frame)
+        except h2.exceptions.StreamClosedError:
+            if frame.stream_id:
+                return [], []
+            raise
+
+
+def _buffered_flow_controlled_length(buffer: MessageReadBuffer) -> int:
+    # purerpc 0.8.0 (pinned) internals: unparsed chunks, a parsed message prefix, parsed messages.
+    total = sum(length for _, length in buffer._buffer._deque)
+    total += buffer._flow_controlled_length or 0
+    total += sum(length for _, length in buffer._messages)
+    return total
+
+
+_HTTP_TO_GRPC = {
+    400: StatusCode.INTERNAL,
+    401: StatusCode.UNAUTHENTICATED,
+    403: StatusCode.PERMISSION_DENIED,
+    404: StatusCode.UNIMPLEMENTED,
+    429: StatusCode.UNAVAILABLE,
+    502: StatusCode.UNAVAILABLE,
+    503: StatusCode.UNAVAILABLE,
+    504: StatusCode.UNAVAILABLE,
+}
+
+
+class GrpcProtocol(GRPCConnection):
+    """``GRPCConnection`` with per-stream failure handling and a table-driven ``receive_data``."""
+
+    def __init__(self, config: GRPCConfiguration) -> None:
+        self.config = config
+        self.h2_connection = _H2Connection(
+            h2.config.H2Configuration(client_side=config.client_side, header_encoding="utf-8")
+        )
+        self.h2_connection.clear_outbound_data_buffer()
+        self._set_h2_connection_local_settings()
+        self.message_read_buffers: dict[int, MessageReadBuffer] = {}
+        self._dispatch = {
+            h2.events.RequestReceived: self._request_received,
+            h2.events.ResponseReceived: self._response_received,
+            h2.events.TrailersReceived: self._trailers_received,
+            h2.events.DataReceived: self._data_received,
+            h2.events.WindowUpdated: self._window_updated,
+            h2.events.RemoteSettingsChanged: self._remote_settings_changed,
+            h2.events.StreamEnded: self._stream_ended,
+            h2.events.StreamReset: self._stream_reset,
+            h2.events.ConnectionTerminated: self._connection_terminated,
+        }
+
+    def _set_h2_connection_local_settings(self) -> None:
+        # The core sets the per-stream window to twice the message limit; clamp to HTTP/2's maximum.
+        self.h2_connection.local_settings = h2.settings.Settings(
+            client=self.config.client_side,
+            initial_values={
+                SettingCodes.MAX_CONCURRENT_STREAMS: self.MAX_CONCURRENT_STREAMS,
+                SettingCodes.INITIAL_WINDOW_SIZE: min(2 * self.config.max_message_length, _MAX_WINDOW),
+                SettingCodes.MAX_FRAME_SIZE: self.MAX_INBOUND_FRAME_SIZE,
+                SettingCodes.MAX_HEADER_LIST_SIZE: self.MAX_HEADER_LIST_SIZE,
+            },
+        )
+        self.h2_connection.max_inbound_frame_size = self.MAX_INBOUND_FRAME_SIZE
+
+    def receive_data(self, data: bytes) -> list:
+        """Feed bytes from the socket; returns events. h2 ``ProtocolError`` means the connection is dead."""
+        events = []
+        dispatch = self._dispatch
+        for event in self.h2_connection.receive_data(data):
+            handler = dispatch.get(type(event))
+            if handler is not None:
+                events.extend(handler(event))
+        return events
+
+    # -- per-stream failures -------------------------------------------------------------------------
+
+    def discard_stream(self, stream_id: int) -> None:
+        """Forget a stream's read buffer and hand its buffered bytes back to the connection window."""
+        buffer = self.message_read_buffers.pop(stream_id, None)
+        if buffer is not None:
+            pending = _buffered_flow_controlled_length(buffer)
+            if pending:
+                self.h2_connection.acknowledge_received_data(pending, stream_id)
+
+    def reset_stream(self, stream_id: int, error_code: int = ErrorCodes.CANCEL) -> None:
+        """Send RST_STREAM unless the stream is already closed; always discards its buffer."""
+        self.discard_stream(stream_id)
+        try:
+            self.h2_connection.reset_stream(stream_id, error_code)
+        except h2.exceptions.StreamClosedError:
+            pass
+        except h2.exceptions.ProtocolError:
+            # Stream in a state that cannot be reset (e.g. already closed and pruned): nothing to do.
+            pass
+
+    def _fail(self, stream_id: int, code: StatusCode, message: str) -> list:
+        # A client resets at once; a server first answers the status (the I/O layer), then resets.
+        if self.config.client_side:
+            self.reset_stream(stream_id)
+        else:
+            self.discard_stream(stream_id)
+        return [StreamFailed(stream_id, code, message)]
+
+    # -- event handlers ------------------------------------------------------------------------------
+
+    def _request_received(self, event: h2.events.RequestReceived) -> list:
+        stream_id = event.stream_id
+        if event.stream_ended:
+            return [StreamFailed(stream_id, StatusCode.INTERNAL, "request ended before a message was sent")]
+        try:
+            request = RequestReceived.parse_from_stream_id_and_headers_destructive(
+                stream_id, HeaderDict(event.headers)
+            )
+        except _HEADER_ERRORS as exc:
+            return [StreamFailed(stream_id, StatusCode.INTERNAL, f"malformed request headers: {exc}")]
+        self.message_read_buffers[stream_id] = MessageReadBuffer(
+            request.message_encoding, self.config.max_message_length
+        )
+        return [request]
+
+    def _response_received(self, event: h2.events.ResponseReceived) -> list:
+        stream_id = event.stream_id
+        headers = HeaderDict(event.headers)
+        try:
+            http_status = int(headers.get(":status", "0"))
+        except ValueError:
+            http_status = 0
+        if http_status != 200:
+            code = _HTTP_TO_GRPC.get(http_status, StatusCode.UNKNOWN)
+            return self._fail(stream_id, code, f"unexpected HTTP status {http_status}")
+        try:
+            response = ResponseReceived.parse_from_stream_id_and_headers_destructive(stream_id, headers)
+            if event.stream_ended:
+                ended = ResponseEnded.parse_from_stream_id_and_headers_destructive(stream_id, headers)
+                ended.custom_metadata = response.custom_metadata
+                return [response, ended]
+        except _HEADER_ERRORS as exc:
+            return self._fail(stream_id, StatusCode.UNKNOWN, f"malformed response headers: {exc}")
+        self.message_read_buffers[stream_id] = MessageReadBuffer(
+            response.message_encoding, self.config.max_message_length
+        )
+        return [response]
+
+    def _trailers_received(self, event: h2.events.TrailersReceived) -> list:
+        try:
+            return [ResponseEnded.parse_from_stream_id_and_headers_destructive(
+                event.stream_id, HeaderDict(event.headers)
+            )]
+        except _HEADER_ERRORS as exc:
+            self.discard_stream(event.stream_id)
+            return [StreamFailed(event.stream_id, StatusCode.UNKNOWN, f"malformed trailers: {exc}")]
+
+    def _data_received(self, event: h2.events.DataReceived) -> list:
+        stream_id = event.stream_id
+        buffer = self.message_read_buffers.get(stream_id)
+        if buffer is None:
+            # Give the bytes back to the connection window whatever happens to the stream.
+            if event.flow_controlled_length:
+                self.h2_connection.acknowledge_received_data(event.flow_controlled_length, stream_id)
+            if self.config.client_side:
+                return self._fail(stream_id, StatusCode.INTERNAL, "DATA received before response headers")
+            return []
+        try:
+            buffer.data_received(event.data, event.flow_controlled_length)
+        except MessageTooLargeError:
+            length = buffer._message_length
+            return self._fail(
+                stream_id,
+                StatusCode.RESOURCE_EXHAUSTED,
+                f"received message larger than max ({length} vs. {self.config.max_message_length})",
+            )
+        except Exception as exc:  # e.g. an unsupported compression flag
+            return self._fail(stream_id, StatusCode.INTERNAL, f"invalid message framing: {exc}")
+        messages = buffer._messages
+        if not messages:
+            return []
+        buffer._messages = type(messages)()
+        return [MessageReceived(stream_id, data, length) for data, length in messages]
+
+    def _window_updated(self, event: h2.events.WindowUpdated) -> list:
+        return [WindowUpdated(event.stream_id, event.delta)]
+
+    def _remote_settings_changed(self, event: h2.events.RemoteSettingsChanged) -> list:
+        return [_SETTINGS_RECEIVED]
+
+    def _stream_ended(self, event: h2.events.StreamEnded) -> list:
+        if self.message_read_buffers.pop(event.stream_id, None) is not None and not self.config.client_side:
+            return [RequestEnded(event.stream_id)]
+        return []
+
+    def _stream_reset(self, event: h2.events.StreamReset) -> list:
+        self.discard_stream(event.stream_id)
+        return [StreamReset(event.stream_id, event.error_code)]
+
+    def _connection_terminated(self, event: h2.events.ConnectionTerminated) -> list:
+        return [GoAway(event.last_stream_id or 0, event.error_code)]
+
+
+# -- header values -----------------------------------------------------------------------------------
+
+# gRPC percent-encodes grpc-message bytes outside printable ASCII, and '%' itself.
+_GRPC_MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if c != 0x25)
+
+
+def encode_grpc_message(message: str) -> str:
+    return urllib.parse.quote(message, safe=_GRPC_MESSAGE_SAFE)
+
+
+def decode_grpc_message(value: str) -> str:
+    return urllib.parse.unquote(value, errors="replace")
+
+
+_TIMEOUT_UNITS = (("u", 1_000_000), ("m", 1_000), ("S", 1), ("M", 1 / 60), ("H", 1 / 3600))
+
+
+def encode_timeout(seconds: float) -> str:
+    """Encode a positive timeout as a ``grpc-timeout`` value (at most 8 digits, rounded up)."""
+    for unit, per_second in _TIMEOUT_UNITS:
+        value = math.ceil(seconds * per_second)
+        if value < 100_000_000:
+            return f"{max(value, 1)}{unit}"
+    return "99999999H"

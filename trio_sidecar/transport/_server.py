@@ -1,0 +1,390 @@
+"""The server side: ``serve_grpc`` serving generated purerpc ``*Servicer`` instances."""
+
+from __future__ import annotations
+
+import errno
+import inspect
+import logging
+import math
+import socket as stdlib_socket
+from collections.abc import Callable, Iterable
+from typing import Any, NoReturn
+
+import h2.exceptions
+import trio
+from google.protobuf.message import DecodeError
+from purerpc.grpclib.config import GRPCConfiguration
+from purerpc.rpc import Cardinality
+
+from ._connection import Call, Connection, frame_message
+from ._errors import DEFAULT_MAX_MESSAGE_LENGTH, RpcError
+from ._protocol import (
+    ErrorCodes,
+    GoAway,
+    GrpcProtocol,
+    MessageReceived,
+    RequestEnded,
+    RequestReceived,
+    SettingsReceived,
+    StreamFailed,
+    StreamReset,
+    WindowUpdated,
+    encode_grpc_message,
+)
+from ._util import collapse_single_exception
+from trio_sidecar.status import StatusCode
+
+__all__ = ["CallContext", "GrpcServer", "serve_grpc"]
+
+LOGGER = logging.getLogger("trio_sidecar.transport.server")
+
+UNEXPECTED_ERROR_MESSAGE = "unexpected server error"
+_RESPONSE_HEADERS = ((":status", "200"), ("content-type", "application/grpc"))
+_OK_TRAILERS = (("grpc-status", "0"),)
+# accept() failures that mean "out of resources right now": wait and retry (as trio.serve_listeners does).
+_ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+
+
+class CallContext:
+    """What a handler knows about its call (passed as ``handler(request, context)``)."""
+
+    __slots__ = ("deadline", "metadata", "method", "peer")
+
+    def __init__(self, method: str, metadata: tuple, peer: tuple[str, int], deadline: float | None) -> None:
+        self.method = method  # "/vllm.Inference/GenerateStream"
+        self.metadata = metadata  # request metadata, lower-case keys
+        self.peer = peer
+        self.deadline = deadline  # trio.current_time() based, from grpc-timeout
+
+    def __repr__(self) -> str:
+        return f"<CallContext {self.method} from {self.peer[0]}:{self.peer[1]}>"
+
+
+class _Method:
+    __slots__ = ("handler", "path", "request_type", "streaming", "takes_context")
+
+    def __init__(self, path: str, handler: Callable | None, request_type: Any, streaming: bool) -> None:
+        self.path = path
+        self.handler = handler  # None: not implemented by the servicer
+        self.request_type = request_type
+        self.streaming = streaming
+        self.takes_context = handler is not None and len(inspect.signature(handler).parameters) >= 2
+
+
+class _Probe:
+    """Stands in for a servicer while its generated ``service`` property lists the methods.
+
+    The generated property passes bound methods to ``purerpc.Service.add_method``, which insists on the
+    stock ``(input_message)`` or ``(input_message, request)`` signatures; our handlers take
+    ``(request, context)``, so the property is evaluated against placeholders instead.
+    """
+
+    def __getattr__(self, name: str) -> Callable:
+        def placeholder(input_message):  # type: ignore[no-untyped-def]
+            raise AssertionError("placeholder")
+
+        return placeholder
+
+
+def _collect_methods(servicers: Iterable[Any]) -> dict[str, _Method]:
+    methods: dict[str, _Method] = {}
+    for servicer in servicers:
+        cls = type(servicer)
+        owner = next((klass for klass in cls.__mro__ if "service" in vars(klass)), None)
+        if owner is None:
+            raise TypeError(f"{cls.__name__} is not a generated purerpc Servicer (no 'service' property)")
+        service = vars(owner)["service"].fget(_Probe())
+        for name, bound in service.methods.items():
+            path = f"/{service.name}/{name}"
+            if path in methods:
+                raise ValueError(f"method {path} is served twice")
+            signature = bound.signature
+            handler = getattr(servicer, name, None)
+            overridden = getattr(cls, name, None) is not vars(owner).get(name)
+            supported = signature.cardinality in (Cardinality.UNARY_UNARY, Cardinality.UNARY_STREAM)
+            methods[path] = _Method(
+                path,
+                handler if overridden and supported else None,
+                signature.request_type,
+                signature.cardinality == Cardinality.UNARY_STREAM,
+            )
+    return methods
+
+
+class _ServerCall(Call):
+    __slots__ = ("path", "request_ended", "reset", "response_started", "scope", "timeout")
+
+    def __init__(self, conn: Connection, stream_id: int, path: str, deadline: float) -> None:
+        super().__init__(conn, stream_id)
+        self.path = path
+        self.scope = trio.CancelScope(deadline=deadline)
+        self.request_ended = False
+        self.response_started = False
+        self.reset = False  # the client reset the stream (or the connection died)
+
+    async def receive_request(self, request_type: Any) -> Any:
+        while not self.request_ended:
+            if self.error is not None:
+                raise self.error
+            await self.wait()
+        if len(self.messages) != 1:
+            raise RpcError(StatusCode.INTERNAL, f"expected 1 request message, received {len(self.messages)}")
+        event = self.messages.popleft()
+        self.conn.acknowledge(self.stream_id, event.flow_controlled_length)
+        try:
+            return request_type.FromString(event.data)
+        except DecodeError:
+            raise RpcError(StatusCode.INTERNAL, "failed to parse the request message") from None
+
+    async def send_response(self, response: Any) -> None:
+        data = response.SerializeToString()
+        limit = self.conn.protocol.config.max_message_length
+        if len(data) > limit:
+            raise RpcError(
+                StatusCode.RESOURCE_EXHAUSTED, f"trying to send message larger than max ({len(data)} vs. {limit})"
+            )
+        if not self.response_started:
+            self.response_started = True
+            self.conn.h2.send_headers(self.stream_id, _RESPONSE_HEADERS)
+        await self.conn.send_message(self, frame_message(data), False)
+
+    def finish(self, code: StatusCode, message: str = "", metadata: Iterable[tuple[str, str]] = ()) -> None:
+        """Send the status (trailers, or a trailers-only response) and end the stream."""
+        conn = self.conn
+        if self.done or self.reset or conn.lost is not None:
+            return
+        self.done = True
+        conn.calls.pop(self.stream_id, None)
+        if code == StatusCode.OK and not message and not metadata and self.response_started:
+            trailers: list = list(_OK_TRAILERS)
+        else:
+            trailers = [] if self.response_started else list(_RESPONSE_HEADERS)
+            trailers.append(("grpc-status", str(int(code))))
+            if message:
+                trailers.append(("grpc-message", encode_grpc_message(message)))
+            trailers.extend(metadata)
+        try:
+            conn.h2.send_headers(self.stream_id, trailers, end_stream=True)
+        except h2.exceptions.StreamClosedError:
+            pass
+        if not self.request_ended:
+            # The request is not complete: tell the client to stop sending (RFC 9113 §8.1).
+            conn.protocol.reset_stream(self.stream_id, ErrorCodes.NO_ERROR)
+        self.release_messages()
+        conn.kick()
+
+    def close(self) -> None:
+        """After the handler: if no status was sent (cancelled by the server itself), reset the stream."""
+        if self.done:
+            return
+        self.done = True
+        conn = self.conn
+        conn.calls.pop(self.stream_id, None)
+        if conn.lost is None:
+            if not self.reset:
+                conn.protocol.reset_stream(self.stream_id, ErrorCodes.CANCEL)
+                conn.kick()
+            self.release_messages()
+
+
+class _ServerConnection(Connection):
+    def __init__(self, stream: trio.SocketStream, protocol: GrpcProtocol, server: GrpcServer) -> None:
+        peer = stream.socket.getpeername()
+        super().__init__(stream, protocol, f"{peer[0]}:{peer[1]}")
+        self.server = server
+        self.peer: tuple[str, int] = (peer[0], peer[1])
+
+    def connection_lost(self, call: Call, reason: str) -> None:
+        call.reset = True  # type: ignore[attr-defined]
+        call.scope.cancel()  # type: ignore[attr-defined]
+        call.wake()
+
+    def handle_events(self, events: list) -> None:
+        calls = self.calls
+        for event in events:
+            kind = type(event)
+            if kind is MessageReceived:
+                call = calls.get(event.stream_id)
+                if call is None:
+                    self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                else:
+                    call.messages.append(event)
+            elif kind is RequestReceived:
+                self._request_received(event)
+            elif kind is RequestEnded:
+                call = calls.get(event.stream_id)
+                if call is not None:
+                    call.request_ended = True  # type: ignore[attr-defined]
+                    call.wake()
+            elif kind is WindowUpdated:
+                self.wake_window_waiters(event.stream_id)
+            elif kind is StreamReset:
+                call = calls.pop(event.stream_id, None)
+                if call is not None:
+                    self.connection_lost(call, "reset")
+            elif kind is StreamFailed:
+                call = calls.get(event.stream_id)
+                if call is not None:
+                    call.finish(event.code, event.message)  # type: ignore[attr-defined]
+                    call.scope.cancel()  # type: ignore[attr-defined]
+                else:
+                    self._reject(event.stream_id, event.code, event.message)
+            elif kind is SettingsReceived:
+                self.wake_window_waiters(0)
+            elif kind is GoAway:
+                pass  # the client is going away; its open calls continue until the socket closes
+
+    def _reject(self, stream_id: int, code: StatusCode, message: str) -> None:
+        trailers = [*_RESPONSE_HEADERS, ("grpc-status", str(int(code))), ("grpc-message", encode_grpc_message(message))]
+        try:
+            self.h2.send_headers(stream_id, trailers, end_stream=True)
+        except h2.exceptions.ProtocolError:
+            pass
+        self.protocol.reset_stream(stream_id, ErrorCodes.NO_ERROR)
+        self.kick()
+
+    def _request_received(self, event: RequestReceived) -> None:
+        path = f"/{event.service_name}/{event.method_name}"
+        method = self.server._methods.get(path)
+        if method is None or method.handler is None:
+            self._reject(event.stream_id, StatusCode.UNIMPLEMENTED, f"method {path} is not implemented")
+            return
+        timeout = event.timeout
+        deadline = math.inf if timeout is None else trio.current_time() + timeout.total_seconds()
+        call = _ServerCall(self, event.stream_id, path, deadline)
+        self.calls[event.stream_id] = call
+        context = CallContext(path, event.custom_metadata, self.peer, None if timeout is None else deadline)
+        self.nursery.start_soon(self._run_call, call, method, context)  # type: ignore[union-attr]
+
+    async def _run_call(self, call: _ServerCall, method: _Method, context: CallContext) -> None:
+        try:
+            with call.scope:
+                try:
+                    request = await call.receive_request(method.request_type)
+                    handler = method.handler
+                    if method.streaming:
+                        responses = handler(request, context) if method.takes_context else handler(request)  # type: ignore[misc]
+                        try:
+                            async for response in responses:
+                                await call.send_response(response)
+                        finally:
+                            await responses.aclose()
+                    else:
+                        response = await (handler(request, context) if method.takes_context else handler(request))  # type: ignore[misc]
+                        await call.send_response(response)
+                    call.finish(StatusCode.OK)
+                except RpcError as exc:
+                    call.finish(exc.code, exc.message, exc.trailing_metadata)
+                except Exception:
+                    LOGGER.exception("handler for %s raised", call.path)
+                    call.finish(StatusCode.UNKNOWN, UNEXPECTED_ERROR_MESSAGE)
+            if call.scope.cancelled_caught and not call.reset and trio.current_time() >= call.scope.deadline:
+                call.finish(StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        finally:
+            call.close()
+
+
+class GrpcServer:
+    """A running ``serve_grpc`` server, as passed to ``task_status.started``."""
+
+    def __init__(self, host: str, port: int, methods: dict[str, _Method], max_message_length: int) -> None:
+        self.host = host
+        self.port = port
+        self.open_connections = 0
+        self.max_message_length = max_message_length
+        self._methods = methods
+
+    def __repr__(self) -> str:
+        return f"<GrpcServer {self.host}:{self.port} [{self.open_connections} open connections]>"
+
+    async def _handle_connection(self, stream: trio.SocketStream) -> None:
+        self.open_connections += 1
+        try:
+            try:
+                protocol = GrpcProtocol(
+                    GRPCConfiguration(client_side=False, max_message_length=self.max_message_length)
+                )
+                conn = _ServerConnection(stream, protocol, self)
+            except OSError:  # the peer is already gone (getpeername fails)
+                stream.socket.close()
+                return
+            protocol.initiate_connection()
+            await conn.run()
+        finally:
+            self.open_connections -= 1
+
+
+async def _bind(host: str, port: int) -> trio.SocketListener:
+    infos = await trio.socket.getaddrinfo(
+        host, port, type=stdlib_socket.SOCK_STREAM, flags=stdlib_socket.AI_PASSIVE
+    )
+    if not infos:  # pragma: no cover - getaddrinfo raises instead
+        raise OSError(f"cannot resolve {host!r}")
+    family, type_, proto, _, sockaddr = infos[0]
+    sock = trio.socket.socket(family, type_, proto)
+    try:
+        # SO_REUSEADDR only lets a restart bind over TIME_WAIT connections; Linux still refuses a second
+        # listener on the same port. SO_REUSEPORT (purerpc's default) is deliberately never set.
+        sock.setsockopt(stdlib_socket.SOL_SOCKET, stdlib_socket.SO_REUSEADDR, 1)
+        if family == stdlib_socket.AF_INET6:
+            sock.setsockopt(stdlib_socket.IPPROTO_IPV6, stdlib_socket.IPV6_V6ONLY, 1)
+        await sock.bind(sockaddr)
+        sock.listen(1024)
+    except BaseException:
+        sock.close()
+        raise
+    return trio.SocketListener(sock)
+
+
+async def serve_grpc(
+    servicers: Iterable[Any],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    max_message_length: int = DEFAULT_MAX_MESSAGE_LENGTH,
+    task_status: trio.TaskStatus[GrpcServer] = trio.TASK_STATUS_IGNORED,
+) -> NoReturn:
+    """Serve gRPC on ``host:port`` until cancelled; start it with ``await nursery.start(serve_grpc, ...)``.
+
+    Args:
+        servicers: instances of generated purerpc ``*Servicer`` subclasses. Handlers are called as
+            ``await handler(request, context)`` (unary) or iterated as ``handler(request, context)`` async
+            generators (server streaming). Methods a servicer does not override answer UNIMPLEMENTED.
+        host: the exact address to bind (default loopback); port 0 picks a free port.
+        max_message_length: limit for one message, each way.
+
+    Returns:
+        Never; ``task_status.started(server)`` reports the ``GrpcServer`` (``host``, ``port``,
+        ``open_connections``).
+
+    Raises:
+        OSError: the address cannot be bound (e.g. the port is in use; no SO_REUSEPORT).
+
+    Error handling: ``RpcError(code, message)`` from a handler answers that status; any other exception
+    answers UNKNOWN ``"unexpected server error"`` (the traceback is logged, never sent). A handler is
+    cancelled when its client resets the stream or disconnects, and at its ``grpc-timeout`` deadline
+    (answering DEADLINE_EXCEEDED).
+
+    Resource handling: cancelling ``serve_grpc`` closes the listener and every connection.
+    """
+    methods = _collect_methods(servicers)
+    listener = await _bind(host, port)
+    try:
+        bound = listener.socket.getsockname()
+        server = GrpcServer(bound[0], bound[1], methods, max_message_length)
+        with collapse_single_exception():
+            async with trio.open_nursery() as nursery:
+                task_status.started(server)
+                while True:
+                    try:
+                        stream = await listener.accept()
+                    except OSError as exc:
+                        if exc.errno in _ACCEPT_CAPACITY_ERRNOS:
+                            LOGGER.error("accept() failed (%s); retrying in 100 ms", exc)
+                            await trio.sleep(0.1)
+                            continue
+                        raise
+                    nursery.start_soon(server._handle_connection, stream)
+    finally:
+        listener.socket.close()
+    raise AssertionError("unreachable")  # pragma: no cover
