@@ -1,7 +1,110 @@
-"""trio-sidecar: a Trio structured-concurrency sidecar between vLLM's gRPC services and NVIDIA Dynamo."""
+"""trio-sidecar: a Trio structured-concurrency sidecar between vLLM's gRPC services and NVIDIA Dynamo.
+
+The public API (sidecar.md §21)::
+
+    from trio_sidecar import open_sidecar, SidecarConfig, GenerateContext, DisaggregationMode
+
+The exports are resolved lazily, so importing a pure submodule (``trio_sidecar.errors``,
+``trio_sidecar.convert.request``, ...) never pulls in Trio or the transport.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = [
+    "__version__",
+    # embedded API
+    "open_sidecar",
+    "discover",
+    "Sidecar",
+    "GenerateContext",
+    "SidecarEngine",
+    # configuration
+    "SidecarConfig",
+    "WorkerOptions",
+    "DisaggregationMode",
+    # models
+    "PreprocessedRequest",
+    "LLMEngineOutput",
+    "structure_request",
+    "DiscoveredModel",
+    "ModelIdentity",
+    "EngineConfig",
+    "KvEventSource",
+    "HealthKind",
+    "HealthState",
+    # errors
+    "ErrorKind",
+    "SidecarError",
+    "InvalidArgument",
+    "ProtocolError",
+    "EngineShutdown",
+    "CannotConnect",
+    "ConnectionTimeout",
+    "RequestCancelled",
+]
+
+if TYPE_CHECKING:
+    from .api import Sidecar, discover, open_sidecar
+    from .config import DisaggregationMode, SidecarConfig, WorkerOptions
+    from .engine import GenerateContext, SidecarEngine
+    from .errors import (
+        CannotConnect,
+        ConnectionTimeout,
+        EngineShutdown,
+        ErrorKind,
+        InvalidArgument,
+        ProtocolError,
+        RequestCancelled,
+        SidecarError,
+    )
+    from .model import DiscoveredModel, EngineConfig, ModelIdentity
+    from .prober import HealthKind, HealthState
+    from .protocol import LLMEngineOutput, PreprocessedRequest, structure_request
+    from .routing import KvEventSource
+
+_HOMES = {
+    "open_sidecar": "api",
+    "discover": "api",
+    "Sidecar": "api",
+    "GenerateContext": "engine",
+    "SidecarEngine": "engine",
+    "SidecarConfig": "config",
+    "WorkerOptions": "config",
+    "DisaggregationMode": "config",
+    "PreprocessedRequest": "protocol",
+    "LLMEngineOutput": "protocol",
+    "structure_request": "protocol",
+    "DiscoveredModel": "model",
+    "ModelIdentity": "model",
+    "EngineConfig": "model",
+    "KvEventSource": "routing",
+    "HealthKind": "prober",
+    "HealthState": "prober",
+    "ErrorKind": "errors",
+    "SidecarError": "errors",
+    "InvalidArgument": "errors",
+    "ProtocolError": "errors",
+    "EngineShutdown": "errors",
+    "CannotConnect": "errors",
+    "ConnectionTimeout": "errors",
+    "RequestCancelled": "errors",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

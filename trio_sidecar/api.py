@@ -1,0 +1,140 @@
+"""The embeddable Trio API (sidecar.md §21).
+
+```python
+async with open_sidecar(SidecarConfig(grpc_endpoint="127.0.0.1:50051")) as sidecar:
+    ctx = GenerateContext(request_id="req-1")
+    async with sidecar.generate({"token_ids": [1, 2, 3], "stop_conditions": {"max_tokens": 8}}, ctx) as chunks:
+        async for chunk in chunks:
+            print(chunk.to_dict())
+```
+
+Everything the sidecar runs (connections, the abort sender, the health prober, one task per in-flight
+request) lives in the nursery of :func:`open_sidecar`; nothing outlives its ``async with`` block.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+import trio_util
+
+from .config import SidecarConfig, validate_sidecar_config
+from .discovery import discover
+from .engine import GenerateContext, SidecarEngine
+from .errors import CannotConnect
+from .model import DiscoveredModel, EngineConfig
+from .pool import collapse_exception_group
+from .prober import HealthKind, HealthState, run_health_prober
+from .protocol import LLMEngineOutput, PreprocessedRequest
+
+__all__ = ["open_sidecar", "discover", "Sidecar", "GenerateContext"]
+
+LOGGER = logging.getLogger("trio_sidecar.api")
+
+
+@attrs.define(eq=False)
+class Sidecar:
+    """A started sidecar (yielded by :func:`open_sidecar`).
+
+    Attributes:
+        model: the discovered model (identity, ``ServerInfo``, DP size); refreshed after a recovery.
+        engine_config: registration data (§11).
+        kv_event_sources: validated ``KvEventSource`` tuple (§18.2); refreshed after a recovery
+            (clarification #5).
+        health: ``AsyncValue[HealthState]`` (§20); admission is open only while it is ``SERVING``.
+        engine: the underlying :class:`SidecarEngine` (drain support: ``in_flight``, ``stop_admission()``).
+    """
+
+    engine: SidecarEngine
+    model: DiscoveredModel
+    engine_config: EngineConfig
+    kv_event_sources: tuple[Any, ...]
+    health: trio_util.AsyncValue[HealthState]
+
+    def __repr__(self) -> str:
+        return (
+            f"<Sidecar {self.model.served_model_name!r} {self.health.value.kind.name} "
+            f"[{self.engine.in_flight} in flight]>"
+        )
+
+    def generate(
+        self, request: dict[str, Any] | PreprocessedRequest, ctx: GenerateContext | None = None
+    ) -> AbstractAsyncContextManager[AsyncIterator[LLMEngineOutput]]:
+        """Stream one request (§21); see :meth:`SidecarEngine.generate` for the full contract.
+
+        Raises (from ``__aenter__``):
+            InvalidArgument: conversion failed; nothing was sent.
+            CannotConnect: ``vLLM is not serving: {reason}`` (admission closed, §20.3), or a mapped open error.
+            EngineShutdown: ``vLLM sidecar is not started`` (after the ``open_sidecar`` block).
+        """
+        return self.engine.generate(request, ctx)
+
+    def _check_admission(self) -> None:
+        state = self.health.value
+        if state.kind is not HealthKind.SERVING:
+            raise CannotConnect(f"vLLM is not serving: {state.reason}")
+
+    def _on_recovered(self, model: DiscoveredModel, kv_sources: tuple[Any, ...]) -> None:
+        if kv_sources != self.kv_event_sources:
+            LOGGER.warning("vLLM KV-event sources changed after recovery: %s", kv_sources)
+        self.model = model
+        self.engine.model = model
+        self.kv_event_sources = kv_sources
+        self.engine.kv_event_sources = kv_sources
+
+
+@asynccontextmanager
+async def open_sidecar(config: SidecarConfig, *, expected: DiscoveredModel | None = None) -> AsyncIterator[Sidecar]:
+    """Start a sidecar against ``config.grpc_endpoint`` (§21).
+
+    Runs the ``SidecarConfig`` pre-network checks (§6), then the start phase (§9.2); with ``expected``
+    (the bootstrap model from :func:`discover`) the §10 compatibility check too. Starts the health prober
+    when ``config.health_prober`` is on.
+
+    Raises:
+        InvalidArgument: pre-network checks (no socket opened).
+        CannotConnect, ConnectionTimeout, ProtocolError, EngineShutdown, SidecarError: startup failures.
+        ProtocolError: a fatal prober finding (identity or DP size changed after a recovery) ends the block.
+        A single failure is raised as itself, never as an ``ExceptionGroup``.
+
+    Cancellation: leaving the block cancels everything the sidecar owns (in-flight requests end with a
+    cancelled chunk, queued Aborts are flushed with a 5 s shielded grace) and returns only when all its
+    tasks have ended.
+    """
+    endpoint = validate_sidecar_config(config)
+    engine = SidecarEngine(config, endpoint=endpoint)
+    async with collapse_exception_group():
+        async with trio.open_nursery() as nursery:
+            try:
+                engine_config = await engine.start(nursery, expected=expected)
+                assert engine.model is not None
+                sidecar = Sidecar(
+                    engine=engine,
+                    model=engine.model,
+                    engine_config=engine_config,
+                    kv_event_sources=engine.kv_event_sources,
+                    health=trio_util.AsyncValue(HealthState(HealthKind.SERVING)),
+                )
+                engine.admission_check = sidecar._check_admission
+                if config.health_prober:
+                    await nursery.start(
+                        functools.partial(
+                            run_health_prober,
+                            endpoint=endpoint,
+                            config=config,
+                            model=sidecar.model,
+                            kv_sources=sidecar.kv_event_sources,
+                            health=sidecar.health,
+                            on_recovered=sidecar._on_recovered,
+                        )
+                    )
+                yield sidecar
+            finally:
+                await engine.cleanup()
+                nursery.cancel_scope.cancel()

@@ -1,0 +1,163 @@
+"""Readiness wait and Control discovery (sidecar.md §8, §9, §18.2).
+
+Every step here is bounded by the *phase deadline* (``trio.current_time()`` based) that the caller
+computed when the phase began (§7.1), so the bootstrap phase cannot eat the start phase's budget.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import trio
+
+from ._proto.grpc.health.v1 import health_pb2
+from ._proto.vllm import control_pb2
+from .config import SidecarConfig, validate_sidecar_config
+from .endpoint import GrpcEndpoint
+from .errors import CannotConnect, ConnectionTimeout, ProtocolError, format_duration, format_status
+from .model import DiscoveredModel
+from .pool import ChannelPool, cause_chain, open_channel_pool
+from .status import StatusCode
+
+__all__ = [
+    "CONTROL_SERVICE",
+    "INFERENCE_SERVICE",
+    "wait_for_services",
+    "discover_model",
+    "discover",
+    "fetch_kv_event_sources",
+]
+
+LOGGER = logging.getLogger("trio_sidecar.discovery")
+
+CONTROL_SERVICE = "vllm.Control"
+INFERENCE_SERVICE = "vllm.Inference"
+
+GET_MODEL_INFO = "/vllm.Control/GetModelInfo"
+GET_SERVER_INFO = "/vllm.Control/GetServerInfo"
+GET_KV_EVENT_SOURCES = "/vllm.Control/GetKvEventSources"
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_FAIL_AT_ONCE = (StatusCode.NOT_FOUND, StatusCode.UNIMPLEMENTED)
+
+
+def _status_name(status: int) -> str:
+    """``reported {NAME}``: unknown enum values count as ``UNKNOWN`` (§8)."""
+    try:
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    except ValueError:
+        return "UNKNOWN"
+
+
+async def wait_for_services(
+    pool: ChannelPool, services: Sequence[str], *, deadline: float, retry_interval: float
+) -> None:
+    """Wait until each service reports ``SERVING``, sequentially in the given order (§8).
+
+    Raises:
+        ProtocolError: the health service answered ``NOT_FOUND``/``UNIMPLEMENTED`` (fails at once).
+        CannotConnect: ``{service} did not become SERVING before the total vLLM startup deadline ...``.
+    """
+    from .transport import RpcError, check_health
+
+    for service in services:
+        start = trio.current_time()
+        while True:
+            last = "health check exceeded the startup deadline"
+            with trio.move_on_at(deadline):
+                try:
+                    channel = await pool.channel("Health.Check")
+                    status = await check_health(channel, service)
+                except RpcError as exc:
+                    if exc.code in _FAIL_AT_ONCE:
+                        raise ProtocolError(
+                            f"{service} is unavailable through the standard gRPC health API: "
+                            f"{format_status(exc.code, exc.message)}"
+                        ) from exc
+                    last = f"health check failed: {format_status(exc.code, exc.message)}"
+                except CannotConnect as exc:
+                    last = f"health check failed: {exc}"
+                except OSError as exc:
+                    last = f"health check failed: {cause_chain(exc)}"
+                else:
+                    if status == _SERVING:
+                        break
+                    last = f"reported {_status_name(status)}"
+            now = trio.current_time()
+            if now >= deadline:
+                raise CannotConnect(
+                    f"{service} did not become SERVING before the total vLLM startup deadline after "
+                    f"{format_duration(now - start)}: {last}"
+                )
+            LOGGER.debug("waiting for %s to become SERVING: %s", service, last)
+            await trio.sleep_until(min(now + retry_interval, deadline))
+
+
+async def _bounded_unary(pool: ChannelPool, channel: Any, rpc: str, method: str, request: Any,
+                         response_type: Any, deadline: float) -> Any:
+    with trio.move_on_at(deadline):
+        return await pool.unary(rpc, method, request, response_type, channel=channel)
+    raise ConnectionTimeout(f"{rpc} exceeded the total vLLM startup deadline")
+
+
+async def discover_model(pool: ChannelPool, *, deadline: float) -> DiscoveredModel:
+    """``GetModelInfo`` then ``GetServerInfo`` on the same connection, validated (§9.1 step 4, §9.4).
+
+    Raises:
+        ConnectionTimeout: ``GetModelInfo exceeded the total vLLM startup deadline`` (or ``GetServerInfo``).
+        SidecarError: a mapped gRPC status (rpc name ``GetModelInfo``/``GetServerInfo``).
+        ProtocolError: §9.4 validation.
+    """
+    channel = await pool.channel("GetModelInfo")
+    model_info = await _bounded_unary(
+        pool, channel, "GetModelInfo", GET_MODEL_INFO, control_pb2.GetModelInfoRequest(), control_pb2.ModelInfo,
+        deadline,
+    )
+    server_info = await _bounded_unary(
+        pool, channel, "GetServerInfo", GET_SERVER_INFO, control_pb2.GetServerInfoRequest(),
+        control_pb2.ServerInfo, deadline,
+    )
+    return DiscoveredModel.from_proto(model_info, server_info)
+
+
+async def fetch_kv_event_sources(
+    pool: ChannelPool, endpoint: GrpcEndpoint, model: DiscoveredModel, *, deadline: float
+) -> tuple[Any, ...]:
+    """``GetKvEventSources``, validated and rewritten (§18.2); warnings are logged.
+
+    Raises:
+        ConnectionTimeout: ``GetKvEventSources exceeded the total vLLM startup deadline``.
+        SidecarError: mapped gRPC status (rpc name ``GetKvEventSources``); ProtocolError per §18.2.
+    """
+    from .routing import validate_kv_event_sources
+
+    channel = await pool.channel("GetKvEventSources")
+    response = await _bounded_unary(
+        pool, channel, "GetKvEventSources", GET_KV_EVENT_SOURCES, control_pb2.GetKvEventSourcesRequest(),
+        control_pb2.GetKvEventSourcesResponse, deadline,
+    )
+    sources, warnings = validate_kv_event_sources(
+        list(response.sources), model.data_parallel_size(), endpoint.host
+    )
+    for text in warnings:
+        LOGGER.warning(text)
+    return tuple(sources)
+
+
+async def discover(config: SidecarConfig) -> DiscoveredModel:
+    """The bootstrap phase (§9.1) as a standalone coroutine.
+
+    A pool of exactly one connection, a readiness wait for ``vllm.Control`` only, then discovery; the pool
+    is closed before returning.
+
+    Raises:
+        InvalidArgument: the ``SidecarConfig`` pre-network checks (§6) — no socket is opened.
+        CannotConnect, ConnectionTimeout, ProtocolError, SidecarError: §7–§9.
+    """
+    endpoint = validate_sidecar_config(config)
+    deadline = trio.current_time() + config.startup_deadline
+    async with open_channel_pool(endpoint, config, deadline=deadline, size=1) as pool:
+        await wait_for_services(pool, [CONTROL_SERVICE], deadline=deadline, retry_interval=config.retry_interval)
+        return await discover_model(pool, deadline=deadline)

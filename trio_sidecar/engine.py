@@ -1,0 +1,556 @@
+"""The sidecar engine: start / generate / cleanup, cancellation and the abort sender (sidecar.md §9.2,
+§14.3, §16, §17).
+
+Theory of operation
+-------------------
+Every in-flight request is a *request task* in the sidecar's nursery (clarification #3), never in the
+caller's scope. The caller talks to it through:
+
+* a rendezvous memory channel carrying the ordinary chunks (so the task is never more than one chunk ahead
+  of the caller, and backpressure reaches HTTP/2 flow control);
+* a *final slot* (``_Request.final`` / ``_Request.error``) read after the channel closes: the terminal
+  chunk, the cancelled chunk, or the stream error. Final items never block the task, so engine shutdown
+  cannot hang on a caller that stopped reading.
+
+Two cancel scopes wrap the task's work:
+
+* ``shutdown_scope`` — cancelled by :meth:`SidecarEngine.cleanup`; interrupts every phase in every mode.
+* ``client_scope`` — the client's cancellation (``ctx.stop()``, the caller leaving the ``generate()``
+  block, or the caller's own scope being cancelled). In aggregated and prefill modes it is cancelled at
+  once. In decode mode (§17.3) a cancellation that arrives before the KV transfer completed is only
+  *recorded* (``request_cancelled``); the task keeps reading until a response completes the transfer
+  (``outputs.num_tokens > 0`` or ``finish_info``), then yields the cancelled chunk instead of that
+  response's chunk and drops the stream.
+
+Races are biased: the cancellation state is checked before each await of the open or of the next message.
+
+Whenever the task abandons an opened ``GenerateStream`` before the server ended it (terminal, EOF or a
+status), it queues the request id for the *abort sender* (§17.4), which batches ids into best-effort
+``Control.Abort`` calls.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+
+from ._proto.vllm import control_pb2, inference_pb2
+from .config import DisaggregationMode, SidecarConfig, validate_sidecar_config
+from .discovery import (
+    CONTROL_SERVICE,
+    INFERENCE_SERVICE,
+    discover_model,
+    fetch_kv_event_sources,
+    wait_for_services,
+)
+from .endpoint import GrpcEndpoint
+from .errors import EngineShutdown, ProtocolError, SidecarError, status_to_error
+from .model import DiscoveredModel, EngineConfig, engine_config, ensure_startup_compatible
+from .pool import ChannelPool
+from .protocol import LLMEngineOutput, PreprocessedRequest, structure_request
+
+__all__ = ["GenerateContext", "SidecarEngine", "GENERATE_STREAM", "ABORT", "ABORT_FLUSH_GRACE"]
+
+LOGGER = logging.getLogger("trio_sidecar.engine")
+
+GENERATE_STREAM = "/vllm.Inference/GenerateStream"
+ABORT = "/vllm.Control/Abort"
+
+#: §17.4: on cleanup, pending Abort ids are flushed for at most this long (shielded).
+ABORT_FLUSH_GRACE = 5.0
+
+NOT_STARTED = "vLLM sidecar is not started"
+ALREADY_STARTED = "vLLM sidecar has already started"
+
+WARN_EOF_AFTER_CANCEL = "vLLM GenerateStream ended before transfer completion after request cancellation"
+WARN_ERROR_AFTER_CANCEL = "vLLM GenerateStream failed before transfer completion after request cancellation"
+WARN_CONVERSION_AFTER_CANCEL = "vLLM response conversion failed after request cancellation"
+
+
+class GenerateContext:
+    """Per-request context of the embedded API (§21): the request id and the client's cancellation signal.
+
+    Args:
+        request_id: sent as ``GenerateRequest.request_id``; empty → a fresh UUID4 string.
+        on_first_token: called where upstream calls ``notify_first_token()`` (decode deferral, §17.3).
+
+    ``stop()`` may be called from any Trio task of the same run, before or during ``generate()``.
+    """
+
+    def __init__(self, request_id: str = "", *, on_first_token: Callable[[], None] | None = None) -> None:
+        self.request_id = request_id
+        self.on_first_token = on_first_token
+        self._stopped = trio.Event()
+        self._listeners: list[Callable[[], None]] = []
+
+    def __repr__(self) -> str:
+        return f"<GenerateContext {self.request_id!r}{' stopped' if self.stopped else ''}>"
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
+
+    def stop(self) -> None:
+        """Ask the request to end with a cancelled chunk (decode mode defers it, §17.3). Idempotent."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        for listener in list(self._listeners):
+            listener()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    def _notify_first_token(self) -> None:
+        if self.on_first_token is not None:
+            self.on_first_token()
+
+    def _subscribe(self, listener: Callable[[], None]) -> None:
+        self._listeners.append(listener)
+        if self.stopped:
+            listener()
+
+    def _unsubscribe(self, listener: Callable[[], None]) -> None:
+        try:
+            self._listeners.remove(listener)
+        except ValueError:
+            pass
+
+
+class _State(enum.Enum):
+    CREATED = "created"
+    STARTING = "starting"
+    STARTED = "started"
+    CLOSING = "closing"
+    CLOSED = "closed"
+
+
+@attrs.define(eq=False)
+class _Request:
+    request_id: str
+    ctx: GenerateContext
+    state: Any  # convert.response.ResponseState
+    built: Any  # convert.request.BuiltRequest
+    decode: bool
+    send: trio.MemorySendChannel[LLMEngineOutput]
+    shutdown_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    client_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    opened: trio.Event = attrs.field(factory=trio.Event)  # the open finished (either way)
+    done: trio.Event = attrs.field(factory=trio.Event)
+    open_error: BaseException | None = None
+    final: LLMEngineOutput | None = None
+    error: BaseException | None = None
+    request_cancelled: bool = False  # decode: client cancellation recorded, waiting for the transfer
+    transfer_completed: bool = False
+
+    def client_cancel(self) -> None:
+        """The client's cancellation signal (§17.1): immediate, or deferred in decode mode (§17.3)."""
+        if self.done.is_set():
+            return
+        if self.decode and not self.transfer_completed:
+            self.request_cancelled = True
+        else:
+            self.client_scope.cancel()
+
+    @property
+    def cancelling(self) -> bool:
+        return self.client_scope.cancel_called or self.shutdown_scope.cancel_called
+
+
+class _ChunkStream:
+    """The async iterator yielded by ``generate()``: channel chunks, then the final chunk or error."""
+
+    def __init__(self, request: _Request, receive: trio.MemoryReceiveChannel[LLMEngineOutput]) -> None:
+        self._request = request
+        self._receive = receive
+        self._finished = False
+
+    def __repr__(self) -> str:
+        return f"<generate stream {self._request.request_id!r}{' finished' if self._finished else ''}>"
+
+    @property
+    def request_id(self) -> str:
+        return self._request.request_id
+
+    def __aiter__(self) -> _ChunkStream:
+        return self
+
+    async def __anext__(self) -> LLMEngineOutput:
+        if self._finished:
+            raise StopAsyncIteration
+        try:
+            return await self._receive.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            pass
+        self._finished = True
+        request = self._request
+        if request.final is not None:
+            chunk, request.final = request.final, None
+            return chunk
+        if request.error is not None:
+            raise request.error
+        raise StopAsyncIteration
+
+
+class SidecarEngine:
+    """Start / generate / cleanup against one vLLM gRPC endpoint (§9.2, §16, §17).
+
+    Usually driven by :func:`trio_sidecar.open_sidecar`; the CLI's Dynamo bridge uses the same object.
+
+    Resource handling: :meth:`start` puts the connection tasks, the abort sender and every request task in
+    the nursery it is given; :meth:`cleanup` ends all of them except the nursery itself, which the owner
+    closes.
+    """
+
+    def __init__(self, config: SidecarConfig, *, endpoint: GrpcEndpoint | None = None) -> None:
+        self.config = config
+        self.endpoint = endpoint if endpoint is not None else validate_sidecar_config(config)
+        self.mode = DisaggregationMode.parse(config.disaggregation_mode)
+        self.model: DiscoveredModel | None = None
+        self.engine_config: EngineConfig | None = None
+        self.kv_event_sources: tuple[Any, ...] = ()
+        #: Called after conversion and before the RPC opens; raises to reject (the §20.3 admission gate).
+        self.admission_check: Callable[[], None] | None = None
+        self._state = _State.CREATED
+        self._admitting = True
+        self._nursery: trio.Nursery | None = None
+        self._pool: ChannelPool | None = None
+        self._requests: set[_Request] = set()
+        self._idle = trio.Event()
+        self._idle.set()
+        self._abort_send: trio.MemorySendChannel[str] | None = None
+        self._abort_scope = trio.CancelScope()
+        self._abort_done = trio.Event()
+        #: Counters, for tests and ``repr``.
+        self.aborts_queued = 0
+        self.aborts_sent = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"<SidecarEngine {self.endpoint.canonical} {self.mode.value} [{self._state.value}, "
+            f"{len(self._requests)} in flight, {self.aborts_queued} aborts queued]>"
+        )
+
+    # ---------------------------------------------------------------- lifecycle
+
+    @property
+    def started(self) -> bool:
+        return self._state is _State.STARTED
+
+    @property
+    def pool(self) -> ChannelPool | None:
+        return self._pool
+
+    async def start(self, nursery: trio.Nursery, *, expected: DiscoveredModel | None = None) -> EngineConfig:
+        """The start phase (§9.2).
+
+        Args:
+            nursery: the sidecar's nursery; it must outlive the engine (until :meth:`cleanup` returned).
+            expected: the bootstrap model; when given, §10's compatibility check runs against it.
+
+        Returns:
+            The registration data built from the start-phase discovery (§11).
+
+        Raises:
+            EngineShutdown: ``vLLM sidecar has already started`` (also for a concurrent second start).
+            CannotConnect, ConnectionTimeout, ProtocolError, SidecarError: §7–§10, §18.2. On any failure the
+            engine is cleaned up (never left started; clarification #23).
+        """
+        if self._state is not _State.CREATED:
+            raise EngineShutdown(ALREADY_STARTED)
+        self._state = _State.STARTING
+        self._nursery = nursery
+        config = self.config
+        LOGGER.info(
+            "connecting to vLLM gRPC endpoint=%s connections=%d mode=%s",
+            self.endpoint.canonical,
+            config.grpc_connections,
+            self.mode.value,
+        )
+        ok = False
+        try:
+            deadline = trio.current_time() + config.startup_deadline
+            self._pool = await ChannelPool.connect(nursery, self.endpoint, config, deadline=deadline)
+            await wait_for_services(
+                self._pool,
+                [CONTROL_SERVICE, INFERENCE_SERVICE],
+                deadline=deadline,
+                retry_interval=config.retry_interval,
+            )
+            model = await discover_model(self._pool, deadline=deadline)
+            if expected is not None:
+                ensure_startup_compatible(expected, model)
+            if self._state is not _State.STARTING:  # cleanup() ran meanwhile
+                raise EngineShutdown(NOT_STARTED)
+            self.model = model
+            self.engine_config = engine_config(model)
+            self._state = _State.STARTED
+            LOGGER.info("vLLM gRPC services are ready")
+            self.kv_event_sources = await fetch_kv_event_sources(
+                self._pool, self.endpoint, model, deadline=deadline
+            )
+            if config.abort_on_cancel:
+                send, receive = trio.open_memory_channel[str](math.inf)
+                self._abort_send = send
+                await nursery.start(self._run_abort_sender, receive)
+            ok = True
+            return self.engine_config
+        finally:
+            if not ok:
+                with trio.CancelScope(shield=True):
+                    await self._close()
+
+    async def cleanup(self) -> None:
+        """End everything the engine owns (§16). Idempotent; safe before :meth:`start`.
+
+        Stops admission; every in-flight request ends with a cancelled chunk (a request still waiting for
+        headers gets a one-item cancelled stream); queued Aborts are flushed with a 5 s shielded grace;
+        connections close.
+        """
+        if self._state in (_State.CLOSING, _State.CLOSED):
+            await self._wait_closed()
+            return
+        if self._state is _State.CREATED:
+            self._state = _State.CLOSED
+            return
+        await self._close()
+
+    async def _wait_closed(self) -> None:
+        with trio.CancelScope(shield=True):
+            while self._state is not _State.CLOSED:
+                await trio.sleep(0.01)
+
+    async def _close(self) -> None:
+        self._state = _State.CLOSING
+        self._admitting = False
+        with trio.CancelScope(shield=True):
+            self.cancel_in_flight()
+            await self._idle.wait()
+            if self._abort_send is not None:
+                self._abort_send.close()
+                with trio.move_on_after(ABORT_FLUSH_GRACE):
+                    await self._abort_done.wait()
+            self._abort_scope.cancel()
+            if self._pool is not None:
+                await self._pool.aclose()
+        self._state = _State.CLOSED
+
+    # ---------------------------------------------------------------- drain support (CLI)
+
+    @property
+    def in_flight(self) -> int:
+        """Requests whose request task has not ended yet."""
+        return len(self._requests)
+
+    def stop_admission(self) -> None:
+        """New ``generate()`` calls fail with ``vLLM sidecar is not started``; in-flight ones continue."""
+        self._admitting = False
+
+    async def wait_idle(self) -> None:
+        """Return once no request is in flight."""
+        await self._idle.wait()
+
+    def cancel_in_flight(self) -> None:
+        """Cancel every in-flight request as engine shutdown does: cancelled chunk, Abort queued."""
+        for request in list(self._requests):
+            request.shutdown_scope.cancel()
+
+    # ---------------------------------------------------------------- generate
+
+    @asynccontextmanager
+    async def generate(
+        self, request: dict[str, Any] | PreprocessedRequest, ctx: GenerateContext | None = None
+    ) -> AsyncIterator[_ChunkStream]:
+        """Open one generation (§12, §14, §17).
+
+        ``__aenter__`` converts the request (``InvalidArgument`` on error; nothing is sent), checks admission,
+        opens ``GenerateStream`` and waits for the open: an open failure raises the mapped error (§14.3).
+        The yielded iterator produces :class:`LLMEngineOutput` chunks; a stream error is raised from iteration
+        after the chunks already produced.
+
+        Cancellation: ``ctx.stop()`` ends the stream with a cancelled chunk (decode mode defers it until the
+        KV transfer completed). Leaving the block early, or cancelling the caller's scope, drops the stream
+        and queues an Abort; ``trio.Cancelled`` propagates at once (decode mode keeps reading in the
+        background until the transfer completed).
+        """
+        if self._state is not _State.STARTED or not self._admitting:
+            raise EngineShutdown(NOT_STARTED)
+        assert self.model is not None and self._nursery is not None
+        from .convert.request import build_generate_request
+        from .convert.response import ResponseState
+
+        if ctx is None:
+            ctx = GenerateContext()
+        preprocessed = structure_request(request)
+        request_id = ctx.request_id or str(uuid.uuid4())
+        built = build_generate_request(preprocessed, request_id, self.model.served_model_name, self.mode)
+        if self.admission_check is not None:
+            self.admission_check()
+        state = ResponseState(preprocessed, built, self.mode)
+        send, receive = trio.open_memory_channel[LLMEngineOutput](0)
+        req = _Request(
+            request_id=request_id, ctx=ctx, state=state, built=built, decode=self.mode.is_decode, send=send
+        )
+        ctx._subscribe(req.client_cancel)
+        self._requests.add(req)
+        self._idle = trio.Event()
+        self._nursery.start_soon(self._run_request, req, name=f"vllm-request {request_id}")
+        try:
+            await req.opened.wait()
+            if req.open_error is not None:
+                raise req.open_error
+            yield _ChunkStream(req, receive)
+        finally:
+            ctx._unsubscribe(req.client_cancel)
+            req.client_cancel()
+            receive.close()
+
+    async def _run_request(self, req: _Request) -> None:
+        sent = False  # the request left for the server
+        server_ended = False  # terminal, EOF, a status, or a lost connection: no Abort needed
+        try:
+            with req.shutdown_scope:
+                with req.client_scope:
+                    if not req.cancelling:
+                        assert self._pool is not None
+                        channel = await self._pool.channel("GenerateStream")
+                        await trio.lowlevel.checkpoint_if_cancelled()  # biased
+                        sent = True
+                        async with channel.unary_stream(
+                            GENERATE_STREAM,
+                            req.built.message,
+                            inference_pb2.GenerateResponse,
+                            metadata=req.built.metadata,
+                        ) as stream:
+                            req.opened.set()
+                            server_ended = await self._pump(req, stream)
+        except SidecarError as exc:
+            server_ended = True
+            self._fail(req, exc)
+        except Exception as exc:
+            from .transport import RpcError
+
+            if not isinstance(exc, RpcError):
+                LOGGER.exception("unexpected failure in request %s", req.request_id)
+                server_ended = False
+                self._fail(req, exc)
+            else:
+                server_ended = True
+                self._fail(req, status_to_error("GenerateStream", exc.code, exc.message))
+        finally:
+            if req.final is None and req.error is None and req.open_error is None:
+                # Cancelled (client or shutdown) before the server ended the stream.
+                req.final = req.state.cancelled_chunk()
+            if sent and not server_ended:
+                self._queue_abort(req.request_id)
+            req.opened.set()
+            req.send.close()
+            req.done.set()
+            self._requests.discard(req)
+            if not self._requests:
+                self._idle.set()
+
+    def _fail(self, req: _Request, exc: BaseException) -> None:
+        if not req.opened.is_set():
+            req.open_error = exc
+        elif req.request_cancelled and not req.cancelling:
+            LOGGER.warning(WARN_ERROR_AFTER_CANCEL)
+            req.final = req.state.cancelled_chunk()
+        else:
+            req.error = exc
+
+    async def _pump(self, req: _Request, stream: Any) -> bool:
+        """Read the stream until it ends; returns whether the *server* ended it."""
+        state = req.state
+        send = req.send
+        completes_transfer = type(state).completes_transfer
+        async for response in stream:
+            if req.cancelling:  # biased: a cancellation that raced with this message wins
+                await trio.lowlevel.checkpoint()
+            try:
+                chunk = state.convert(response)
+            except ProtocolError as exc:
+                if req.request_cancelled:
+                    LOGGER.warning(WARN_CONVERSION_AFTER_CANCEL)
+                    req.final = state.cancelled_chunk()
+                else:
+                    req.error = exc
+                return False
+            if req.decode and not req.transfer_completed and completes_transfer(response):
+                req.transfer_completed = True
+            if chunk is None:
+                continue
+            if req.request_cancelled and req.transfer_completed:
+                # §17.3 step 3 and clarification #3: the chunk with the first token is replaced by the
+                # cancelled chunk, whose usage counts it.
+                if chunk.token_ids:
+                    req.ctx._notify_first_token()
+                req.final = state.cancelled_chunk()
+                return bool(state.finished)
+            if state.finished:
+                req.final = chunk
+                return True
+            try:
+                await send.send(chunk)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                req.client_cancel()  # the caller left
+                await trio.lowlevel.checkpoint_if_cancelled()
+        if req.request_cancelled:
+            LOGGER.warning(WARN_EOF_AFTER_CANCEL)
+            req.final = state.cancelled_chunk()
+        else:
+            req.error = ProtocolError("GenerateStream ended before a terminal response")
+        return True
+
+    # ---------------------------------------------------------------- abort sender (§17.4)
+
+    def _queue_abort(self, request_id: str) -> None:
+        if self._abort_send is None:
+            return
+        try:
+            self._abort_send.send_nowait(request_id)
+        except (trio.ClosedResourceError, trio.BrokenResourceError):
+            return
+        self.aborts_queued += 1
+
+    async def _run_abort_sender(
+        self, receive: trio.MemoryReceiveChannel[str], *, task_status: Any = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        try:
+            with self._abort_scope:
+                task_status.started()
+                async with receive:
+                    async for first in receive:
+                        ids = [first]
+                        while True:
+                            try:
+                                ids.append(receive.receive_nowait())
+                            except (trio.WouldBlock, trio.EndOfChannel):
+                                break
+                        await self._send_abort(ids)
+        finally:
+            self._abort_done.set()
+
+    async def _send_abort(self, ids: list[str]) -> None:
+        timeout = self.config.abort_timeout
+        assert self._pool is not None
+        try:
+            with trio.move_on_after(timeout) as scope:
+                await self._pool.unary(
+                    "Abort", ABORT, control_pb2.AbortRequest(request_ids=ids), control_pb2.AbortResponse
+                )
+        except SidecarError as exc:
+            LOGGER.warning("Control.Abort failed for %s: %s", ids, exc)
+            return
+        if scope.cancelled_caught:
+            LOGGER.warning("Abort did not respond within %ss", f"{timeout:g}")
+            return
+        self.aborts_sent += len(ids)

@@ -1,0 +1,375 @@
+"""The pooled gRPC connections to vLLM (sidecar.md §7).
+
+Theory of operation
+-------------------
+A :class:`ChannelPool` holds N *slots*, each owning one HTTP/2 connection (a transport ``Channel``).
+Every RPC takes the next slot round-robin (a counter modulo N); each RPC is its own HTTP/2 stream, so
+cancelling one never closes the connection it ran on.
+
+Construction (§7.2) is a startup *phase* step bounded by the phase deadline: slot 1 connects first (so a
+wrong endpoint fails once, not N times), then slots 2..N connect concurrently. Each slot retries on a fixed
+interval, every attempt bounded by ``min(connect_attempt_timeout, remaining)``. Slot tasks never raise into
+the nursery: they record the first failure and cancel their siblings, so a single failure surfaces as a
+single exception, never an ``ExceptionGroup``.
+
+After startup (§7.4) purerpc-style connections never reconnect by themselves. A slot whose connection saw a
+connection-level failure is *broken*; the next RPC that selects it reconnects once (bounded by the attempt
+timeout) under the slot's lock, so concurrent users share a single attempt.
+
+Resource handling: the connections' I/O tasks run in the nursery passed to :meth:`ChannelPool.connect`
+(or owned by :func:`open_channel_pool`). :meth:`ChannelPool.aclose` closes every connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import attrs
+import trio
+
+from .config import SidecarConfig
+from .endpoint import GrpcEndpoint
+from .errors import CannotConnect, ConnectionTimeout, SidecarError, format_duration, status_to_error
+from .status import StatusCode
+
+__all__ = [
+    "ChannelPool",
+    "open_channel_pool",
+    "MAX_MESSAGE_LENGTH",
+    "cause_chain",
+    "collapse_exception_group",
+]
+
+LOGGER = logging.getLogger("trio_sidecar.pool")
+
+#: §7.3: maximum send/receive message size on Inference and Control calls.
+MAX_MESSAGE_LENGTH = 64 * 1024 * 1024
+
+#: §7.2: a repeated failure text is logged at most this often.
+LOG_INTERVAL = 30.0
+
+#: How long after the phase deadline the whole-construction safety net fires.
+PHASE_GRACE = 0.5
+
+DEFAULT_CAUSE = "the connection attempt exceeded the startup deadline"
+
+
+def _transport() -> Any:
+    # Imported lazily: the transport package is the I/O layer; importing it at call time keeps this
+    # module importable (and its pure helpers testable) on its own.
+    from . import transport
+
+    return transport
+
+
+def cause_chain(exc: BaseException) -> str:
+    """``str()`` of ``exc`` and of each ``__cause__``/``__context__`` below it, joined with ``": "``."""
+    parts: list[str] = []
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        text = str(current) or type(current).__name__
+        if not parts or parts[-1] != text:
+            parts.append(text)
+        current = current.__cause__ or current.__context__
+    return ": ".join(parts)
+
+
+@asynccontextmanager
+async def collapse_exception_group() -> AsyncIterator[None]:
+    """Re-raise a group holding exactly one exception as that exception (house rule: a single failure
+    never surfaces as an ``ExceptionGroup``). Nested single-member groups are unwrapped too."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        leaf: BaseException = group
+        while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
+            leaf = leaf.exceptions[0]
+        if leaf is group:
+            raise
+        raise leaf from leaf.__cause__
+
+
+class _RateLimitedLog:
+    """§7.2: log a connection failure when its text changes, or every 30 s with the suppressed count."""
+
+    def __init__(self, name: str, endpoint: str, slot: int) -> None:
+        self._prefix = f"{name} gRPC connection attempt to {endpoint} (pool slot {slot}) failed"
+        self._last_text: str | None = None
+        self._last_time = -math.inf
+        self._suppressed = 0
+
+    def failure(self, text: str) -> None:
+        now = trio.current_time()
+        if text != self._last_text or now - self._last_time >= LOG_INTERVAL:
+            if self._suppressed:
+                LOGGER.debug("%s: %s (%d similar attempts suppressed)", self._prefix, text, self._suppressed)
+            else:
+                LOGGER.debug("%s: %s", self._prefix, text)
+            self._last_text = text
+            self._last_time = now
+            self._suppressed = 0
+        else:
+            self._suppressed += 1
+
+
+async def _attempt(nursery: trio.Nursery, endpoint: GrpcEndpoint, timeout: float) -> Any:
+    """One TCP connect + HTTP/2 preface exchange, bounded by ``timeout``; raises on failure."""
+    transport = _transport()
+    with trio.move_on_after(timeout) as scope:
+        return await transport.connect_channel(
+            nursery, endpoint.host, endpoint.port, max_message_length=MAX_MESSAGE_LENGTH
+        )
+    assert scope.cancelled_caught
+    raise TimeoutError(f"the connection attempt timed out after {format_duration(timeout)}")
+
+
+async def connect_with_retry(
+    nursery: trio.Nursery,
+    endpoint: GrpcEndpoint,
+    config: SidecarConfig,
+    *,
+    deadline: float,
+    name: str = "vLLM",
+    slot: int = 1,
+) -> Any:
+    """The §7.2 per-slot loop: attempt, then retry on the fixed interval until ``deadline``.
+
+    ``deadline`` may be ``math.inf`` (the prober's dedicated connection has no overall deadline).
+
+    Raises:
+        CannotConnect: the deadline passed; the exact §7.2 text.
+    """
+    start = trio.current_time()
+    attempts = 0
+    cause = DEFAULT_CAUSE
+    log = _RateLimitedLog(name, endpoint.canonical, slot)
+    while True:
+        remaining = deadline - trio.current_time()
+        if remaining <= 0:
+            break
+        attempts += 1
+        cut_by_deadline = remaining < config.connect_attempt_timeout
+        try:
+            return await _attempt(nursery, endpoint, min(config.connect_attempt_timeout, remaining))
+        except TimeoutError as exc:
+            cause = DEFAULT_CAUSE if cut_by_deadline else cause_chain(exc)
+            log.failure(cause)
+        except (OSError, SidecarError, _transport().RpcError) as exc:
+            cause = cause_chain(exc)
+            log.failure(cause)
+        now = trio.current_time()
+        if now >= deadline:
+            break
+        await trio.sleep_until(min(now + config.retry_interval, deadline))
+    elapsed = trio.current_time() - start
+    raise CannotConnect(
+        f"failed to establish the {name} gRPC connection pool to {endpoint.canonical} for pool slot {slot} "
+        f"within {format_duration(config.startup_deadline)} after {attempts} attempts over "
+        f"{format_duration(elapsed)}: {cause}"
+    )
+
+
+@attrs.define(eq=False)
+class _Slot:
+    index: int  # 1-based, as in the messages
+    channel: Any
+    lock: trio.Lock = attrs.field(factory=trio.Lock)
+
+
+class ChannelPool:
+    """N connections used round-robin (§7.3), with broken-slot replacement (§7.4)."""
+
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        endpoint: GrpcEndpoint,
+        config: SidecarConfig,
+        channels: Sequence[Any],
+        *,
+        name: str = "vLLM",
+    ) -> None:
+        self._nursery = nursery
+        self.endpoint = endpoint
+        self._config = config
+        self.name = name
+        self._slots = [_Slot(i + 1, ch) for i, ch in enumerate(channels)]
+        self._counter = 0
+        self.closed = False
+        self.reconnects = 0
+
+    def __repr__(self) -> str:
+        broken = sum(1 for s in self._slots if _unusable(s.channel))
+        return (
+            f"<ChannelPool {self.endpoint.canonical} [{len(self._slots)} connections, {broken} broken"
+            f"{', closed' if self.closed else ''}]>"
+        )
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    @property
+    def channels(self) -> tuple[Any, ...]:
+        return tuple(s.channel for s in self._slots)
+
+    @classmethod
+    async def connect(
+        cls,
+        nursery: trio.Nursery,
+        endpoint: GrpcEndpoint,
+        config: SidecarConfig,
+        *,
+        deadline: float,
+        size: int | None = None,
+        name: str = "vLLM",
+    ) -> ChannelPool:
+        """Build the pool (§7.2): slot 1 first, then slots 2..N concurrently; all must succeed.
+
+        Args:
+            nursery: runs the connections' I/O tasks; must outlive the pool.
+            deadline: the phase deadline (``trio.current_time()`` based).
+            size: number of connections (default ``config.grpc_connections``; bootstrap uses 1).
+
+        Raises:
+            CannotConnect: a slot could not connect before the deadline (§7.2 text).
+            ConnectionTimeout: the phase deadline fired around the whole construction.
+
+        Cancellation: connections made so far are closed.
+        """
+        size = config.grpc_connections if size is None else size
+        channels: list[Any] = [None] * size
+        failure: list[BaseException] = []
+
+        async def connect_slot(i: int, cancel_siblings: trio.CancelScope | None) -> None:
+            try:
+                channels[i] = await connect_with_retry(
+                    nursery, endpoint, config, deadline=deadline, name=name, slot=i + 1
+                )
+            except SidecarError as exc:
+                if not failure:
+                    failure.append(exc)
+                if cancel_siblings is not None:
+                    cancel_siblings.cancel()
+
+        ok = False
+        try:
+            # The slot loops enforce ``deadline`` themselves (and report CannotConnect); this scope is the
+            # safety net of §7.2. It fires a little later so that, when both expire together, the slot's
+            # precise error wins (Trio delivers a simultaneous cancellation to the outermost scope).
+            with trio.move_on_at(deadline + PHASE_GRACE) as phase:
+                await connect_slot(0, None)
+                if not failure and size > 1:
+                    async with trio.open_nursery() as rest:
+                        for i in range(1, size):
+                            rest.start_soon(connect_slot, i, rest.cancel_scope)
+            if failure:
+                raise failure[0]
+            if phase.cancelled_caught or any(ch is None for ch in channels):
+                raise ConnectionTimeout(
+                    f"{name} gRPC connection pool to {endpoint.canonical} exceeded the total startup deadline"
+                )
+            ok = True
+            return cls(nursery, endpoint, config, channels, name=name)
+        finally:
+            if not ok:
+                with trio.CancelScope(shield=True):
+                    for ch in channels:
+                        if ch is not None:
+                            await ch.aclose()
+
+    def _next_slot(self) -> _Slot:
+        slot = self._slots[self._counter % len(self._slots)]
+        self._counter += 1
+        return slot
+
+    async def channel(self, rpc: str) -> Any:
+        """The next connection, round-robin, reconnecting a broken slot first (§7.4).
+
+        Args:
+            rpc: the RPC name for the error message.
+
+        Raises:
+            CannotConnect: ``"{rpc}: {detail} (Unavailable)"`` when the pool is closed or reconnection failed.
+        """
+        if self.closed:
+            raise status_to_error(rpc, StatusCode.UNAVAILABLE, f"the {self.name} connection pool is closed")
+        slot = self._next_slot()
+        if not _unusable(slot.channel):
+            return slot.channel
+        async with slot.lock:
+            if not _unusable(slot.channel):  # another user already reconnected it
+                return slot.channel
+            if self.closed:
+                raise status_to_error(rpc, StatusCode.UNAVAILABLE, f"the {self.name} connection pool is closed")
+            old = slot.channel
+            with trio.CancelScope(shield=True):
+                await old.aclose()
+            try:
+                new = await _attempt(self._nursery, self.endpoint, self._config.connect_attempt_timeout)
+            except (OSError, SidecarError, _transport().RpcError) as exc:
+                detail = f"reconnecting {self.name} pool slot {slot.index} to {self.endpoint.canonical} failed: "
+                raise status_to_error(rpc, StatusCode.UNAVAILABLE, detail + cause_chain(exc)) from exc
+            if self.closed:
+                with trio.CancelScope(shield=True):
+                    await new.aclose()
+                raise status_to_error(rpc, StatusCode.UNAVAILABLE, f"the {self.name} connection pool is closed")
+            slot.channel = new
+            self.reconnects += 1
+            LOGGER.info("reconnected %s gRPC pool slot %d to %s", self.name, slot.index, self.endpoint.canonical)
+            return new
+
+    async def unary(
+        self,
+        rpc: str,
+        method: str,
+        request: Any,
+        response_type: Any,
+        *,
+        metadata: Sequence[tuple[str, str]] = (),
+        timeout: float | None = None,
+        channel: Any = None,
+    ) -> Any:
+        """A unary call on the next connection, with gRPC failures mapped per §15.2 (rpc name ``rpc``)."""
+        transport = _transport()
+        if channel is None:
+            channel = await self.channel(rpc)
+        try:
+            return await channel.unary_unary(method, request, response_type, metadata=metadata, timeout=timeout)
+        except transport.RpcError as exc:
+            raise status_to_error(rpc, exc.code, exc.message) from exc
+
+    async def aclose(self) -> None:
+        """Close every connection (idempotent). Shielded: cleanup must not be interrupted half-way."""
+        self.closed = True
+        with trio.CancelScope(shield=True):
+            for slot in self._slots:
+                await slot.channel.aclose()
+
+
+def _unusable(channel: Any) -> bool:
+    return bool(getattr(channel, "broken", False) or getattr(channel, "closed", False))
+
+
+@asynccontextmanager
+async def open_channel_pool(
+    endpoint: GrpcEndpoint,
+    config: SidecarConfig,
+    *,
+    deadline: float,
+    size: int | None = None,
+    name: str = "vLLM",
+) -> AsyncIterator[ChannelPool]:
+    """A :class:`ChannelPool` owning its nursery; closed (and its tasks ended) on exit."""
+    async with collapse_exception_group():
+        async with trio.open_nursery() as nursery:
+            pool = await ChannelPool.connect(nursery, endpoint, config, deadline=deadline, size=size, name=name)
+            try:
+                yield pool
+            finally:
+                await pool.aclose()
+                nursery.cancel_scope.cancel()
