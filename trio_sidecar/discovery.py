@@ -64,27 +64,29 @@ async def wait_for_services(
 
     for service in services:
         start = trio.current_time()
+        last = "health check exceeded the startup deadline"
         while True:
-            last = "health check exceeded the startup deadline"
-            with trio.move_on_at(deadline):
-                try:
-                    channel = await pool.channel("Health.Check")
-                    status = await check_health(channel, service)
-                except RpcError as exc:
-                    if exc.code in _FAIL_AT_ONCE:
-                        raise ProtocolError(
-                            f"{service} is unavailable through the standard gRPC health API: "
-                            f"{format_status(exc.code, exc.message)}"
-                        ) from exc
-                    last = f"health check failed: {format_status(exc.code, exc.message)}"
-                except CannotConnect as exc:
-                    last = f"health check failed: {exc}"
-                except OSError as exc:
-                    last = f"health check failed: {cause_chain(exc)}"
-                else:
-                    if status == _SERVING:
-                        break
-                    last = f"reported {_status_name(status)}"
+            if trio.current_time() < deadline:
+                last = "health check exceeded the startup deadline"
+                with trio.move_on_at(deadline):
+                    try:
+                        channel = await pool.channel("Health.Check")
+                        status = await check_health(channel, service)
+                    except RpcError as exc:
+                        if exc.code in _FAIL_AT_ONCE:
+                            raise ProtocolError(
+                                f"{service} is unavailable through the standard gRPC health API: "
+                                f"{format_status(exc.code, exc.message)}"
+                            ) from exc
+                        last = f"health check failed: {format_status(exc.code, exc.message)}"
+                    except CannotConnect as exc:
+                        last = f"health check failed: {exc}"
+                    except OSError as exc:
+                        last = f"health check failed: {cause_chain(exc)}"
+                    else:
+                        if status == _SERVING:
+                            break
+                        last = f"reported {_status_name(status)}"
             now = trio.current_time()
             if now >= deadline:
                 raise CannotConnect(
