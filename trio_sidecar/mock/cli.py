@@ -1,0 +1,171 @@
+"""``trio-sidecar mock``: run the mock vLLM gRPC server as a process (mock-server.md §2, §4).
+
+Exit codes (clarifications.md #12): 0 after SIGINT/SIGTERM (graceful shutdown); 2 for a usage or
+configuration error found before any socket is opened (bad flag, bad engine JSON, invalid engine
+arguments); 1 for a failure after that (e.g. the listen address cannot be bound); a second SIGINT/SIGTERM
+during shutdown exits 1 at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+import trio
+
+from trio_sidecar.mock.engine_args import EngineArgsError, parse_engine_args
+
+__all__ = ["build_parser", "main"]
+
+LOG_LEVEL_ENV = "TRIO_SIDECAR_LOG_LEVEL"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+PROG = "trio-sidecar mock"
+
+
+def _u64(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid unsigned 64-bit integer: '{text}'") from None
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"invalid unsigned 64-bit integer: '{text}'")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer: '{text}'") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError("max_concurrent_requests must be greater than 0")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description=(
+            "CPU-only mock vLLM gRPC server: vllm.Inference, vllm.Control and grpc.health.v1.Health on one "
+            "port, deterministic synthetic tokens, a simulated continuous-batching scheduler and paged KV "
+            "cache, ZMQ KV events and prefill/decode wire emulation. Once serving it prints "
+            "'trio-sidecar mock listening on IP:PORT' to stdout. SIGINT/SIGTERM shut it down gracefully."
+        ),
+    )
+    parser.add_argument(
+        "--listen",
+        default="127.0.0.1:50051",
+        metavar="IP:PORT",
+        help="gRPC listen address: a literal IPv4 or bracketed IPv6 address and a port (0 = OS-chosen); "
+        "ZMQ KV-event sockets bind the same IP (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--model",
+        default="mocker-model",
+        help="ModelInfo.model_id, and the served name unless --served-model-name is given (default: %(default)s)",
+    )
+    parser.add_argument("--served-model-name", default=None, help="ModelInfo.served_model_name (default: --model)")
+    parser.add_argument(
+        "--disaggregation-mode",
+        default="aggregated",
+        choices=("aggregated", "agg", "prefill", "decode"),
+        help="wire-level role to emulate; 'agg' is an alias of 'aggregated' (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--seed", type=_u64, default=42, help="seed for token ids, request UUIDs and logprobs (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--max-concurrent-requests",
+        type=_non_negative_int,
+        default=256,
+        metavar="N",
+        help="Generate/GenerateStream calls admitted at once, including queued ones (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--extra-engine-args",
+        default=None,
+        metavar="JSON|PATH",
+        help="flat JSON object of engine arguments (block_size, num_gpu_blocks, max_num_seqs, "
+        "max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, speedup_ratio, "
+        "decode_speedup_ratio, dp_size, max_model_len, preemption_mode, zmq_kv_events_port, "
+        "zmq_replay_port, token_seed_source, image_token_id, tokens_per_image, ...): inline when the value "
+        "starts with '{', otherwise a path to a JSON file",
+    )
+    parser.add_argument(
+        "--supports-multimodal",
+        action="store_true",
+        help="advertise and accept image media (placeholders in token_ids are expanded)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default=None,
+        choices=LOG_LEVELS,
+        help=f"log level (env {LOG_LEVEL_ENV}; default: info)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``trio-sidecar mock`` with ``argv`` (without the program and subcommand names)."""
+    from trio_sidecar.mock.server import MockConfig, MockConfigError, prepare_config
+
+    parser = build_parser()
+    try:
+        ns = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exc:  # --help (0) or a usage error (2)
+        return exc.code if isinstance(exc.code, int) else 2
+    level = ns.log_level or os.environ.get(LOG_LEVEL_ENV, "info").strip().lower()
+    if level not in LOG_LEVELS:
+        print(f"{PROG}: error: invalid {LOG_LEVEL_ENV} '{level}': expected one of {', '.join(LOG_LEVELS)}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        config = MockConfig(
+            listen=ns.listen,
+            model=ns.model,
+            served_model_name=ns.served_model_name,
+            disaggregation_mode=ns.disaggregation_mode,
+            seed=ns.seed,
+            max_concurrent_requests=ns.max_concurrent_requests,
+            engine_args=parse_engine_args(ns.extra_engine_args),
+            supports_multimodal=ns.supports_multimodal,
+        )
+        prepare_config(config)
+    except (EngineArgsError, MockConfigError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    return trio.run(_serve, config)
+
+
+async def _serve(config: object) -> int:
+    from trio_sidecar.mock.server import open_mock_server
+
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        try:
+            async with open_mock_server(config) as mock:  # type: ignore[arg-type]
+                print(f"trio-sidecar mock listening on {mock.address}", flush=True)
+                async for signum in signals:
+                    logging.getLogger("trio_sidecar.mock").info(
+                        "received %s, shutting down", signal.Signals(signum).name
+                    )
+                    break
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(_exit_on_second_signal, signals)
+                    await mock.graceful_shutdown()
+                    nursery.cancel_scope.cancel()
+        except OSError as exc:
+            print(f"{PROG}: error: {exc}", file=sys.stderr)
+            return 1
+    return 0
+
+
+async def _exit_on_second_signal(signals: trio.abc.ReceiveChannel[int]) -> None:  # type: ignore[name-defined]
+    async for _ in signals:
+        sys.stderr.flush()
+        os._exit(1)

@@ -1,0 +1,672 @@
+"""The mock vLLM gRPC server: Inference, Control and Health on one port (mock-server.md §4–§17).
+
+Theory of operation
+-------------------
+``open_mock_server`` owns one nursery for the server's lifetime. In it run one simulated engine
+(:class:`~trio_sidecar.mock.scheduler.RankEngine`) per DP rank and the gRPC server (``serve_grpc``) with
+three servicers. Leaving the context cancels all of it and closes the ZMQ sockets.
+
+A generation call goes through the §6 rows in order: the DP-rank metadata (rows 1–2), a non-blocking
+concurrency permit (row 3), the pure checks and output planning of :mod:`.validation` (rows 4–18), the
+in-flight id check (row 19); then the request is submitted to its rank's scheduler (row 20 may reject
+it). From then on it is a :class:`_Call` registered under its request UUID in the server's routes until
+the RPC ends, however it ends; the permit is held for exactly as long.
+
+The scheduler delivers output signals into the call's own buffer (``len(plan) + 1`` entries, filled with
+non-blocking sends), so a slow reader never stalls a pass and is never shed. The handler waits for the
+next signal inside a cancel scope that only ``Control.Abort`` and shutdown cancel; messages are yielded
+outside that scope. Exactly one terminal is sent per request: a claim flag on the call decides between
+the natural finish and an abort that race. Abort flushes the already-buffered tokens first, then sends an
+``ABORTED`` terminal with no tokens (clarifications.md #15) and the RPC ends OK, like vLLM.
+
+A dropped stream (RST_STREAM, disconnect, deadline) cancels the handler; its ``finally`` cancels the
+scheduler request at once, which frees its KV blocks and its running/waiting slot.
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any
+
+import attrs
+import trio
+import trio_util
+
+import trio_sidecar
+from trio_sidecar._proto.grpc.health.v1 import health_pb2
+from trio_sidecar._proto.vllm import control_grpc, control_pb2, inference_grpc
+from trio_sidecar._proto.vllm import inference_pb2 as pb
+from trio_sidecar.mock import engine_args as _engine_args
+from trio_sidecar.mock.generation import RequestRejected, build_prompt_info, build_sequence_output, request_uuid
+from trio_sidecar.mock.handoff import Role, prefill_terminal_params
+from trio_sidecar.mock.validation import PreparedRequest, RequestPolicy, parse_dp_rank, prepare_request
+from trio_sidecar.status import StatusCode
+from trio_sidecar.transport import HealthServicer, RpcError, serve_grpc
+
+__all__ = ["HEALTH_SERVICES", "MockConfig", "MockConfigError", "MockServer", "open_mock_server", "parse_listen"]
+
+LOGGER = logging.getLogger("trio_sidecar.mock")
+
+HEALTH_SERVICES = ("", "vllm.Control", "vllm.Inference")
+MAX_MESSAGE_LENGTH = 64 * 1024 * 1024
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+FinishReason = pb.FinishInfo.FinishReason
+
+LORA_UNIMPLEMENTED = "LoRA is not supported by the mock server"
+RL_UNIMPLEMENTED = "the vLLM mocker does not implement RL control RPCs"
+SHUTDOWN_UNIMPLEMENTED = "shutdown is not supported by the mocker"
+SHUTTING_DOWN = "server shutting down"
+# How long graceful shutdown waits for failed in-flight calls to leave before the server is torn down.
+DRAIN_GRACE_S = 2.0
+
+
+class MockConfigError(Exception):
+    """An invalid mock configuration (listen address, mode, engine arguments). ``str(e)`` is the message."""
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """Parse ``--listen``: ``IPv4:PORT`` or ``[IPv6]:PORT`` (a literal IP, never a host name).
+
+    Raises:
+        MockConfigError: anything else.
+    """
+    host, sep, port_text = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+        version = 6
+    else:
+        version = 4
+    try:
+        ip = ipaddress.ip_address(host) if sep else None
+    except ValueError:
+        ip = None
+    if ip is None or ip.version != version or not (port_text.isascii() and port_text.isdigit()):
+        raise MockConfigError(f"invalid listen address '{text}': expected IP:PORT with a literal IP")
+    port = int(port_text)
+    if port > 65535:
+        raise MockConfigError(f"invalid listen address '{text}': port must be 0..65535")
+    return str(ip), port
+
+
+@attrs.frozen(kw_only=True)
+class MockConfig:
+    """The mock server's configuration: the CLI's fields (mock-server.md §2, §17)."""
+
+    listen: str = "127.0.0.1:50051"
+    model: str = "mocker-model"
+    served_model_name: str | None = None
+    disaggregation_mode: str = "aggregated"
+    seed: int = 42
+    max_concurrent_requests: int = 256
+    engine_args: Mapping[str, Any] | _engine_args.EngineArgs | None = None
+    supports_multimodal: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class _Prepared:
+    host: str
+    port: int
+    mode: Role
+    args: _engine_args.EngineArgs
+    policy: RequestPolicy
+    config: MockConfig
+
+
+def prepare_config(config: MockConfig) -> _Prepared:
+    """Every configuration check that needs no socket (§3.1 order, then listen address and mode).
+
+    Raises:
+        MockConfigError: the first problem, with the spec's message.
+    """
+    try:
+        args = (
+            config.engine_args
+            if isinstance(config.engine_args, _engine_args.EngineArgs)
+            else _engine_args.engine_args_from_mapping(config.engine_args)
+        )
+        _engine_args.validate_engine_args(args, max_concurrent_requests=config.max_concurrent_requests)
+    except _engine_args.EngineArgsError as exc:
+        raise MockConfigError(str(exc)) from None
+    if not 0 <= config.seed < 2**64:
+        raise MockConfigError("seed must be an unsigned 64-bit integer")
+    try:
+        mode = Role.parse(config.disaggregation_mode)
+    except ValueError:
+        raise MockConfigError(
+            f"invalid disaggregation mode '{config.disaggregation_mode}': expected aggregated, prefill or decode"
+        ) from None
+    host, port = parse_listen(config.listen)
+    served = config.served_model_name or config.model
+    policy = RequestPolicy(
+        served_model_name=served,
+        seed=config.seed,
+        mode=mode,
+        supports_multimodal=config.supports_multimodal,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.token_budget,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        token_seed_source=_enum_value(args.token_seed_source),
+        image_token_id=args.image_token_id,
+        tokens_per_image=args.tokens_per_image,
+    )
+    return _Prepared(host=host, port=port, mode=mode, args=args, policy=policy, config=config)
+
+
+def _enum_value(value: Any) -> Any:
+    return value.value if isinstance(value, enum.Enum) else value
+
+
+def _rejected(err: RequestRejected) -> RpcError:
+    return RpcError(err.code, err.message)
+
+
+class _Claim(enum.Enum):
+    FINISH = "finish"
+    ABORT = "abort"
+    DROP = "drop"
+
+
+class _Call:
+    """One admitted generation request, from validation until its RPC ends (see module docstring)."""
+
+    def __init__(self, server: MockServer, prepared: PreparedRequest, rank: int) -> None:
+        self.server = server
+        self.prepared = prepared
+        self.rank = rank
+        self.engine = server._engines[rank]
+        self.sent = 0  # tokens handed to the client so far
+        self.claim: _Claim | None = None
+        self.shutting_down = False
+        self._receive: trio.MemoryReceiveChannel[Any] | None = None
+        self._wake: trio.CancelScope | None = None
+
+    # --- decisions (synchronous) ---------------------------------------------------------------------
+
+    def try_claim(self, claim: _Claim) -> bool:
+        if self.claim is not None:
+            return False
+        self.claim = claim
+        return True
+
+    def abort(self) -> None:
+        """``Control.Abort``: claim the terminal (unless the request already finished) and stop the engine."""
+        if not self.try_claim(_Claim.ABORT):
+            return
+        try:
+            self.engine.cancel(self.prepared.uuid)
+        except Exception as exc:  # an engine bug; Abort reports it (§14.2)
+            LOGGER.exception("abort of request %s failed", self.prepared.request_id)
+            raise RpcError(StatusCode.INTERNAL, f"Mocker abort failed: {exc}") from None
+        self._wake_up()
+
+    def shutdown(self) -> None:
+        self.shutting_down = True
+        self._wake_up()
+
+    def _wake_up(self) -> None:
+        if self._wake is not None:
+            self._wake.cancel()
+
+    def release(self) -> None:
+        """The RPC ended (any way): stop the engine work if it is still live, unregister, free the permit."""
+        if self.try_claim(_Claim.DROP):
+            self.engine.cancel(self.prepared.uuid)
+        if self._receive is not None:
+            self._receive.close()
+        self.server._unregister(self)
+
+    # --- the output pump -------------------------------------------------------------------------------
+
+    def submit(self) -> None:
+        """Hand the request to the scheduler (§6 row 20 may raise ``CapacityError``)."""
+        from trio_sidecar.mock.scheduler import SimRequest
+
+        p = self.prepared
+        self._receive = self.engine.submit(
+            SimRequest(
+                uuid=p.uuid,
+                prompt=p.prompt,
+                plan=p.plan.tokens,
+                cache_salt=p.cache_salt,
+                bypass_prefix_cache=p.bypass_prefix_cache,
+                priority=p.priority,
+            )
+        )
+
+    async def next_output(self) -> tuple[list[int], pb.FinishInfo | None]:
+        """Wait for the next tokens: ``(tokens, terminal)``; ``terminal`` is set once, on the last call.
+
+        For an ``ABORTED`` terminal the tokens are the buffered ones flushed before it (they do not belong
+        to the terminal message); otherwise the terminal belongs with the (single) token.
+        """
+        assert self._receive is not None
+        signal = None
+        if self.claim is not _Claim.ABORT and not self.shutting_down:
+            with trio.CancelScope() as self._wake:
+                try:
+                    signal = await self._receive.receive()
+                except (trio.EndOfChannel, trio.ClosedResourceError):
+                    signal = None
+            self._wake = None
+        if self.shutting_down:
+            raise RpcError(StatusCode.UNAVAILABLE, SHUTTING_DOWN)
+        tokens: list[int] = []
+        if signal is not None:
+            if signal.token is None:
+                raise RpcError(StatusCode.INTERNAL, "Mocker output signal is missing a token ID")
+            tokens.append(signal.token)
+            self.sent += 1
+            if signal.completed and self.try_claim(_Claim.FINISH):
+                return tokens, self._finish_info()
+        if self.claim is _Claim.ABORT:
+            return tokens + self._flush(), pb.FinishInfo(
+                num_output_tokens=self.sent, finish_reason=FinishReason.ABORTED
+            )
+        if signal is None:
+            raise RpcError(StatusCode.INTERNAL, "Mocker output channel closed before a terminal response")
+        return tokens, None
+
+    def _flush(self) -> list[int]:
+        assert self._receive is not None
+        flushed: list[int] = []
+        while True:
+            try:
+                signal = self._receive.receive_nowait()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                break
+            if signal.token is not None:
+                flushed.append(signal.token)
+        self.sent += len(flushed)
+        return flushed
+
+    def _finish_info(self) -> pb.FinishInfo:
+        p = self.prepared
+        info = pb.FinishInfo(num_output_tokens=self.sent, finish_reason=p.plan.finish_reason)
+        if p.plan.stop_token_id is not None:
+            info.stop_token_id = p.plan.stop_token_id
+        if self.server._prepared.mode is Role.PREFILL:
+            info.kv_transfer_params.CopyFrom(prefill_terminal_params(p.uuid, p.request_id, len(p.prompt)))
+        return info
+
+
+class MockServer:
+    """A running mock server and its test hooks (mock-server.md §17). Built by :func:`open_mock_server`."""
+
+    def __init__(self, prepared: _Prepared, engines: Sequence[Any], publishers: Sequence[Any]) -> None:
+        self._prepared = prepared
+        self._engines = list(engines)
+        self._publishers = list(publishers)
+        self._routes: dict[str, _Call] = {}
+        self._permits = trio.Semaphore(prepared.config.max_concurrent_requests)
+        self._active = trio_util.AsyncValue(0)
+        self._shutting_down = False
+        self.health = HealthServicer({name: SERVING for name in HEALTH_SERVICES})
+        self.host = prepared.host
+        self.port = 0
+        self.recorded_requests: list[tuple[str, pb.GenerateRequest, tuple[tuple[str, str], ...], Any]] = []
+        self.abort_calls: list[list[str]] = []
+        self.server_info = _server_info(prepared)
+        self.model_info = _model_info(prepared)
+
+    def __repr__(self) -> str:
+        ranks = ", ".join(
+            f"rank {r}: {m.running_requests} running, {m.waiting_requests} waiting"
+            for r, m in ((r, self.metrics(r)) for r in range(len(self._engines)))
+        )
+        return f"<MockServer {self.address} [{self.active_request_count()} active | {ranks}]>"
+
+    # --- hooks ---------------------------------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        """``IP:PORT`` with the actual port (IPv6 bracketed)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    @property
+    def dp_size(self) -> int:
+        return len(self._engines)
+
+    @property
+    def kv_event_endpoints(self) -> list[str]:
+        """Per-rank actually-bound PUB endpoints (``tcp://IP:PORT``); empty when not publishing."""
+        return [pub.endpoint for pub in self._publishers]
+
+    def active_request_count(self) -> int:
+        """Registered response routes (in-flight generation requests)."""
+        return len(self._routes)
+
+    def metrics(self, rank: int = 0) -> Any:
+        """The rank's metrics snapshot after its last scheduler pass."""
+        return self._engines[rank].metrics_value.value
+
+    def metrics_value(self, rank: int = 0) -> trio_util.AsyncValue:
+        """The rank's metrics as an ``AsyncValue`` (``await mv.wait_value(pred)``)."""
+        return self._engines[rank].metrics_value
+
+    def set_serving_status(self, name: str | None, status: int) -> None:
+        """Change a health status; ``name=None`` changes all three. ``Watch`` streams see the change."""
+        for service in HEALTH_SERVICES if name is None else (name,):
+            self.health.set_status(service, int(status))
+
+    async def graceful_shutdown(self) -> None:
+        """§4 step 7 without exiting: NOT_SERVING everywhere, Watch streams end OK, in-flight generation
+        fails with ``UNAVAILABLE "server shutting down"``, and new calls are refused the same way.
+
+        Returns once the failed calls have left (bounded by ``DRAIN_GRACE_S``).
+        """
+        self._shutting_down = True
+        self.health.shutdown()
+        for call in list(self._routes.values()):
+            call.shutdown()
+        with trio.move_on_after(DRAIN_GRACE_S):
+            await self._active.wait_value(0)
+
+    # --- request plumbing ---------------------------------------------------------------------------
+
+    def _begin(self, rpc: str, request: pb.GenerateRequest, context: Any) -> _Call:
+        """Rows 1–19 of §6, then register the call. Raises RpcError."""
+        metadata = tuple(getattr(context, "metadata", ()))
+        self.recorded_requests.append((rpc, request, metadata, getattr(context, "peer", None)))
+        if self._shutting_down:
+            raise RpcError(StatusCode.UNAVAILABLE, SHUTTING_DOWN)
+        try:
+            rank = parse_dp_rank(metadata, len(self._engines))
+        except RequestRejected as err:
+            raise _rejected(err) from None
+        try:
+            self._permits.acquire_nowait()
+        except trio.WouldBlock:
+            raise RpcError(StatusCode.RESOURCE_EXHAUSTED, "Mocker concurrent request limit reached") from None
+        try:
+            prepared = prepare_request(request, self._prepared.policy)
+            if prepared.uuid in self._routes:
+                raise RequestRejected(
+                    StatusCode.ALREADY_EXISTS, f"request_id '{prepared.request_id}' is already in flight"
+                )
+        except RequestRejected as err:
+            self._permits.release()
+            raise _rejected(err) from None
+        except BaseException:
+            self._permits.release()
+            raise
+        if rank is None:
+            rank = min(range(len(self._engines)), key=lambda r: (self._engines[r].load, r))
+        call = _Call(self, prepared, rank)
+        self._routes[prepared.uuid] = call
+        self._active.value = len(self._routes)
+        return call
+
+    def _unregister(self, call: _Call) -> None:
+        if self._routes.get(call.prepared.uuid) is call:
+            del self._routes[call.prepared.uuid]
+            self._permits.release()
+            self._active.value = len(self._routes)
+
+    def _submit(self, call: _Call) -> RpcError | None:
+        """Submit to the scheduler. A capacity rejection (row 20) is returned, not raised: a stream
+        reports it after ``prompt_info``. Other scheduler rejections are raised as their status."""
+        from trio_sidecar.mock.scheduler import CapacityError, SchedulerError
+
+        try:
+            call.submit()
+        except CapacityError as exc:
+            return RpcError(StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except SchedulerError as exc:
+            raise RpcError(exc.code, str(exc)) from None
+        return None
+
+    def _abort(self, request_ids: Sequence[str]) -> None:
+        self.abort_calls.append(list(request_ids))
+        seed = self._prepared.config.seed
+        for request_id in request_ids:
+            call = self._routes.get(request_uuid(seed, request_id))
+            if call is not None:
+                call.abort()
+
+
+# --- servicers -------------------------------------------------------------------------------------------
+
+
+class _InferenceServicer(inference_grpc.InferenceServicer):
+    def __init__(self, server: MockServer) -> None:
+        self._server = server
+
+    async def Generate(self, request: pb.GenerateRequest, context: Any) -> pb.GenerateResponse:  # noqa: N802
+        call = self._server._begin("Generate", request, context)
+        try:
+            rejection = self._server._submit(call)
+            if rejection is not None:
+                raise rejection
+            tokens: list[int] = []
+            while True:
+                chunk, terminal = await call.next_output()
+                tokens.extend(chunk)
+                if terminal is not None:
+                    break
+            outputs = build_sequence_output(tokens, call.prepared.output)
+            outputs.finish_info.CopyFrom(terminal)
+            return pb.GenerateResponse(
+                prompt_info=build_prompt_info(call.prepared.prompt, request.response), outputs=outputs
+            )
+        finally:
+            call.release()
+
+    async def GenerateStream(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
+        call = self._server._begin("GenerateStream", request, context)
+        try:
+            rejection = self._server._submit(call)
+            yield pb.GenerateResponse(prompt_info=build_prompt_info(call.prepared.prompt, request.response))
+            if rejection is not None:
+                raise rejection
+            options = call.prepared.output
+            while True:
+                tokens, terminal = await call.next_output()
+                aborted = terminal is not None and terminal.finish_reason == FinishReason.ABORTED
+                if aborted or terminal is None:
+                    for token in tokens:
+                        yield pb.GenerateResponse(outputs=build_sequence_output([token], options))
+                    if terminal is None:
+                        continue
+                    last = pb.SequenceOutput(index=0)
+                else:
+                    last = build_sequence_output(tokens, options)
+                last.finish_info.CopyFrom(terminal)
+                yield pb.GenerateResponse(outputs=last)
+                return
+        finally:
+            call.release()
+
+
+class _ControlServicer(control_grpc.ControlServicer):
+    def __init__(self, server: MockServer) -> None:
+        self._server = server
+
+    async def GetServerInfo(self, request: Any, context: Any) -> control_pb2.ServerInfo:  # noqa: N802
+        return self._server.server_info
+
+    async def GetModelInfo(self, request: Any, context: Any) -> control_pb2.ModelInfo:  # noqa: N802
+        return self._server.model_info
+
+    async def Abort(self, request: control_pb2.AbortRequest, context: Any) -> control_pb2.AbortResponse:  # noqa: N802
+        self._server._abort(request.request_ids)
+        return control_pb2.AbortResponse()
+
+    async def GetKvEventSources(self, request: Any, context: Any) -> control_pb2.GetKvEventSourcesResponse:  # noqa: N802
+        response = control_pb2.GetKvEventSourcesResponse()
+        for rank, pub in enumerate(self._server._publishers):
+            replay_port = pub.replay_port
+            response.sources.add(
+                transport="zmq",
+                endpoint=f"tcp://0.0.0.0:{pub.port}",
+                topic="",
+                replay_endpoint=f"tcp://0.0.0.0:{replay_port}" if replay_port is not None else "",
+                data_parallel_rank=rank,
+                encoding="msgpack",
+                schema_version=1,
+            )
+        return response
+
+
+def _unimplemented(message: str) -> Any:
+    async def handler(self: Any, request: Any, context: Any) -> Any:
+        raise RpcError(StatusCode.UNIMPLEMENTED, message)
+
+    return handler
+
+
+for _name in ("LoadLora", "UnloadLora", "ListLoras"):
+    setattr(_ControlServicer, _name, _unimplemented(LORA_UNIMPLEMENTED))
+for _name in (
+    "PauseGeneration",
+    "ResumeGeneration",
+    "IsPaused",
+    "Sleep",
+    "WakeUp",
+    "IsSleeping",
+    "InitWeightTransferEngine",
+    "StartWeightUpdate",
+    "StartDraftWeightUpdate",
+    "UpdateWeights",
+    "FinishWeightUpdate",
+    "UpdateWeightVersion",
+    "GetWeightVersion",
+):
+    setattr(_ControlServicer, _name, _unimplemented(RL_UNIMPLEMENTED))
+_ControlServicer.Shutdown = _unimplemented(SHUTDOWN_UNIMPLEMENTED)  # type: ignore[method-assign]
+del _name
+
+
+# --- fixed Control values (§5.3, §5.4) --------------------------------------------------------------------
+
+
+def _server_info(prepared: _Prepared) -> control_pb2.ServerInfo:
+    args = prepared.args
+    return control_pb2.ServerInfo(
+        engine_version=trio_sidecar.__version__,
+        api_version="vllm",
+        instance_id=f"trio-sidecar-mock-{prepared.mode.value}",
+        parallelism=control_pb2.ParallelismInfo(
+            tensor_parallel_size=1,
+            pipeline_parallel_size=1,
+            data_parallel_size=args.dp_size,
+            data_parallel_rank=0,
+            decode_context_parallel_size=1,
+            world_size=1,
+            data_parallel_size_local=args.dp_size,
+        ),
+        max_model_len=args.max_model_len or 0,
+        kv_block_size=args.block_size,
+        total_kv_blocks=args.num_gpu_blocks * args.dp_size,
+        max_running_requests=args.max_num_seqs or 0,
+        max_batched_tokens=args.max_num_batched_tokens or 0,
+        max_loras=0,
+        effective_attention_block_size=args.block_size,
+    )
+
+
+def _model_info(prepared: _Prepared) -> control_pb2.ModelInfo:
+    config = prepared.config
+    return control_pb2.ModelInfo(
+        model_id=config.model,
+        served_model_name=prepared.policy.served_model_name,
+        supports_text_input=False,
+        supports_token_ids_input=True,
+        supports_lora=False,
+        supports_multimodal=config.supports_multimodal,
+        reasoning_parser="",
+        tool_call_parser="",
+    )
+
+
+# --- lifetime --------------------------------------------------------------------------------------------
+
+
+def _open_publishers(prepared: _Prepared) -> list[Any]:
+    """§4 step 2: one PUB (and optional replay ROUTER) per rank on the listen IP, all or nothing."""
+    args = prepared.args
+    if not args.enable_prefix_caching or prepared.mode is Role.DECODE:
+        return []
+    from trio_sidecar.mock import kv_events
+
+    try:
+        return kv_events.bind_publishers(
+            prepared.host, args.dp_size, port=args.zmq_kv_events_port, replay_port=args.zmq_replay_port
+        )
+    except OSError as exc:
+        LOGGER.warning("running without KV events: %s", exc)
+        return []
+
+
+def _unwrap_single(eg: BaseExceptionGroup) -> BaseException:
+    """The one exception of a nursery's group (the project never lets a group escape for one failure)."""
+    while isinstance(eg, BaseExceptionGroup) and len(eg.exceptions) == 1:
+        eg = eg.exceptions[0]  # type: ignore[assignment]
+    return eg
+
+
+@asynccontextmanager
+async def open_mock_server(config: MockConfig) -> AsyncIterator[MockServer]:
+    """Run a mock vLLM gRPC server for the duration of the block.
+
+    Args:
+        config: the server configuration (``listen="127.0.0.1:0"`` picks a free port).
+
+    Returns:
+        The running :class:`MockServer` (``.address``, ``.port`` and the §17 hooks).
+
+    Raises:
+        MockConfigError: an invalid configuration (nothing was bound).
+        OSError: the gRPC listen address cannot be bound.
+
+    Resource handling: the engines and the gRPC server live in a nursery owned by the block; leaving the
+    block cancels them and closes every socket, including the ZMQ ones.
+    """
+    from trio_sidecar.mock.scheduler import RankEngine
+
+    prepared = prepare_config(config)
+    publishers = _open_publishers(prepared)
+    if config.supports_multimodal and prepared.args.enable_prefix_caching:
+        LOGGER.warning("multimodal with prefix caching: KV blocks are keyed by token ids only")
+    try:
+        try:
+            async with trio.open_nursery() as nursery:
+                engines = [
+                    RankEngine(rank, prepared.args, publishers[rank] if publishers else None)
+                    for rank in range(prepared.args.dp_size)
+                ]
+                for engine in engines:
+                    await nursery.start(engine.run)
+                for pub in publishers:
+                    await nursery.start(pub.run)
+                server = MockServer(prepared, engines, publishers)
+                listener = await nursery.start(
+                    partial(
+                        serve_grpc,
+                        [_InferenceServicer(server), _ControlServicer(server), server.health],
+                        host=prepared.host,
+                        port=prepared.port,
+                        max_message_length=MAX_MESSAGE_LENGTH,
+                    )
+                )
+                server.port = listener.port
+                LOGGER.info(
+                    "starting mock vLLM gRPC server listen=%s model=%s mode=%s dp_size=%d",
+                    server.address,
+                    config.model,
+                    prepared.mode.value,
+                    prepared.args.dp_size,
+                )
+                yield server
+                nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as eg:
+            raise _unwrap_single(eg) from None
+    finally:
+        for pub in publishers:
+            pub.close()
