@@ -1,0 +1,612 @@
+"""``trio-sidecar run``: serve a vLLM gRPC engine as a Dynamo 1.6.1 worker (dynamo-worker.md §7–§10).
+
+Theory of operation
+-------------------
+
+Trio owns the process. Dynamo's runtime lives on one asyncio thread (:mod:`.bridge`); every Dynamo object
+is created and touched only there, through :meth:`AsyncioThread.run`. Lifetimes nest like this::
+
+    trio.run
+    └─ signal watcher                      first signal: cancel startup / begin the graceful shutdown
+       └─ bootstrap discovery              (sidecar.md §9.1) — before any Dynamo object exists
+          └─ asyncio thread + runtime      DistributedRuntime, endpoint (dynamo-worker.md §7 steps 1–2)
+             └─ open_sidecar(expected=…)   the start phase (§9.2, §10), prober, abort sender
+                └─ request nursery         dispatcher + one task per request (bridge)
+                   registration            serve_endpoint, register_model, KvEventPublisher per source
+                   health supervisor       unregister/re-register on NOT_SERVING (clarifications #4, #5)
+                   wait                    for the shutdown request, a fatal prober error or a dead runtime
+
+Shutdown (§16, dynamo-worker.md §9): stop admitting, ``runtime.shutdown()`` on the loop (unregisters the
+instance at once, then the runtime drains in-flight handlers), wait for ``serve_endpoint``'s future for up
+to ``drain_timeout`` — after it, every remaining request is stopped (it ends with its cancelled chunk and
+an Abort is queued, clarification #14) — then leave ``open_sidecar`` (cleanup), stop the loop, join the
+thread. A second SIGINT/SIGTERM exits 1 at once.
+
+Exit codes (clarification #12): 0 after a graceful shutdown (also when the signal arrives during startup,
+with the log line ``runtime shut down during sidecar initialization``); 1 for a startup failure (printed
+as ``error: {message}``), a fatal identity change after recovery, or a runtime that stopped by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import trio
+
+from ..config import DisaggregationMode, SidecarConfig, WorkerOptions
+from ..errors import InvalidArgument, SidecarError, format_duration
+from .bridge import AsyncioThread, RequestBridge
+
+if TYPE_CHECKING:
+    from ..api import Sidecar
+    from ..model import DiscoveredModel, EngineConfig
+    from ..routing import KvEventSource
+
+__all__ = ["run_worker", "WorkerPlan", "plan_registration", "worker_namespace"]
+
+LOGGER = logging.getLogger("trio_sidecar.dynamo.worker")
+
+INIT_SHUTDOWN = "runtime shut down during sidecar initialization"
+# After the drain bound, stopped requests end promptly; this bounds the wait for the runtime's own drain.
+STOP_GRACE = 10.0
+
+# --- pure registration planning ---------------------------------------------------------------------------
+
+_ENDPOINT_TYPES = {"chat": "Chat", "completions": "Completions"}
+_WORKER_TYPES = {
+    DisaggregationMode.AGG: "Aggregated",
+    DisaggregationMode.PREFILL: "Prefill",
+    DisaggregationMode.DECODE: "Decode",
+}
+_FIXED_COMPONENT = {DisaggregationMode.PREFILL: "prefill", DisaggregationMode.DECODE: "backend"}
+
+
+def worker_namespace(namespace: str, environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
+    """Apply ``DYN_NAMESPACE_WORKER_SUFFIX`` like the native sidecar: ``-{suffix}`` unless empty or present."""
+    suffix = environ.get("DYN_NAMESPACE_WORKER_SUFFIX", "").strip()
+    if not suffix or namespace.endswith(f"-{suffix}"):
+        return namespace
+    return f"{namespace}-{suffix}"
+
+
+@attrs.frozen(kw_only=True)
+class WorkerPlan:
+    """Everything ``register_model`` and the publishers need, as plain values (dynamo-worker.md §7)."""
+
+    endpoint_path: str  # "ns.component.endpoint"
+    model_path: str
+    served_model_name: str
+    aliases: tuple[str, ...]
+    model_types: tuple[str, ...]  # dynamo.llm.ModelType member names, OR-ed together ("Empty" for prefill)
+    worker_type: str  # dynamo.llm.WorkerType member name
+    kv_cache_block_size: int | None
+    runtime_config: dict[str, Any]  # ModelRuntimeConfig attributes to set (None values already dropped)
+    custom_template_path: str | None
+    local_indexer: bool  # decode workers do not advertise a local KV indexer
+
+
+def plan_registration(
+    config: SidecarConfig,
+    options: WorkerOptions,
+    engine: EngineConfig,
+    sources: Sequence[KvEventSource],
+    *,
+    environ: dict[str, str] | os._Environ[str] = os.environ,
+) -> WorkerPlan:
+    """Build the registration from the start-phase ``EngineConfig`` (sidecar.md §11, dynamo-worker.md §7).
+
+    Raises:
+        InvalidArgument: an endpoint type other than ``chat``/``completions``, or an unsupported mode.
+    """
+    mode = DisaggregationMode.parse(config.disaggregation_mode)
+    if mode not in _WORKER_TYPES:
+        raise InvalidArgument("encode mode is not supported by the vLLM sidecar")
+    component = _FIXED_COMPONENT.get(mode, options.component)
+    path = f"{worker_namespace(options.namespace, environ)}.{component}.{options.endpoint}"
+    if mode is DisaggregationMode.PREFILL:
+        # The native sidecar registers prefill workers with an empty ModelType regardless of
+        # --endpoint-types: they have no OpenAI surface; WorkerType.Prefill carries the role.
+        model_types: tuple[str, ...] = ("Empty",)
+    else:
+        names = []
+        for kind in options.endpoint_types:
+            if kind not in _ENDPOINT_TYPES:
+                raise InvalidArgument(f"unsupported endpoint type `{kind}`; expected chat or completions")
+            names.append(_ENDPOINT_TYPES[kind])
+        if not names:
+            raise InvalidArgument("--endpoint-types must name at least one of chat, completions")
+        model_types = tuple(dict.fromkeys(names))
+    runtime = {
+        "context_length": engine.context_length,
+        "total_kv_blocks": engine.total_kv_blocks,
+        "max_num_seqs": engine.max_num_seqs,
+        "max_num_batched_tokens": engine.max_num_batched_tokens,
+        "data_parallel_size": engine.data_parallel_size,
+        "data_parallel_start_rank": engine.data_parallel_start_rank,
+    }
+    runtime = {k: v for k, v in runtime.items() if v is not None}
+    runtime["kv_event_publishing_enabled"] = bool(sources)
+    runtime["exclude_tools_when_tool_choice_none"] = bool(options.exclude_tools_when_tool_choice_none)
+    local_indexer = mode is not DisaggregationMode.DECODE
+    runtime["enable_local_indexer"] = local_indexer
+    return WorkerPlan(
+        endpoint_path=path,
+        model_path=engine.model,
+        served_model_name=engine.served_model_name,
+        aliases=tuple(engine.aliases),
+        model_types=model_types,
+        worker_type=_WORKER_TYPES[mode],
+        kv_cache_block_size=engine.kv_cache_block_size,
+        runtime_config=runtime,
+        custom_template_path=options.custom_jinja_template,
+        local_indexer=local_indexer,
+    )
+
+
+# --- the asyncio side ---------------------------------------------------------------------------------------
+
+
+class DynamoSide:
+    """Owns the Dynamo objects. Every method runs on the asyncio thread (via ``AsyncioThread.run``)."""
+
+    def __init__(self, options: WorkerOptions) -> None:
+        self.options = options
+        self.runtime: Any = None
+        self.endpoint: Any = None
+        self.serve: asyncio.Future | None = None
+        self.publishers: list[Any] = []
+
+    async def create_runtime(self, endpoint_path: str) -> None:
+        from dynamo.runtime import DistributedRuntime
+
+        kwargs = {"response_plane": self.options.response_plane}
+        if self.options.event_plane:
+            kwargs["event_plane"] = self.options.event_plane
+        self.runtime = DistributedRuntime(
+            asyncio.get_running_loop(), self.options.discovery_backend, self.options.request_plane, **kwargs
+        )
+        self.endpoint = self.runtime.endpoint(endpoint_path)
+
+    async def serve_and_register(self, plan: WorkerPlan, handler: Callable[..., Any]) -> None:
+        from dynamo.llm import ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
+
+        # serve_endpoint returns a Future, not a coroutine (dynamo-worker.md §16).
+        self.serve = asyncio.ensure_future(self.endpoint.serve_endpoint(handler))
+        rc = ModelRuntimeConfig()
+        for name, value in plan.runtime_config.items():
+            setattr(rc, name, value)
+        model_type = getattr(ModelType, plan.model_types[0])
+        for name in plan.model_types[1:]:
+            model_type = model_type | getattr(ModelType, name)
+        await register_model(
+            ModelInput.Tokens,
+            model_type,
+            self.endpoint,
+            plan.model_path,
+            plan.served_model_name,
+            worker_type=getattr(WorkerType, plan.worker_type),
+            kv_cache_block_size=plan.kv_cache_block_size,
+            runtime_config=rc,
+            model_aliases=list(plan.aliases) or None,
+            custom_template_path=plan.custom_template_path,
+        )
+        if self.serve.done():  # serving failed at once (e.g. the request plane could not bind)
+            self.serve.result()
+
+    async def replace_publishers(self, plan: WorkerPlan, sources: Sequence[KvEventSource]) -> int:
+        """Shut down the current KV publishers and create one per source (dynamo-worker.md §7 step 6)."""
+        from dynamo.llm import KvEventPublisher
+
+        self.shutdown_publishers()
+        if not sources:
+            return 0
+        if not plan.kv_cache_block_size:
+            LOGGER.warning("vLLM reports no KV block size; KV events are not relayed to the router")
+            return 0
+        for source in sources:
+            self.publishers.append(
+                KvEventPublisher(
+                    self.endpoint,
+                    kv_block_size=plan.kv_cache_block_size,
+                    dp_rank=source.dp_rank,
+                    enable_local_indexer=plan.local_indexer,
+                    zmq_endpoint=source.endpoint,
+                    zmq_topic=source.topic,
+                )
+            )
+        return len(self.publishers)
+
+    def shutdown_publishers(self) -> None:
+        publishers, self.publishers = self.publishers, []
+        for publisher in publishers:
+            try:
+                publisher.shutdown()
+            except Exception:  # noqa: BLE001 - best effort on the way out
+                LOGGER.debug("KvEventPublisher.shutdown failed", exc_info=True)
+
+    async def unregister(self) -> None:
+        await self.endpoint.unregister_endpoint_instance()
+
+    async def register(self) -> None:
+        await self.endpoint.register_endpoint_instance()
+
+    async def wait_serving_ended(self) -> None:
+        """Wait for ``serve_endpoint``'s future (shielded: a cancelled waiter never cancels serving)."""
+        if self.serve is not None:
+            await asyncio.shield(self.serve)
+
+    async def shutdown(self) -> None:
+        """``runtime.shutdown()``: unregister at once, then the runtime drains in-flight handlers."""
+        if self.runtime is not None:
+            self.runtime.shutdown()
+
+
+# --- output for humans (TTY) or plain logs --------------------------------------------------------------
+
+
+class Reporter:
+    """Startup phases, the discovered model and the ready line: rich on a TTY, plain log records otherwise."""
+
+    def __init__(self, *, rich_output: bool | None = None) -> None:
+        if rich_output is None:
+            rich_output = sys.stderr.isatty()
+        self.rich = rich_output
+        self._console = None
+        if self.rich:
+            from rich.console import Console
+
+            self._console = Console(stderr=True, highlight=False)
+        self._phase_started = 0.0
+
+    def phase(self, name: str, deadline: float | None = None) -> None:
+        self._phase_started = time.monotonic()
+        bound = f" (deadline {format_duration(deadline)})" if deadline is not None else ""
+        if self._console is not None:
+            self._console.print(f"[bold cyan]▶[/] {name}{bound}")
+        else:
+            LOGGER.info("phase=%s%s", name.replace(" ", "_"), f" deadline={format_duration(deadline)}" if deadline else "")
+
+    def phase_done(self, name: str) -> None:
+        elapsed = format_duration(round(time.monotonic() - self._phase_started, 3))
+        if self._console is not None:
+            self._console.print(f"  [green]✓[/] {name} in {elapsed}")
+        else:
+            LOGGER.info("phase=%s done elapsed=%s", name.replace(" ", "_"), elapsed)
+
+    def model_table(self, model: DiscoveredModel, engine: EngineConfig, plan: WorkerPlan,
+                    sources: Sequence[KvEventSource]) -> None:
+        rows = _model_rows(model, engine, plan, sources)
+        if self._console is not None:
+            from rich.table import Table
+
+            table = Table(title="Discovered vLLM model", show_header=False, title_justify="left")
+            table.add_column(style="bold")
+            table.add_column()
+            for key, value in rows:
+                table.add_row(key, value)
+            self._console.print(table)
+        else:
+            LOGGER.info("model %s", " ".join(f"{k.replace(' ', '_')}={v}" for k, v in rows))
+
+    def ready(self, plan: WorkerPlan) -> None:
+        text = f"ready: serving `{plan.served_model_name}` on dyn://{plan.endpoint_path} ({plan.worker_type})"
+        if self._console is not None:
+            self._console.print(f"[bold green]✔ {text}[/]", markup=True)
+        else:
+            LOGGER.info(text)
+
+
+def _model_rows(model: DiscoveredModel, engine: EngineConfig, plan: WorkerPlan,
+                sources: Sequence[KvEventSource]) -> list[tuple[str, str]]:
+    def show(value: Any) -> str:
+        return "-" if value is None else str(value)
+
+    info = model.server_info
+    return [
+        ("model", engine.model),
+        ("served name", engine.served_model_name),
+        ("aliases", ", ".join(engine.aliases) or "-"),
+        ("engine", f"{info.engine_version or '?'} (instance {info.instance_id or '?'})"),
+        ("context length", show(engine.context_length)),
+        ("KV block size", show(engine.kv_cache_block_size)),
+        ("total KV blocks", show(engine.total_kv_blocks)),
+        ("max seqs", show(engine.max_num_seqs)),
+        ("max batched tokens", show(engine.max_num_batched_tokens)),
+        ("DP size", show(model.data_parallel_size())),
+        ("KV events", ", ".join(f"{s.dp_rank}:{s.endpoint}" for s in sources) or "-"),
+        ("endpoint", f"dyn://{plan.endpoint_path}"),
+        ("worker type", plan.worker_type),
+    ]
+
+
+# --- the Trio orchestration ---------------------------------------------------------------------------------
+
+
+class _Shutdown:
+    """Signal state shared by the watcher and the main flow.
+
+    While a startup step runs, the first signal cancels it (:meth:`startup`); once serving, it requests
+    the graceful shutdown (``requested``). The second signal always exits 1 at once.
+    """
+
+    def __init__(self) -> None:
+        self.requested = trio.Event()
+        self._startup_scope: trio.CancelScope | None = None
+        self.signals = 0
+
+    def startup(self) -> trio.CancelScope:
+        scope = trio.CancelScope()
+        if self.requested.is_set():
+            scope.cancel()
+        self._startup_scope = scope
+        return scope
+
+    def end_startup(self) -> None:
+        self._startup_scope = None
+
+    def on_signal(self, signum: int) -> None:
+        self.signals += 1
+        name = signal.Signals(signum).name
+        if self.signals > 1:
+            sys.stderr.write(f"received {name} again; exiting immediately\n")
+            sys.stderr.flush()
+            os._exit(1)
+        LOGGER.info("received %s; shutting down", name)
+        self.requested.set()
+        if self._startup_scope is not None:
+            self._startup_scope.cancel()
+
+
+async def _watch_signals(state: _Shutdown, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as receiver:
+        task_status.started()
+        async for signum in receiver:
+            state.on_signal(signum)
+
+
+def _print_error(message: str) -> None:
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+
+
+def run_worker(config: SidecarConfig, options: WorkerOptions) -> int:
+    """Run ``trio-sidecar run`` until SIGINT/SIGTERM.
+
+    The caller (``trio_sidecar.cli``) has already run the pre-network checks and printed the discovery
+    banner.
+
+    Returns:
+        The process exit code: 0 after a graceful shutdown, 1 after a startup or fatal runtime failure
+        (the message is printed as ``error: {message}``).
+    """
+    return trio.run(_main, config, options)
+
+
+async def _main(config: SidecarConfig, options: WorkerOptions) -> int:
+    state = _Shutdown()
+    reporter = Reporter()
+    async with trio.open_nursery() as root:
+        await root.start(_watch_signals, state)
+        try:
+            return await _run(config, options, state, reporter)
+        finally:
+            root.cancel_scope.cancel()
+
+
+async def _run(config: SidecarConfig, options: WorkerOptions, state: _Shutdown, reporter: Reporter) -> int:
+    from ..api import discover
+
+    with state.startup() as scope:
+        reporter.phase("bootstrap discovery", config.startup_deadline)
+        try:
+            bootstrap = await discover(config)
+        except SidecarError as exc:
+            _print_error(str(exc))
+            return 1
+        reporter.phase_done("bootstrap discovery")
+    if scope.cancelled_caught:
+        LOGGER.info(INIT_SHUTDOWN)
+        return 0
+
+    mode = DisaggregationMode.parse(config.disaggregation_mode)
+    component = _FIXED_COMPONENT.get(mode, options.component)
+    endpoint_path = f"{worker_namespace(options.namespace)}.{component}.{options.endpoint}"
+    thread = AsyncioThread()
+    dynamo = DynamoSide(options)
+    await thread.start()
+    try:
+        return await _run_with_runtime(config, options, state, reporter, thread, dynamo, bootstrap, endpoint_path)
+    finally:
+        with trio.CancelScope(shield=True):
+            await _stop_runtime(thread, dynamo)
+
+
+async def _run_with_runtime(
+    config: SidecarConfig,
+    options: WorkerOptions,
+    state: _Shutdown,
+    reporter: Reporter,
+    thread: AsyncioThread,
+    dynamo: DynamoSide,
+    bootstrap: DiscoveredModel,
+    endpoint_path: str,
+) -> int:
+    from ..api import open_sidecar
+
+    with state.startup() as scope:
+        reporter.phase("starting the Dynamo runtime")
+        try:
+            await thread.run(dynamo.create_runtime, endpoint_path)
+        except Exception as exc:  # noqa: BLE001 - Dynamo raises plain exceptions
+            _print_error(f"failed to start the Dynamo runtime: {exc}")
+            return 1
+        reporter.phase_done("starting the Dynamo runtime")
+    if scope.cancelled_caught:
+        LOGGER.info(INIT_SHUTDOWN)
+        return 0
+
+    bridge = RequestBridge(thread)
+    code = 0
+    with state.startup() as scope:
+        reporter.phase("start phase", config.startup_deadline)
+        try:
+            async with open_sidecar(config, expected=bootstrap) as sidecar:
+                reporter.phase_done("start phase")
+                async with trio.open_nursery() as requests:
+                    requests.start_soon(bridge.run_dispatcher, sidecar.generate, requests)
+                    code = await _register_and_serve(config, options, state, reporter, thread, dynamo, bridge,
+                                                     sidecar)
+                    requests.cancel_scope.cancel()
+        except SidecarError as exc:
+            _print_error(str(exc))
+            return 1
+        except Exception as exc:  # noqa: BLE001 - registration errors come from Dynamo as plain exceptions
+            _print_error(str(exc) or repr(exc))
+            return 1
+    if scope.cancelled_caught:
+        LOGGER.info(INIT_SHUTDOWN)
+        return 0
+    return code
+
+
+async def _register_and_serve(
+    config: SidecarConfig,
+    options: WorkerOptions,
+    state: _Shutdown,
+    reporter: Reporter,
+    thread: AsyncioThread,
+    dynamo: DynamoSide,
+    bridge: RequestBridge,
+    sidecar: Sidecar,
+) -> int:
+    sources = tuple(sidecar.kv_event_sources)
+    plan = plan_registration(config, options, sidecar.engine_config, sources)
+    reporter.phase("registering with Dynamo")
+    await thread.run(dynamo.serve_and_register, plan, bridge.handler)
+    count = await thread.run(dynamo.replace_publishers, plan, sources)
+    reporter.phase_done("registering with Dynamo")
+    if count:
+        LOGGER.info("relaying KV events from %d vLLM source(s) to the router", count)
+    reporter.model_table(sidecar.model, sidecar.engine_config, plan, sources)
+
+    state.end_startup()  # from here on, the first signal requests the graceful shutdown
+    reporter.ready(plan)
+    runtime_ended = trio.Event()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_supervise_health, options, thread, dynamo, sidecar, plan, sources)
+        nursery.start_soon(_watch_serving, thread, dynamo, runtime_ended)
+        async with trio.open_nursery() as wait_any:
+            for event in (state.requested, runtime_ended):
+                wait_any.start_soon(_set_when, event, wait_any.cancel_scope)
+        nursery.cancel_scope.cancel()
+    if not state.requested.is_set():
+        _print_error("the Dynamo runtime stopped serving the endpoint")
+        return 1
+    await _drain(options, thread, dynamo, bridge)
+    return 0
+
+
+async def _set_when(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
+
+
+async def _watch_serving(thread: AsyncioThread, dynamo: DynamoSide, ended: trio.Event) -> None:
+    try:
+        await thread.run(dynamo.wait_serving_ended)
+    except Exception as exc:  # noqa: BLE001
+        LOGGER.error("serve_endpoint failed: %s", exc)
+    ended.set()
+
+
+async def _drain(options: WorkerOptions, thread: AsyncioThread, dynamo: DynamoSide, bridge: RequestBridge) -> None:
+    """Graceful shutdown: unregister at once, drain up to ``drain_timeout``, then stop the rest (#14)."""
+    in_flight = len(bridge.in_flight)
+    LOGGER.info("draining %d in-flight request(s) (up to %s)", in_flight, format_duration(options.drain_timeout))
+    await thread.run(dynamo.shutdown)
+    bridge.stop_admitting()
+    with trio.move_on_after(options.drain_timeout) as drain:
+        await thread.run(dynamo.wait_serving_ended)
+        await bridge.wait_idle()
+    if drain.cancelled_caught:
+        stopped = bridge.stop_all()
+        LOGGER.warning("drain timeout reached; cancelling %d remaining request(s)", stopped)
+        with trio.move_on_after(STOP_GRACE):
+            await bridge.wait_idle()
+            await thread.run(dynamo.wait_serving_ended)
+
+
+async def _supervise_health(
+    options: WorkerOptions,
+    thread: AsyncioThread,
+    dynamo: DynamoSide,
+    sidecar: Sidecar,
+    plan: WorkerPlan,
+    sources: tuple[KvEventSource, ...],
+) -> None:
+    """Take the instance out of rotation while vLLM is not serving (clarifications #4 and #5).
+
+    After ``unserving_grace`` of continuous non-SERVING state, ``unregister_endpoint_instance()``; on
+    recovery (the prober only returns to SERVING after re-checking identity and DP size),
+    ``register_endpoint_instance()``. Changed KV-event sources re-create the publishers. The model card is
+    kept throughout.
+    """
+    health = sidecar.health
+    registered = True
+    while True:
+        await health.wait_value(lambda s: not s.admits)
+        with trio.move_on_after(options.unserving_grace) as grace:
+            await health.wait_value(lambda s: s.admits)
+        if grace.cancelled_caught:
+            reason = health.value.reason
+            LOGGER.warning(
+                "vLLM has not been serving for %s (%s); taking the instance out of rotation",
+                format_duration(options.unserving_grace),
+                reason,
+            )
+            try:
+                await thread.run(dynamo.unregister)
+                registered = False
+            except Exception as exc:  # noqa: BLE001
+                LOGGER.error("unregister_endpoint_instance failed: %s", exc)
+            await health.wait_value(lambda s: s.admits)
+        current = tuple(sidecar.kv_event_sources)
+        if current != sources:
+            LOGGER.warning("vLLM KV-event sources changed after recovery; re-creating the KV publishers")
+            try:
+                await thread.run(dynamo.replace_publishers, plan, current)
+                sources = current
+            except Exception as exc:  # noqa: BLE001
+                LOGGER.error("re-creating the KV publishers failed: %s", exc)
+        if not registered:
+            try:
+                await thread.run(dynamo.register)
+                registered = True
+                LOGGER.info("vLLM is serving again; the instance is back in rotation")
+            except Exception as exc:  # noqa: BLE001
+                LOGGER.error("register_endpoint_instance failed: %s", exc)
+
+
+async def _stop_runtime(thread: AsyncioThread, dynamo: DynamoSide) -> None:
+    """Idempotent final teardown: publishers, ``runtime.shutdown()``, the serve future, the thread."""
+    if thread.loop is not None:
+        try:
+            with trio.move_on_after(STOP_GRACE):
+                await thread.run(_call_sync, dynamo.shutdown_publishers)
+                await thread.run(dynamo.shutdown)
+                await thread.run(dynamo.wait_serving_ended)
+        except Exception:  # noqa: BLE001 - the runtime is going away regardless
+            LOGGER.debug("Dynamo runtime shutdown failed", exc_info=True)
+    await thread.stop()
+
+
+async def _call_sync(fn: Callable[[], Any]) -> Any:
+    return fn()
