@@ -338,7 +338,8 @@ class ResponseStream:
                 raise _deadline_exceeded()
             if call.headers is not None:
                 self.initial_metadata = call.headers.custom_metadata
-            if call.end is not None:
+            if call.end is not None and not call.messages:
+                # A non-OK answer without messages (usually trailers-only) fails the open itself.
                 error = call.status_error()
                 if error is not None:
                     raise error
