@@ -1,0 +1,206 @@
+"""Multimodal image requests (sidecar.md §19; acceptance §23 #46, #47)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from trio_sidecar._proto.vllm import inference_pb2 as pb
+from trio_sidecar.config import DisaggregationMode
+from trio_sidecar.convert import ResponseState, build_generate_request
+from trio_sidecar.errors import InvalidArgument, ProtocolError
+from trio_sidecar.jsonstruct import json_to_struct, struct_to_json
+from trio_sidecar.multimodal import HANDOFF_KEY, pad_uuid
+from trio_sidecar.protocol import structure_request
+
+AGG, PREFILL, DECODE = DisaggregationMode.AGG, DisaggregationMode.PREFILL, DisaggregationMode.DECODE
+DATA_URI = "data:image/png;base64,iVBORw0KGgo="
+PLACEHOLDER = 31999
+
+
+def image_request(**kw: Any) -> dict[str, Any]:
+    req: dict[str, Any] = {
+        "token_ids": [1, PLACEHOLDER, 2],
+        "multi_modal_data": {"image_url": [{"Url": DATA_URI}]},
+        "extra_args": {"mm_hashes": ["0123456789abcdef"], "messages": [{"role": "user"}], "formatted_prompt": "p"},
+    }
+    req.update(kw)
+    return req
+
+
+def build(req: dict[str, Any], mode: DisaggregationMode = AGG):
+    request = structure_request(req)
+    built = build_generate_request(request, "r", "served", mode)
+    return request, built
+
+
+def rejects(req: dict[str, Any], message: str, mode: DisaggregationMode = AGG) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        build(req, mode)
+    assert str(info.value) == message
+
+
+def test_pad_uuid() -> None:
+    assert pad_uuid("0123456789abcdef") == "0123456789abcdef" + "0" * 48
+    assert len(pad_uuid("a")) == 64
+    assert pad_uuid("x" * 70) == "x" * 70
+
+
+def test_prefill_decode_handoff_with_601_expanded_ids() -> None:
+    expanded = list(range(100, 701))
+    assert len(expanded) == 601
+    # Prefill: media forwarded with the padded mm_hash uuid; prompt token ids requested.
+    req = image_request()
+    request, built = build(req, PREFILL)
+    m = built.message
+    assert len(m.media) == 1
+    item = m.media[0]
+    assert item.modality == pb.MODALITY_IMAGE and item.WhichOneof("source") == "data_uri"
+    assert item.data_uri == DATA_URI and item.mime_type == ""
+    assert item.uuid == "0123456789abcdef" + "0" * 48
+    assert m.response.prompt_token_ids is True and built.has_media
+    # vLLM reports the expanded prompt; the mismatch with the 3 request ids is tolerated.
+    st = ResponseState(request, built, PREFILL)
+    info = pb.PromptInfo(num_prompt_tokens=601, token_ids=expanded)
+    assert st.convert(pb.GenerateResponse(prompt_info=info)) is None
+    finish = pb.FinishInfo(num_output_tokens=1, finish_reason=1)
+    finish.kv_transfer_params.CopyFrom(json_to_struct({"do_remote_prefill": True, "remote_port": 20097}))
+    terminal = st.convert(pb.GenerateResponse(outputs=pb.SequenceOutput(num_tokens=1, token_ids=[5], finish_info=finish)))
+    assert terminal is not None and terminal.token_ids == []
+    handoff = terminal.disaggregated_params
+    assert handoff is not None and handoff[HANDOFF_KEY] == expanded
+    assert terminal.completion_usage.prompt_tokens == 601  # type: ignore[union-attr]
+
+    # Decode: no media, the 601 ids, the key stripped; remote_port a string.
+    for _ in range(2):
+        dreq = image_request(prefill_result={"disaggregated_params": copy.deepcopy(handoff)})
+        drequest, dbuilt = build(dreq, DECODE)
+        dm = dbuilt.message
+        assert len(dm.media) == 0 and not dbuilt.has_media
+        assert list(dm.token_ids.ids) == expanded and dbuilt.prompt_tokens == 601
+        assert struct_to_json(dm.kv.kv_transfer_params) == {"do_remote_prefill": True, "remote_port": "20097"}
+        dst = ResponseState(drequest, dbuilt, DECODE)
+        dst.convert(pb.GenerateResponse(prompt_info=pb.PromptInfo(num_prompt_tokens=601)))
+        with pytest.raises(ProtocolError, match="prompt token count 600 does not match request count 601"):
+            ResponseState(drequest, dbuilt, DECODE).convert(pb.GenerateResponse(prompt_info=pb.PromptInfo(num_prompt_tokens=600)))
+
+
+def test_aggregated_media_with_url_and_uuid_override() -> None:
+    req = image_request(
+        multi_modal_data={"image_url": [{"Url": "https://x/a.png"}, "http://x/b.png", {"RawUrl": DATA_URI}]},
+        multi_modal_uuids={"image_url": ["u1", "u2", "u3"]},
+        extra_args={"mm_hashes": "ignored when uuids are given"},
+    )
+    _, built = build(req)
+    items = built.message.media
+    assert [i.WhichOneof("source") for i in items] == ["url", "url", "data_uri"]
+    assert [i.uuid for i in items] == ["u1", "u2", "u3"]  # uuids are not padded
+    assert built.message.response.prompt_token_ids is False  # aggregated, no prompt logprobs
+    assert list(built.message.token_ids.ids) == [1, PLACEHOLDER, 2]
+
+
+def test_no_uuid_source_gives_empty_uuid() -> None:
+    _, built = build({"token_ids": [1], "multi_modal_data": {"image_url": ["https://x"]}})
+    assert built.message.media[0].uuid == ""
+
+
+def test_media_extra_args_keys_consumed_not_forwarded() -> None:
+    _, built = build(image_request(extra_args={"messages": [], "formatted_prompt": "x", "mm_hashes": ["a"], "kv_transfer_params": {"k": 1}}))
+    assert struct_to_json(built.message.kv.kv_transfer_params) == {"k": 1}
+
+
+def test_empty_media_list_is_no_media() -> None:
+    _, built = build({"token_ids": [1], "multi_modal_data": {"image_url": []}})
+    assert len(built.message.media) == 0 and not built.has_media
+
+
+ERRORS = [
+    (
+        image_request(multi_modal_data={"video_url": [{"Url": "https://x"}]}),
+        "vLLM gRPC currently supports image_url media only; got `video_url`",
+    ),
+    (
+        image_request(multi_modal_data={"image_url": [{"Url": "ftp://x"}]}),
+        "vLLM gRPC image input must use an http://, https://, or data: URI",
+    ),
+    (
+        image_request(multi_modal_data={"image_url": ["file:///etc/passwd"]}),
+        "vLLM gRPC image input must use an http://, https://, or data: URI",
+    ),
+    (
+        image_request(multi_modal_data={"image_url": [{"Decoded": {"shape": [1]}}]}),
+        "vLLM sidecar cannot dereference pre-decoded RDMA media; configure URL passthrough",
+    ),
+    (
+        image_request(multi_modal_data={"image_url": [{"UuidOnly": "u"}]}),
+        "vLLM gRPC requires a media source and cannot resolve UUID-only media",
+    ),
+    (
+        image_request(multi_modal_uuids={"image_url": ["a", "b"]}),
+        "multi_modal_uuids.image_url has 2 entries for 1 media items",
+    ),
+    (
+        {"token_ids": [1], "multi_modal_uuids": {"image_url": ["a"]}},
+        "multi_modal_uuids were provided without multi_modal_data",
+    ),
+    (
+        image_request(extra_args={"mm_hashes": ["a", ""]}),
+        "extra_args.mm_hashes must be an array of non-empty strings",
+    ),
+    (image_request(extra_args={"mm_hashes": "abc"}), "extra_args.mm_hashes must be an array of non-empty strings"),
+    (image_request(extra_args={"mm_hashes": ["a", "b"]}), "extra_args.mm_hashes has 2 entries for 1 media items"),
+]
+
+
+@pytest.mark.parametrize(("req", "message"), ERRORS)
+def test_media_errors(req: dict[str, Any], message: str) -> None:
+    rejects(req, message)
+
+
+@pytest.mark.parametrize(
+    ("prefill_result", "message"),
+    [
+        (None, "multimodal decode request is missing the prefill result"),
+        ({"disaggregated_params": {"a": 1}}, "multimodal decode request is missing expanded prefill token IDs"),
+        ({"disaggregated_params": None}, "multimodal decode request is missing expanded prefill token IDs"),
+        ({"disaggregated_params": {HANDOFF_KEY: []}}, "multimodal prefill token IDs must not be empty"),
+    ],
+)
+def test_decode_handoff_errors(prefill_result: Any, message: str) -> None:
+    rejects(image_request(prefill_result=prefill_result), message, DECODE)
+
+
+@pytest.mark.parametrize("ids", ["1,2", [1, -1], [1, 2**32], [1, 1.5], [True], {"a": 1}])
+def test_decode_invalid_handoff_ids(ids: Any) -> None:
+    with pytest.raises(InvalidArgument, match="^multimodal prefill token IDs are invalid: "):
+        build(image_request(prefill_result={"disaggregated_params": {HANDOFF_KEY: ids}}), DECODE)
+
+
+def prefill_state(**req: Any) -> ResponseState:
+    request, built = build(image_request(**req), PREFILL)
+    return ResponseState(request, built, PREFILL)
+
+
+def terminal(**params: Any) -> pb.GenerateResponse:
+    finish = pb.FinishInfo(num_output_tokens=1, finish_reason=1)
+    finish.kv_transfer_params.CopyFrom(json_to_struct({"do_remote_prefill": True, **params}))
+    return pb.GenerateResponse(outputs=pb.SequenceOutput(num_tokens=1, token_ids=[5], finish_info=finish))
+
+
+def test_prefill_without_expanded_ids() -> None:
+    st = prefill_state()
+    st.convert(pb.GenerateResponse(prompt_info=pb.PromptInfo(num_prompt_tokens=4)))
+    with pytest.raises(ProtocolError, match="multimodal prefill did not return expanded prompt token IDs$"):
+        st.convert(terminal())
+    with pytest.raises(ProtocolError, match="multimodal prefill did not return expanded prompt token IDs$"):
+        prefill_state().convert(terminal())  # no prompt_info at all
+
+
+def test_prefill_expanded_length_mismatch() -> None:
+    st = prefill_state()
+    st.convert(pb.GenerateResponse(prompt_info=pb.PromptInfo(num_prompt_tokens=4, token_ids=[1, 2, 3])))
+    with pytest.raises(ProtocolError) as info:
+        st.convert(terminal())
+    assert str(info.value) == "invalid vLLM gRPC response: multimodal prefill returned 3 prompt token IDs for 4 prompt tokens"
