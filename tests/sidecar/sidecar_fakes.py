@@ -309,3 +309,58 @@ class _ScriptedHealth(HealthServicer):
                 await trio.sleep_forever()
             return health_pb2.HealthCheckResponse(status=step)
         return await super().Check(request, context)
+
+
+class PausableProxy:
+    """A TCP proxy on 127.0.0.1:0 whose server→client direction can be paused (the fault-injecting wrapper
+    of §23 item 56: a pending open or a pending read, with the server fully alive behind it).
+
+    Usage: ``proxy = await nursery.start(PausableProxy(host, port).serve)``; ``proxy.endpoint``.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        self.target = (host, port)
+        self.port = 0
+        self._flowing = trio.Event()
+        self._flowing.set()
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def pause(self) -> None:
+        if self._flowing.is_set():
+            self._flowing = trio.Event()
+
+    def resume(self) -> None:
+        self._flowing.set()
+
+    async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = listeners[0].socket.getsockname()[1]
+        async with trio.open_nursery() as nursery:
+            task_status.started(self)
+            await trio.serve_listeners(self._handle, listeners, handler_nursery=nursery)
+
+    async def _handle(self, client: trio.SocketStream) -> None:
+        async with client:
+            try:
+                upstream = await trio.open_tcp_stream(*self.target)
+            except OSError:
+                return
+            async with upstream, trio.open_nursery() as nursery:
+
+                async def pipe(src: trio.SocketStream, dst: trio.SocketStream, gated: bool) -> None:
+                    try:
+                        while data := await src.receive_some(65536):
+                            if gated:
+                                await self._flowing.wait()
+                                while not self._flowing.is_set():  # paused again meanwhile
+                                    await self._flowing.wait()
+                            await dst.send_all(data)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(pipe, client, upstream, False)
+                nursery.start_soon(pipe, upstream, client, True)
