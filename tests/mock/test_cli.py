@@ -1,0 +1,177 @@
+"""``trio-sidecar mock`` / ``python -m trio_sidecar.mock``: flags, exit codes, and a real subprocess.
+
+Configuration errors are found before any socket is opened, so they are checked in-process through
+``main(argv)``; serving, SIGTERM/SIGINT and the printed address use a real child process (killed by PID
+in ``finally`` if it outlives the test).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+
+import pytest
+import trio
+from mock_helpers import FAST_ARGS, gen
+
+from trio_sidecar._proto.grpc.health.v1 import health_pb2
+from trio_sidecar._proto.vllm import inference_pb2 as pb
+from trio_sidecar.mock.cli import main
+from trio_sidecar.transport import ConnectionLostError, RpcError, check_health, open_channel, watch_health
+
+LISTENING = re.compile(rb"^trio-sidecar mock listening on (127\.0\.0\.1):(\d+)\n$")
+
+
+def test_help_documents_every_flag(capsys):
+    assert main(["--help"]) == 0
+    text = capsys.readouterr().out
+    for flag in (
+        "--listen",
+        "--model",
+        "--served-model-name",
+        "--disaggregation-mode",
+        "--seed",
+        "--max-concurrent-requests",
+        "--extra-engine-args",
+        "--supports-multimodal",
+        "--log-level",
+    ):
+        assert flag in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--extra-engine-args", "{not json"], "invalid engine args JSON"),
+        (["--extra-engine-args", '{"block_size": 4} x'], "trailing data"),
+        (["--extra-engine-args", '{"bogus": 1}'], "unknown engine arg 'bogus'"),
+        (["--extra-engine-args", '{"dp_size": 0}'], "dp_size"),
+        (["--extra-engine-args", '{"engine_type": "sglang"}'], "engine_type"),
+        (["--extra-engine-args", '{"worker_type": "decode"}'], "worker_type"),
+        (["--extra-engine-args", '{"num_gpu_blocks": 0}'], "num_gpu_blocks"),
+        (["--max-concurrent-requests", "0"], "max_concurrent_requests"),
+        (["--extra-engine-args", "/nonexistent/engine.json"], "cannot read engine args file"),
+        (["--listen", "localhost:50051"], "invalid listen address"),
+        (["--listen", "127.0.0.1:70000"], "port"),
+        (["--disaggregation-mode", "encode"], "invalid choice"),
+        (["--seed", "-1"], "unsigned 64-bit"),
+        (["--bogus"], "unrecognized arguments"),
+    ],
+)
+def test_configuration_errors_exit_2(argv, fragment, capsys):
+    assert main(argv) == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_engine_args_from_a_file(tmp_path, capsys):
+    path = tmp_path / "engine.json"
+    path.write_text(json.dumps({"dp_size": 0}))
+    assert main(["--extra-engine-args", str(path)]) == 2
+    assert "dp_size" in capsys.readouterr().err
+
+
+def test_bad_log_level_env_exits_2(monkeypatch, capsys):
+    monkeypatch.setenv("TRIO_SIDECAR_LOG_LEVEL", "loud")
+    assert main(["--listen", "127.0.0.1:0"]) == 2
+    assert "TRIO_SIDECAR_LOG_LEVEL" in capsys.readouterr().err
+
+
+def _command(*extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "trio_sidecar.mock",
+        "--listen",
+        "127.0.0.1:0",
+        "--extra-engine-args",
+        json.dumps({**FAST_ARGS, "speedup_ratio": 0.1}),
+        "--log-level",
+        "warning",
+        *extra,
+    ]
+
+
+async def _read_line(stream: trio.abc.ReceiveStream) -> bytes:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = await stream.receive_some(1)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+async def _wait_exit(process: trio.Process, timeout: float = 10) -> int:
+    with trio.fail_after(timeout):
+        return await process.wait()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+async def test_subprocess_prints_its_address_serves_and_exits_0_on_signal(signum):
+    process = await trio.lowlevel.open_process(_command(), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        with trio.fail_after(30):  # interpreter start-up on a loaded 2-core machine
+            line = await _read_line(process.stdout)
+        match = LISTENING.match(line)
+        assert match, line
+        port = int(match.group(2))
+        async with open_channel("127.0.0.1", port) as channel:
+            assert await check_health(channel, "vllm.Inference") == health_pb2.HealthCheckResponse.SERVING
+            async with watch_health(channel, "") as updates:
+                assert await updates.__anext__() == health_pb2.HealthCheckResponse.SERVING
+                async with channel.unary_stream(
+                    "/vllm.Inference/GenerateStream", gen("cli", max_new_tokens=10_000), pb.GenerateResponse
+                ) as stream:
+                    assert (await stream.__anext__()).HasField("prompt_info")
+                    process.send_signal(signum)
+                    # In-flight generation fails with UNAVAILABLE "server shutting down" (or the
+                    # connection is gone if the process exited first).
+                    with pytest.raises(RpcError) as info:
+                        with trio.fail_after(10):
+                            async for _ in stream:
+                                pass
+                    assert info.value.code.name == "UNAVAILABLE"
+                # Watch: NOT_SERVING then OK, or the connection ends (both are vLLM-like, clarifications #8).
+                try:
+                    after = [s async for s in updates]
+                except ConnectionLostError:
+                    after = []
+                assert set(after) <= {health_pb2.HealthCheckResponse.NOT_SERVING}
+        assert await _wait_exit(process) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()  # by PID: only the child this test started
+        with trio.CancelScope(shield=True):
+            await process.wait()
+            await process.stdout.aclose()
+            await process.stderr.aclose()
+
+
+async def test_subprocess_bad_engine_json_exits_2_without_listening():
+    result = await trio.run_process(
+        [sys.executable, "-m", "trio_sidecar.mock", "--extra-engine-args", "{oops"],
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert b"invalid engine args JSON" in result.stderr and b"listening" not in result.stdout
+
+
+async def test_subprocess_port_in_use_exits_1():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = await trio.run_process(
+            [sys.executable, "-m", "trio_sidecar.mock", "--listen", f"127.0.0.1:{port}"],
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+        )
+    assert result.returncode == 1
+    assert b"listening" not in result.stdout and result.stderr
