@@ -95,6 +95,9 @@ class HealthState:
 
 SERVING_STATE = HealthState(HealthKind.SERVING)
 RECOVERING_STATE = HealthState(HealthKind.RECOVERING)
+# Socket-level failures the transport may let through besides its RpcError (defensive: a reset during the
+# HTTP/2 preface surfaces as trio.BrokenResourceError).
+_IO_ERRORS: tuple[type[BaseException], ...] = (OSError, trio.BrokenResourceError, SidecarError)
 _CLOSED_KINDS = frozenset({HealthKind.NOT_SERVING, HealthKind.UNREACHABLE})
 
 
@@ -185,40 +188,37 @@ class _Prober:
     # --- sessions -----------------------------------------------------------------------------------
 
     async def run(self) -> NoReturn:
-        from .transport import connect_channel  # noqa: PLC0415  (the transport lands concurrently)
-
-        cfg = self.config
         while True:
+            fatal: ProtocolError | None = None
             async with trio.open_nursery() as conn_nursery:
-                channel = None
-                with trio.move_on_after(cfg.connect_attempt_timeout) as attempt:
-                    try:
-                        channel = await connect_channel(conn_nursery, self.endpoint.host, self.endpoint.port)
-                    except (OSError, SidecarError, _rpc_error_types()) as exc:
-                        self.close_admission(
-                            HealthState(
-                                HealthKind.UNREACHABLE,
-                                f"cannot connect to {self.endpoint.canonical}: {_cause_chain(exc)}",
-                            )
-                        )
-                if attempt.cancelled_caught:
-                    self.close_admission(
-                        HealthState(
-                            HealthKind.UNREACHABLE,
-                            f"cannot connect to {self.endpoint.canonical}: the connection attempt timed out",
-                        )
-                    )
+                channel = await self.connect(conn_nursery)
                 if channel is not None:
                     try:
                         fatal = await self.session(channel)
                     finally:
                         with trio.CancelScope(shield=True):
                             await channel.aclose()
-                    if fatal is not None:
-                        self.publish(HealthState(HealthKind.FAILED, fatal.message))
-                        raise fatal
                 conn_nursery.cancel_scope.cancel()
-            await trio.sleep(cfg.retry_interval)
+            if fatal is not None:
+                # Raised outside every nursery: a single failure never surfaces as an ExceptionGroup.
+                self.publish(HealthState(HealthKind.FAILED, fatal.message))
+                raise fatal
+            await trio.sleep(self.config.retry_interval)
+
+    async def connect(self, nursery: trio.Nursery):
+        """One connect attempt with the pool's rules (§7.2); ``None`` (and UNREACHABLE) on failure."""
+        from .transport import RpcError, connect_channel  # noqa: PLC0415
+
+        cause = "the connection attempt timed out"
+        with trio.move_on_after(self.config.connect_attempt_timeout):
+            try:
+                return await connect_channel(nursery, self.endpoint.host, self.endpoint.port)
+            except (*_IO_ERRORS, RpcError) as exc:
+                cause = _cause_chain(exc)
+        self.close_admission(
+            HealthState(HealthKind.UNREACHABLE, f"cannot connect to {self.endpoint.canonical}: {cause}")
+        )
+        return None
 
     async def session(self, channel) -> ProtocolError | None:
         """Watch both services on ``channel`` until the session ends; returns a fatal error, if any."""
@@ -320,7 +320,7 @@ class _Prober:
                     await self.poll(channel, service, send)
                     return
                 await send.send(_SessionEnd(HealthState(HealthKind.UNREACHABLE, f"{service} Health.Watch failed: {exc}")))
-            except (OSError, SidecarError) as exc:
+            except _IO_ERRORS as exc:
                 await send.send(
                     _SessionEnd(HealthState(HealthKind.UNREACHABLE, f"{service} Health.Watch failed: {_cause_chain(exc)}"))
                 )
@@ -335,7 +335,7 @@ class _Prober:
         while True:
             try:
                 status = await check_health(channel, service, timeout=cfg.connect_attempt_timeout)
-            except (RpcError, OSError, SidecarError) as exc:
+            except (RpcError, *_IO_ERRORS) as exc:
                 await send.send(
                     _SessionEnd(HealthState(HealthKind.UNREACHABLE, f"{service} Health.Check failed: {_cause_chain(exc)}"))
                 )
@@ -368,7 +368,7 @@ class _Prober:
                 err = status_to_error(rpc, exc.code, exc.message)
                 kind = HealthKind.UNREACHABLE if exc.code in _UNREACHABLE_CODES else HealthKind.NOT_SERVING
                 raise _Transient(kind, str(err)) from exc
-            except OSError as exc:
+            except _IO_ERRORS as exc:
                 raise _Transient(HealthKind.UNREACHABLE, f"{rpc}: {_cause_chain(exc)}") from exc
 
         try:
@@ -433,12 +433,6 @@ class _Transient(Exception):
 
 
 _UNREACHABLE_CODES = frozenset({StatusCode.UNAVAILABLE, StatusCode.DEADLINE_EXCEEDED})
-
-
-def _rpc_error_types():
-    from .transport import RpcError  # noqa: PLC0415
-
-    return RpcError
 
 
 async def run_health_prober(

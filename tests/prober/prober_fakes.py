@@ -1,0 +1,218 @@
+"""Helpers for the prober tests. A small scripted vLLM for the health prober: ``Health`` (the transport's servicer) + a scripted
+``vllm.Control`` on the project's ``serve_grpc``, bound to 127.0.0.1 on port 0.
+
+``ScriptedVllm`` can be stopped (its server task is cancelled, every connection drops) and restarted on
+the same port, which is how the prober sees vLLM die and come back.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+
+import attrs
+import trio
+import trio_util
+
+from trio_sidecar._proto.grpc.health.v1 import health_pb2
+from trio_sidecar._proto.vllm import control_grpc, control_pb2
+from trio_sidecar.config import SidecarConfig
+from trio_sidecar.endpoint import parse_grpc_endpoint
+from trio_sidecar.errors import ProtocolError
+from trio_sidecar.model import DiscoveredModel
+from trio_sidecar.prober import HealthKind, HealthState, run_health_prober
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+SERVICES = ("vllm.Control", "vllm.Inference")
+
+# Generous for a loaded 2-core machine; the tests wait on states, never on elapsed time.
+WAIT = 20.0
+
+
+def model_info(**overrides) -> control_pb2.ModelInfo:
+    fields = dict(
+        model_id="org/model",
+        served_model_name="served-model",
+        served_model_aliases=["alias-a"],
+        supports_token_ids_input=True,
+        supports_text_input=True,
+    )
+    fields.update(overrides)
+    return control_pb2.ModelInfo(**fields)
+
+
+def server_info(*, instance_id: str = "instance-1", dp_size: int = 1) -> control_pb2.ServerInfo:
+    return control_pb2.ServerInfo(
+        engine_version="0.32.0",
+        api_version="vllm",
+        instance_id=instance_id,
+        parallelism=control_pb2.ParallelismInfo(
+            tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=dp_size, data_parallel_rank=0
+        ),
+        max_model_len=4096,
+        kv_block_size=16,
+        total_kv_blocks=1024,
+        max_running_requests=16,
+        max_batched_tokens=2048,
+    )
+
+
+def kv_source(endpoint: str, rank: int = 0) -> control_pb2.KvEventSource:
+    return control_pb2.KvEventSource(transport="zmq", endpoint=endpoint, topic="", data_parallel_rank=rank)
+
+
+class ScriptedControl(control_grpc.ControlServicer):
+    """``vllm.Control`` with the answers a test sets, failures it queues and a gate it can close."""
+
+    def __init__(self) -> None:
+        self.model_info = model_info()
+        self.server_info = server_info()
+        self.kv_sources: list[control_pb2.KvEventSource] = []
+        self.failures: list[Exception] = []  # raised (in order) by the next GetModelInfo calls
+        self.gate: trio.Event | None = None  # GetModelInfo waits for it when set
+        self.calls: Counter[str] = Counter()
+
+    async def GetModelInfo(self, request, context):
+        self.calls["GetModelInfo"] += 1
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.failures:
+            raise self.failures.pop(0)
+        return self.model_info
+
+    async def GetServerInfo(self, request, context):
+        self.calls["GetServerInfo"] += 1
+        return self.server_info
+
+    async def GetKvEventSources(self, request, context):
+        self.calls["GetKvEventSources"] += 1
+        return control_pb2.GetKvEventSourcesResponse(sources=self.kv_sources)
+
+
+def make_health(statuses=None):
+    from trio_sidecar.transport import HealthServicer
+
+    return HealthServicer(statuses or {"": SERVING, "vllm.Control": SERVING, "vllm.Inference": SERVING})
+
+
+class ScriptedVllm:
+    """Health + Control on one port; ``stop()``/``start()`` simulate a crash and a restart."""
+
+    def __init__(self, nursery: trio.Nursery, health=None) -> None:
+        self.nursery = nursery
+        self.health = health if health is not None else make_health()
+        self.control = ScriptedControl()
+        self.port = 0
+        self.server = None
+        self._scope: trio.CancelScope | None = None
+        self._done: trio.Event | None = None
+
+    async def start(self) -> None:
+        from trio_sidecar.transport import serve_grpc
+
+        scope = trio.CancelScope()
+        done = trio.Event()
+
+        async def runner(task_status=trio.TASK_STATUS_IGNORED):
+            try:
+                with scope:
+                    await serve_grpc([self.health, self.control], host="127.0.0.1", port=self.port, task_status=task_status)
+            finally:
+                done.set()
+
+        self.server = await self.nursery.start(runner)
+        self.port = self.server.port
+        self._scope, self._done = scope, done
+
+    async def stop(self) -> None:
+        assert self._scope is not None and self._done is not None
+        self._scope.cancel()
+        await self._done.wait()
+        self._scope = self._done = None
+
+    def set_all(self, status: int) -> None:
+        for service in ("", *SERVICES):
+            self.health.set_status(service, status)
+
+    def model(self) -> DiscoveredModel:
+        return DiscoveredModel.from_proto(self.control.model_info, self.control.server_info)
+
+
+class RecordingValue(trio_util.AsyncValue):
+    """An ``AsyncValue`` that remembers every distinct value it took (the prober's transitions)."""
+
+    def __init__(self, value) -> None:
+        super().__init__(value)
+        self.history = [value]
+
+    @property
+    def value(self):
+        return trio_util.AsyncValue.value.fget(self)
+
+    @value.setter
+    def value(self, new) -> None:
+        if new != trio_util.AsyncValue.value.fget(self):
+            self.history.append(new)
+        trio_util.AsyncValue.value.fset(self, new)
+
+    def kinds(self) -> list[HealthKind]:
+        return [state.kind for state in self.history]
+
+
+@attrs.define
+class ProberHarness:
+    health: RecordingValue
+    recovered: list = attrs.Factory(list)
+    fatal: ProtocolError | None = None
+    finished: trio.Event = attrs.Factory(trio.Event)
+
+    async def wait_for(self, kind: HealthKind, reason: str | None = None, *, timeout: float = WAIT) -> HealthState:
+        def matches(state: HealthState) -> bool:
+            return state.kind is kind and (reason is None or state.reason == reason)
+
+        with trio.fail_after(timeout):
+            return await self.health.wait_value(matches)
+
+    async def wait_for_predicate(self, predicate: Callable[[HealthState], bool], *, timeout: float = WAIT):
+        with trio.fail_after(timeout):
+            return await self.health.wait_value(predicate)
+
+
+def prober_config(port: int, **overrides) -> SidecarConfig:
+    fields = dict(grpc_endpoint=f"127.0.0.1:{port}", connect_attempt_timeout=5.0, retry_interval=0.05)
+    fields.update(overrides)
+    return SidecarConfig(**fields)
+
+
+@asynccontextmanager
+async def running_prober(vllm: ScriptedVllm, *, config: SidecarConfig | None = None, model=None, kv_sources=()):
+    """Run the prober against ``vllm`` for the block; a fatal error is recorded, not raised."""
+    config = config or prober_config(vllm.port)
+    endpoint = parse_grpc_endpoint(config.grpc_endpoint)
+    harness = ProberHarness(RecordingValue(HealthState(HealthKind.SERVING)))
+
+    def on_recovered(new_model, sources) -> None:
+        harness.recovered.append((new_model, sources))
+
+    async def run(task_status=trio.TASK_STATUS_IGNORED):
+        try:
+            await run_health_prober(
+                endpoint=endpoint,
+                config=config,
+                model=model if model is not None else vllm.model(),
+                kv_sources=tuple(kv_sources),
+                health=harness.health,
+                on_recovered=on_recovered,
+                task_status=task_status,
+            )
+        except ProtocolError as exc:
+            harness.fatal = exc
+        finally:
+            harness.finished.set()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run)
+        yield harness
+        nursery.cancel_scope.cancel()
