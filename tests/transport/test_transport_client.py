@@ -105,8 +105,8 @@ class Boom(Exception):
     pass
 
 
-async def _leave_stream(channel, how: str, key: str, interval_ms: int) -> float:
-    """Open a stream, read two messages, leave it in the way ``how``; returns the leave time."""
+async def _leave_stream(channel, how: str, key: str, interval_ms: int, after: int = 2) -> float:
+    """Open a stream, read ``after`` messages, leave it in the way ``how``; returns the leave time."""
     req = request("stream", n=100_000, interval_ms=interval_ms, key=key)
     if how == "cancel":
         with trio.CancelScope() as scope:
@@ -114,7 +114,7 @@ async def _leave_stream(channel, how: str, key: str, interval_ms: int) -> float:
                 seen = 0
                 async for _ in stream:
                     seen += 1
-                    if seen == 2:
+                    if seen == after:
                         left = time.monotonic()
                         scope.cancel()
                         await trio.sleep(1)  # cancelled here
@@ -126,7 +126,7 @@ async def _leave_stream(channel, how: str, key: str, interval_ms: int) -> float:
                 seen = 0
                 async for _ in stream:
                     seen += 1
-                    if seen == 2:
+                    if seen == after:
                         left = time.monotonic()
                         raise Boom
         return left
@@ -134,7 +134,7 @@ async def _leave_stream(channel, how: str, key: str, interval_ms: int) -> float:
         seen = 0
         async for _ in stream:
             seen += 1
-            if seen == 2:
+            if seen == after:
                 break
     return time.monotonic()
 
@@ -157,7 +157,7 @@ async def test_leaving_a_stream_resets_it_and_the_server_stops_within_100ms(chan
 
 
 async def test_idle_server_handler_is_cancelled_within_100ms_of_reset(channel, target):
-    left = await _leave_stream(channel, "break", "idle", interval_ms=5_000)
+    left = await _leave_stream(channel, "break", "idle", interval_ms=5_000, after=1)
     await wait_for(lambda: "idle" in target.recorder.cancelled)
     assert target.recorder.cancelled["idle"] - left < 0.1
 

@@ -1,0 +1,221 @@
+"""grpc.aio clients against our server (issue 2 §3, items 1-3, 5, 7), plus server-only guarantees."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import grpc
+import pytest
+import trio
+from transport_peers import GENERATE, MIB, aio_options, aio_stream, aio_unary, request, status_of
+
+from trio_sidecar._proto.vllm import inference_pb2 as pb
+from trio_sidecar.status import StatusCode
+from trio_sidecar.transport import open_channel, serve_grpc
+from trio_sidecar.transport._connection import frame_message
+
+
+async def wait_for(predicate, timeout: float = 2.0) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.002)
+
+
+@pytest.fixture
+def server_logs(caplog):
+    caplog.set_level(logging.DEBUG, logger="trio_sidecar.transport")
+    return caplog
+
+
+class AioClient:
+    """One grpc.aio channel to ``port``, driven from Trio through the aio thread."""
+
+    def __init__(self, aio, port: int, max_message_length: int = 64 * MIB) -> None:
+        self.aio = aio
+        self.port = port
+        self.max_message_length = max_message_length
+        self.channel = None
+
+    async def __aenter__(self):
+        async def make():
+            return grpc.aio.insecure_channel(f"127.0.0.1:{self.port}", options=aio_options(self.max_message_length))
+
+        self.channel = await self.aio.call(make)
+        return self
+
+    async def __aexit__(self, *exc_info):
+        channel, self.channel = self.channel, None
+        await self.aio.call(lambda: channel.close())
+
+    async def unary(self, req, **kw):
+        return await self.aio.call(lambda: aio_unary(self.channel, req, **kw))
+
+    async def unary_error(self, req, **kw):
+        async def run():
+            try:
+                await aio_unary(self.channel, req, **kw)
+            except grpc.aio.AioRpcError as error:
+                return error
+            raise AssertionError("the call succeeded")
+
+        return await self.aio.call(run)
+
+    async def collect(self, req, **kw):
+        async def run():
+            call = aio_stream(self.channel, req, **kw)
+            return [m.outputs.index async for m in call]
+
+        return await self.aio.call(run)
+
+
+@pytest.fixture
+async def aio_client(aio, our_server):
+    async with AioClient(aio, our_server.port) as client:
+        yield client
+
+
+async def test_unary_and_metadata_from_grpc_aio(aio_client):
+    assert (await aio_client.unary(request("echo", text="héllo"))).outputs.text == "héllo"
+    response = await aio_client.unary(request("metadata"), metadata=(("x-data-parallel-rank", "3"),))
+    assert json.loads(response.outputs.text) == [["x-data-parallel-rank", "3"]]
+
+
+@pytest.mark.parametrize(
+    ("code", "message"),
+    [(StatusCode.NOT_FOUND, "service not registered"), (StatusCode.INVALID_ARGUMENT, "100% ünïcödé\nline %41")],
+)
+async def test_status_and_percent_encoded_message_reach_grpc_aio(aio_client, aio, code, message):
+    error = await aio_client.unary_error(request("fail", text=message, interval_ms=int(code)))
+    assert status_of(error) == (code, message)
+    assert ("x-trailer", "yes") in tuple(error.trailing_metadata())
+
+
+async def test_handler_exception_is_unknown_with_a_generic_message_and_is_logged(aio_client, server_logs):
+    error = await aio_client.unary_error(request("boom"))
+    assert status_of(error) == (StatusCode.UNKNOWN, "unexpected server error")
+    assert "secret" not in (error.details() or "")
+    logged = [r for r in server_logs.records if r.exc_info and "secret detail" in str(r.exc_info[1])]
+    assert len(logged) == 1
+
+
+async def test_unknown_method_is_unimplemented_for_grpc_aio(aio, our_server):
+    async with AioClient(aio, our_server.port) as client:
+        async def run():
+            method = client.channel.unary_unary("/vllm.Inference/Nope", request_serializer=pb.GenerateRequest.SerializeToString)
+            try:
+                await method(request("echo"))
+            except grpc.aio.AioRpcError as error:
+                return status_of(error)[0]
+
+        assert await aio.call(run) is StatusCode.UNIMPLEMENTED
+
+
+async def test_server_streaming_to_grpc_aio(aio_client, aio):
+    assert await aio_client.collect(request("stream", n=20)) == list(range(20))
+
+    async def failing():
+        call = aio_stream(aio_client.channel, request("stream", n=3, text="bad", fail_code=StatusCode.ABORTED))
+        got = []
+        try:
+            async for message in call:
+                got.append(message.outputs.index)
+        except grpc.aio.AioRpcError as error:
+            return got, status_of(error)
+
+    assert await aio.call(failing) == ([0, 1, 2], (StatusCode.ABORTED, "bad"))
+
+
+@pytest.mark.parametrize("interval_ms", [10, 5_000], ids=["busy", "idle"])
+async def test_grpc_aio_cancel_cancels_our_handler_within_100ms(aio_client, aio, recorder, interval_ms, server_logs):
+    async def scenario():
+        other = aio_stream(aio_client.channel, request("stream", n=40, interval_ms=5, key="other"))
+        first = await other.read()
+        call = aio_stream(aio_client.channel, request("stream", n=100_000, interval_ms=interval_ms, key="victim"))
+        await call.read()
+        cancelled_at = time.monotonic()
+        call.cancel()
+        rest = []
+        while (message := await other.read()) is not grpc.aio.EOF:
+            rest.append(message.outputs.index)
+        return cancelled_at, [first.outputs.index, *rest]
+
+    cancelled_at, other = await aio.call(scenario)
+    assert other == list(range(40))
+    await wait_for(lambda: "victim" in recorder.cancelled)
+    assert recorder.cancelled["victim"] - cancelled_at < 0.1
+    produced = recorder.produced["victim"]
+    await trio.sleep(0.1)
+    assert recorder.produced["victim"] == produced
+    assert "other" not in recorder.cancelled
+    assert [r for r in server_logs.records if r.levelno >= logging.WARNING] == []
+
+
+async def test_client_disconnect_cancels_an_idle_handler_within_100ms(aio, our_server, recorder, server_logs):
+    async with AioClient(aio, our_server.port) as client:
+        async def start():
+            call = aio_stream(client.channel, request("stream", n=10, interval_ms=5_000, key="orphan"))
+            await call.read()
+
+        await aio.call(start)
+    closed_at = time.monotonic()
+    await wait_for(lambda: "orphan" in recorder.cancelled)
+    assert recorder.cancelled["orphan"] - closed_at < 0.1
+    assert [r for r in server_logs.records if r.levelno >= logging.WARNING] == []
+
+
+async def test_our_channel_close_cancels_an_idle_handler_within_100ms(our_server, recorder):
+    async with open_channel("127.0.0.1", our_server.port) as channel:
+        stream = channel.unary_stream(
+            "/vllm.Inference/GenerateStream", request("stream", n=10, interval_ms=5_000, key="orphan"), pb.GenerateResponse
+        )
+        await stream.__aenter__()
+        await stream.__anext__()
+    closed_at = time.monotonic()
+    await wait_for(lambda: "orphan" in recorder.cancelled)
+    assert recorder.cancelled["orphan"] - closed_at < 0.1
+
+
+async def test_grpc_aio_deadline_is_enforced(aio_client, recorder):
+    started = time.monotonic()
+    error = await aio_client.unary_error(request("sleep", n=5_000, key="slow"), timeout=0.2)
+    assert status_of(error)[0] is StatusCode.DEADLINE_EXCEEDED
+    await wait_for(lambda: "slow" in recorder.cancelled)
+    assert recorder.cancelled["slow"] - started < 1.0
+
+
+async def test_server_enforces_grpc_timeout_on_its_own(our_server, recorder):
+    # White-box: send grpc-timeout but do not enforce it locally, so only the server can end the call.
+    async with open_channel("127.0.0.1", our_server.port) as channel:
+        call = channel._start_call(GENERATE, (), 0.15)
+        started = time.monotonic()
+        await channel._conn.send_message(call, frame_message(request("sleep", n=5_000, key="s").SerializeToString()), True)
+        with trio.fail_after(2):
+            while call.end is None:
+                await call.wait()
+        call.close()
+    assert call.status_error().code is StatusCode.DEADLINE_EXCEEDED
+    assert call.status_error().message == "Deadline Exceeded"
+    assert 0.14 <= recorder.cancelled["s"] - started < 1.0
+
+
+async def test_oversize_request_from_grpc_aio_fails_only_that_call(aio, our_server, recorder):
+    async with AioClient(aio, our_server.port, max_message_length=128 * MIB) as client:
+        error = await client.unary_error(request("echo", text="q" * (64 * MIB + 1), key="huge"))
+        assert status_of(error)[0] is StatusCode.RESOURCE_EXHAUSTED
+        assert "huge" not in recorder.started
+        assert (await client.unary(request("echo", text="next"))).outputs.text == "next"
+    assert our_server.open_connections <= 1
+
+
+async def test_server_limit_is_configurable(aio, nursery, recorder):
+    from transport_peers import TrioEcho
+
+    server = await nursery.start(lambda task_status: serve_grpc([TrioEcho(recorder)], max_message_length=MIB, task_status=task_status))
+    async with AioClient(aio, server.port) as client:
+        error = await client.unary_error(request("echo", text="q" * (2 * MIB)))
+        assert status_of(error)[0] is StatusCode.RESOURCE_EXHAUSTED
+        error = await client.unary_error(request("big", n=2 * MIB))
+        assert status_of(error)[0] is StatusCode.RESOURCE_EXHAUSTED
+        assert (await client.unary(request("echo", text="fine"))).outputs.text == "fine"
