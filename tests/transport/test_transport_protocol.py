@@ -1,0 +1,192 @@
+"""The sans-IO layer (``_protocol``): h2 3.2.0's WINDOW_UPDATE race, per-stream failures, header values.
+
+Frames are exchanged in memory between our ``GrpcProtocol`` (server side) and a plain h2 client.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import h2.config
+import h2.connection
+import h2.events
+import h2.exceptions
+import pytest
+from hyperframe.frame import Frame, GoAwayFrame, RstStreamFrame, WindowUpdateFrame
+from hypothesis import given
+from hypothesis import strategies as st
+from purerpc.grpclib.config import GRPCConfiguration
+from purerpc.grpclib.connection import GRPCConnection
+
+from trio_sidecar.status import StatusCode
+from trio_sidecar.transport._protocol import (
+    GrpcProtocol,
+    MessageReceived,
+    RequestEnded,
+    RequestReceived,
+    StreamFailed,
+    StreamReset,
+    decode_grpc_message,
+    encode_grpc_message,
+    encode_timeout,
+)
+
+REQUEST_HEADERS = [
+    (":method", "POST"), (":scheme", "http"), (":path", "/vllm.Inference/Generate"), (":authority", "x"),
+    ("te", "trailers"), ("content-type", "application/grpc"),
+]
+
+
+def grpc_frame(payload: bytes) -> bytes:
+    return struct.pack(">BI", 0, len(payload)) + payload
+
+
+def frames_in(data: bytes) -> list[Frame]:
+    frames = []
+    while data:
+        frame, length = Frame.parse_frame_header(memoryview(data[:9]))
+        frame.parse_body(memoryview(data[9:9 + length]))
+        frames.append(frame)
+        data = data[9 + length:]
+    return frames
+
+
+def connected_pair(server_class=GrpcProtocol, max_message_length: int = 1024):
+    server = server_class(GRPCConfiguration(client_side=False, max_message_length=max_message_length))
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
+    client.initiate_connection()
+    server.initiate_connection()
+    server.receive_data(client.data_to_send())
+    client.receive_data(server.data_to_send())
+    server.receive_data(client.data_to_send())
+    server.data_to_send()
+    return server, client
+
+
+def complete_call(server, client, stream_id: int) -> None:
+    client.send_headers(stream_id, REQUEST_HEADERS)
+    client.send_data(stream_id, grpc_frame(b"hi"), end_stream=True)
+    events = server.receive_data(client.data_to_send())
+    assert [type(e) for e in events] == [RequestReceived, MessageReceived, RequestEnded]
+    h2server = server.h2_connection
+    h2server.send_headers(stream_id, [(":status", "200"), ("content-type", "application/grpc")])
+    h2server.send_data(stream_id, grpc_frame(b"ok"))
+    h2server.send_headers(stream_id, [("grpc-status", "0")], end_stream=True)
+    client.receive_data(server.data_to_send())
+
+
+def late_window_update_then_next_call(server, client) -> bytes:
+    """Stream 1 completes and is pruned; then one read carries WINDOW_UPDATE(1) + a whole new call."""
+    complete_call(server, client, 1)
+    _ = server.h2_connection.open_inbound_streams  # h2 prunes closed streams here
+    assert 1 not in server.h2_connection.streams
+    late = WindowUpdateFrame(1, window_increment=1000).serialize()
+    client.send_headers(3, REQUEST_HEADERS)
+    client.send_data(3, grpc_frame(b"next"), end_stream=True)
+    return late + client.data_to_send()
+
+
+def test_late_window_update_for_a_pruned_stream_is_ignored_and_later_frames_are_delivered():
+    server, client = connected_pair()
+    events = server.receive_data(late_window_update_then_next_call(server, client))
+    assert [(type(e), e.stream_id) for e in events] == [(RequestReceived, 3), (MessageReceived, 3), (RequestEnded, 3)]
+    assert events[1].data == b"next"
+    assert not [f for f in frames_in(server.data_to_send()) if isinstance(f, GoAwayFrame)]
+    # The connection is still open: the next call completes normally.
+    complete_call(server, client, 5)
+
+
+def test_stock_core_on_h2_3_2_0_kills_the_connection_on_the_same_bytes():
+    # Proves the test above reproduces the race (transport-findings §5.7).
+    server, client = connected_pair(GRPCConnection)
+    with pytest.raises(h2.exceptions.StreamClosedError):
+        server.receive_data(late_window_update_then_next_call(server, client))
+    assert any(isinstance(f, GoAwayFrame) for f in frames_in(server.data_to_send()))
+
+
+def test_window_update_on_the_connection_still_counts():
+    server, client = connected_pair()
+    before = server.h2_connection.outbound_flow_control_window
+    server.receive_data(WindowUpdateFrame(0, window_increment=777).serialize())
+    assert server.h2_connection.outbound_flow_control_window == before + 777
+
+
+def test_rst_stream_from_the_peer_becomes_an_event_and_drops_the_buffer():
+    server, client = connected_pair()
+    client.send_headers(1, REQUEST_HEADERS)
+    client.send_data(1, grpc_frame(b"partial")[:4])
+    server.receive_data(client.data_to_send())
+    assert 1 in server.message_read_buffers
+    client.reset_stream(1, h2.errors.ErrorCodes.CANCEL)
+    events = server.receive_data(client.data_to_send())
+    assert [(type(e), e.stream_id, e.error_code) for e in events] == [(StreamReset, 1, h2.errors.ErrorCodes.CANCEL)]
+    assert 1 not in server.message_read_buffers
+
+
+def test_oversize_message_fails_only_its_stream_and_keeps_the_other_events_of_the_read():
+    server, client = connected_pair(max_message_length=1024)
+    client.send_headers(1, REQUEST_HEADERS)
+    client.send_data(1, grpc_frame(b"x" * 2000), end_stream=True)
+    client.send_headers(3, REQUEST_HEADERS)
+    client.send_data(3, grpc_frame(b"small"), end_stream=True)
+    events = server.receive_data(client.data_to_send())
+    failed = [e for e in events if isinstance(e, StreamFailed)]
+    assert [(e.stream_id, e.code) for e in failed] == [(1, StatusCode.RESOURCE_EXHAUSTED)]
+    assert failed[0].message == "received message larger than max (2000 vs. 1024)"
+    assert [e.data for e in events if isinstance(e, MessageReceived)] == [b"small"]
+    assert (RequestEnded, 3) in [(type(e), e.stream_id) for e in events]
+    assert 1 not in server.message_read_buffers
+
+
+def test_malformed_request_headers_fail_only_their_stream():
+    server, client = connected_pair()
+    client.send_headers(1, [*REQUEST_HEADERS[:2], (":path", "no-slash"), *REQUEST_HEADERS[3:]])
+    client.send_data(1, grpc_frame(b"a"), end_stream=True)
+    client.send_headers(3, REQUEST_HEADERS)
+    client.send_data(3, grpc_frame(b"b"), end_stream=True)
+    events = server.receive_data(client.data_to_send())
+    assert isinstance(events[0], StreamFailed) and events[0].stream_id == 1
+    assert events[0].code is StatusCode.INTERNAL
+    assert [e.data for e in events if isinstance(e, MessageReceived)] == [b"b"]
+
+
+def test_client_side_discard_returns_buffered_bytes_to_the_connection_window():
+    client = GrpcProtocol(GRPCConfiguration(client_side=True, max_message_length=1 << 20))
+    server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding="utf-8"))
+    client.initiate_connection()
+    server.initiate_connection()
+    server.receive_data(client.data_to_send())
+    client.receive_data(server.data_to_send())
+    client.h2_connection.send_headers(1, REQUEST_HEADERS)
+    client.h2_connection.send_data(1, grpc_frame(b"req"), end_stream=True)
+    server.receive_data(client.data_to_send())
+    server.send_headers(1, [(":status", "200"), ("content-type", "application/grpc")])
+    message = grpc_frame(b"y" * 40_000)  # 30 kB of it arrives: buffered, not yet a message
+    for start in range(0, 30_000, 10_000):
+        server.send_data(1, message[start:start + 10_000])
+    assert client.receive_data(server.data_to_send()) != []
+    manager = client.h2_connection._inbound_flow_control_window_manager
+    assert manager.current_window_size + manager._bytes_processed < manager.max_window_size
+    client.reset_stream(1)
+    assert manager.current_window_size + manager._bytes_processed == manager.max_window_size
+    assert any(isinstance(f, RstStreamFrame) for f in frames_in(client.data_to_send()))
+
+
+@pytest.mark.parametrize(
+    ("seconds", "header"),
+    [(0.2, "200000u"), (5, "5000000u"), (30.5, "30500000u"), (1800, "1800000m"), (99_999.999, "99999999m"), (99_999.9999, "100000S"),
+     (10**6, "1000000S"), (0.0000001, "1u"), (10**12, "99999999H")],
+)
+def test_grpc_timeout_encoding_fits_eight_digits_and_rounds_up(seconds, header):
+    assert encode_timeout(seconds) == header
+
+
+@given(st.text())
+def test_grpc_message_percent_encoding_round_trips(message):
+    encoded = encode_grpc_message(message)
+    assert all(0x20 <= ord(c) < 0x7F for c in encoded)
+    assert decode_grpc_message(encoded) == message.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+
+
+def test_grpc_message_keeps_printable_ascii_and_escapes_percent():
+    assert encode_grpc_message("a b:c/%\n") == "a b:c/%25%0A"
