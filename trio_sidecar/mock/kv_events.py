@@ -44,6 +44,7 @@ LOGGER = logging.getLogger("trio_sidecar.mock.kv_events")
 
 REPLAY_BUFFER_MESSAGES = 10_000
 _REPLAY_CHUNK = 256  # messages sent between checkpoints while answering a replay request
+_REPLAY_STALL_SECONDS = 5.0  # a replay peer that takes nothing for this long is dropped
 _END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 
@@ -144,6 +145,7 @@ class KvEventPublisher:
                 router = context.socket(zmq.ROUTER)
                 sockets.append(router)
                 _configure(router, ipv6)
+                router.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 _bind(router, host, replay_port)
             return cls(context=context, pub=pub, router=router, host=host, dp_rank=dp_rank)
         except BaseException:
@@ -189,28 +191,39 @@ class KvEventPublisher:
             await trio.lowlevel.wait_readable(fd)
 
     async def _replay(self, frames: list[bytes]) -> None:
-        router = self._router
-        assert router is not None
         if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
             LOGGER.debug("rank %d: ignoring malformed replay request (%d frames)", self.dp_rank, len(frames))
             return
         identity = frames[0]
         start = int.from_bytes(frames[2], "big")
-        # Snapshot first: publishing may continue while this task checkpoints.
+        # Snapshot first: publishing may continue while this task waits.
         messages = [(seq, payload) for seq, payload in self._ring if seq >= start]
         for index, (seq, payload) in enumerate(messages):
             if index and index % _REPLAY_CHUNK == 0:
                 await trio.lowlevel.checkpoint()
-                if self._closed:
-                    return
-            try:
-                router.send_multipart([identity, b"", b"", seq.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
-            except zmq.ZMQError:
-                return  # peer gone or over its high-water mark: it will ask again
-        try:
-            router.send_multipart([identity, b"", b"", _END_OF_REPLAY, b""], flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
+            if not await self._send_replay([identity, b"", b"", seq.to_bytes(8, "big"), payload]):
+                return
+        await self._send_replay([identity, b"", b"", _END_OF_REPLAY, b""])
+
+    async def _send_replay(self, frames: list[bytes]) -> bool:
+        """Send one reply, waiting (without blocking Trio) while the peer's pipe is full. The ROUTER is
+        ``ROUTER_MANDATORY``, so a full pipe is ``EAGAIN`` instead of a silent drop, and an unknown peer
+        is ``EHOSTUNREACH``. Returns False when the peer is gone or stalled."""
+        router = self._router
+        assert router is not None
+        with trio.move_on_after(_REPLAY_STALL_SECONDS):
+            while not self._closed:
+                try:
+                    router.send_multipart(frames, flags=zmq.NOBLOCK)
+                    return True
+                except zmq.Again:
+                    pass
+                except zmq.ZMQError:
+                    return False
+                if router.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+                    continue
+                await trio.lowlevel.wait_readable(router.getsockopt(zmq.FD))
+        return False
 
     # --- lifetime ---------------------------------------------------------------------------------
 
