@@ -1,0 +1,154 @@
+"""Helpers for the Dynamo end-to-end tests: an in-process mock on a thread and a per-module deployment."""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from trio_sidecar.dynamo import local
+
+REPO = Path(__file__).resolve().parents[2]
+
+FAST_ENGINE_ARGS = {
+    "block_size": 4,
+    "num_gpu_blocks": 4096,
+    "max_num_seqs": 64,
+    "max_num_batched_tokens": 1024,
+    "speedup_ratio": 0.0,
+}
+
+
+def require_dynamo() -> None:
+    """Skip (only) when the Dynamo packages are not installed."""
+    pytest.importorskip("dynamo.llm", reason="ai-dynamo-runtime 1.6.1 is not installed")
+    pytest.importorskip("dynamo.frontend", reason="ai-dynamo 1.6.1 (frontend) is not installed")
+
+
+def make_tiny_model(directory: Path) -> Path:
+    spec = importlib.util.spec_from_file_location("make_tiny_model", REPO / "scripts" / "make_tiny_model.py")
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module.make_tiny_model(directory)
+
+
+class MockThread:
+    """``open_mock_server`` on a background thread with its own Trio run.
+
+    ``call(fn, *args)`` runs a synchronous function on that run's thread (thread-safe access to the hooks).
+    """
+
+    def __init__(self, **config: Any) -> None:
+        self.config = config
+        self.mock: Any = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: trio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="mock-server", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> MockThread:
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise RuntimeError("the mock server did not start")
+        if self._error is not None:
+            raise RuntimeError("the mock server failed to start") from self._error
+        return self
+
+    def _main(self) -> None:
+        try:
+            trio.run(self._serve)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test thread
+            self._error = exc
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        from trio_sidecar.mock import MockConfig, open_mock_server
+
+        self._stop = trio.Event()
+        self._token = trio.lowlevel.current_trio_token()
+        async with open_mock_server(MockConfig(listen="127.0.0.1:0", **self.config)) as mock:
+            self.mock = mock
+            self._ready.set()
+            await self._stop.wait()
+
+    @property
+    def address(self) -> str:
+        return self.mock.address
+
+    def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
+
+    def active(self) -> int:
+        return self.call(self.mock.active_request_count)
+
+    def recorded(self) -> list[tuple[str, Any, tuple, Any]]:
+        return self.call(lambda: list(self.mock.recorded_requests))
+
+    def stop(self) -> None:
+        if self._token is not None and self._thread.is_alive():
+            try:
+                trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+            except trio.RunFinishedError:
+                pass
+        self._thread.join(30)
+        if self._error is not None:
+            raise self._error
+
+
+class Deployment:
+    """One module's processes: a frontend, sidecars and in-process mocks, all torn down by :meth:`close`."""
+
+    def __init__(self, workdir: Path, model: Path) -> None:
+        self.workdir = workdir
+        self.model = model
+        self.namespace = f"t{uuid.uuid4().hex[:10]}"
+        self.file_kv = workdir / "file-kv"
+        self.file_kv.mkdir(parents=True, exist_ok=True)
+        self.env = local.dynamo_env(self.file_kv)
+        self.processes: list[local.Process] = []
+        self.mocks: list[MockThread] = []
+        self.http_port = 0
+
+    def mock(self, **config: Any) -> MockThread:
+        config.setdefault("model", str(self.model))
+        mock = MockThread(**config).start()
+        self.mocks.append(mock)
+        return mock
+
+    def frontend(self, **kw: Any) -> local.Process:
+        kw.setdefault("namespace", self.namespace)
+        proc, self.http_port = local.start_frontend(self.workdir, self.env, **kw)
+        self.processes.append(proc)
+        return proc
+
+    def trio_sidecar(self, mock: MockThread, *extra: str, namespace: str | None = None,
+                     name: str = "trio-sidecar") -> local.Process:
+        proc = local.start_trio_sidecar(self.workdir, self.env, mock.address,
+                                        namespace=namespace or self.namespace, extra=extra, name=name)
+        self.processes.append(proc)
+        return proc
+
+    def native_sidecar(self, mock: MockThread, *extra: str, namespace: str | None = None,
+                       name: str = "native-sidecar") -> local.Process:
+        proc = local.start_native_sidecar(self.workdir, self.env, mock.address,
+                                          namespace=namespace or self.namespace, extra=extra, name=name)
+        self.processes.append(proc)
+        return proc
+
+    def wait_ready(self, *names: str, timeout: float = 180.0) -> None:
+        local.wait_for_models(self.http_port, names, timeout=timeout, watch=self.processes)
+
+    def close(self) -> None:
+        # Sidecars first (they unregister), then the frontend, then the mocks.
+        for proc in reversed(self.processes):
+            proc.stop()
+        for mock in self.mocks:
+            mock.stop()

@@ -1,0 +1,152 @@
+"""Issue 6 tests 1–2: frontend + mock + ``trio-sidecar run`` as real processes on 127.0.0.1.
+
+The frontend gives every request a fresh id, returned as the OpenAI response id (``cmpl-{id}`` /
+``chatcmpl-{id}``); the sidecar forwards it as the vLLM ``request_id`` and the mock seeds its tokens with it,
+so the exact expected text is ``planned_tokens(seed, id, n)`` rendered as ``<token:{id}>`` (mock §7.4).
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from dynamo_harness import FAST_ENGINE_ARGS
+
+from trio_sidecar.dynamo import local
+
+pytestmark = pytest.mark.dynamo
+
+SEED = 42
+# Modelled time at speedup 1 keeps long requests running long enough to disconnect from them.
+ENGINE_ARGS = {**FAST_ENGINE_ARGS, "speedup_ratio": 1.0}
+
+
+@pytest.fixture(scope="module")
+def agg(deployment_factory):
+    dep = deployment_factory()
+    mock = dep.mock(served_model_name="tiny", seed=SEED, engine_args=ENGINE_ARGS)
+    dep.frontend()
+    dep.trio_sidecar(mock)
+    dep.wait_ready("tiny")
+    return dep, mock
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    tokenizers = pytest.importorskip("tokenizers")
+    return tokenizers.Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+
+
+def expected_text(request_id: str, n: int) -> str:
+    from trio_sidecar.mock import planned_tokens
+
+    return "".join(f"<token:{t}>" for t in planned_tokens(SEED, request_id, n))
+
+
+def request_id_of(response_id: str) -> str:
+    return response_id.split("-", 1)[1]
+
+
+def test_models_lists_the_served_name(agg):
+    dep, _ = agg
+    assert "tiny" in local.list_models(dep.http_port)
+
+
+def test_completions_return_the_mock_tokens(agg, tokenizer):
+    dep, mock = agg
+    status, body = local.post_json(dep.http_port, "/v1/completions",
+                                   {"model": "tiny", "prompt": "hello world", "max_tokens": 5, "ignore_eos": True})
+    assert status == 200, body
+    rid = request_id_of(body["id"])
+    choice = body["choices"][0]
+    assert choice["text"] == expected_text(rid, 5)
+    assert choice["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": len(tokenizer.encode("hello world").ids), "completion_tokens": 5,
+                             "total_tokens": len(tokenizer.encode("hello world").ids) + 5}
+    sent = [req for rpc, req, _, _ in mock.recorded() if req.request_id == rid]
+    assert len(sent) == 1
+    assert list(sent[0].token_ids.ids) == tokenizer.encode("hello world").ids
+
+
+def test_streaming_completions_return_the_mock_tokens(agg):
+    dep, _ = agg
+    with local.stream_sse(dep.http_port, "/v1/completions",
+                          {"model": "tiny", "prompt": "hello", "max_tokens": 7, "ignore_eos": True,
+                           "stream": True}) as events:
+        chunks = list(events)
+    rid = request_id_of(chunks[0]["id"])
+    text = "".join(c["choices"][0].get("text") or "" for c in chunks if c.get("choices"))
+    assert text == expected_text(rid, 7)
+    finishes = [c["choices"][0].get("finish_reason") for c in chunks if c.get("choices")]
+    assert finishes[-1] == "length" and all(f is None for f in finishes[:-1])
+
+
+def test_chat_completions_apply_the_template_and_return_the_mock_tokens(agg, tokenizer):
+    dep, _ = agg
+    status, body = local.post_json(dep.http_port, "/v1/chat/completions",
+                                   {"model": "tiny", "messages": [{"role": "user", "content": "hello"}],
+                                    "max_tokens": 4, "ignore_eos": True})
+    assert status == 200, body
+    rid = request_id_of(body["id"])
+    assert body["choices"][0]["message"]["content"] == expected_text(rid, 4)
+    # The tiny chat template renders "user: hello\nassistant: " (dynamo-worker.md §12).
+    assert body["usage"]["prompt_tokens"] == len(tokenizer.encode("user: hello\nassistant: ").ids)
+    assert body["usage"]["completion_tokens"] == 4
+
+
+def test_streaming_chat_completions_return_the_mock_tokens(agg):
+    dep, _ = agg
+    with local.stream_sse(dep.http_port, "/v1/chat/completions",
+                          {"model": "tiny", "messages": [{"role": "user", "content": "hi there"}],
+                           "max_tokens": 6, "ignore_eos": True, "stream": True}) as events:
+        chunks = [c for c in events if c.get("choices")]
+    rid = request_id_of(chunks[0]["id"])
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == expected_text(rid, 6)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_client_disconnect_releases_the_mock_request_within_2s(agg):
+    dep, mock = agg
+    assert mock.active() == 0
+    with local.stream_sse(dep.http_port, "/v1/completions",
+                          {"model": "tiny", "prompt": "a long one", "max_tokens": 20000, "ignore_eos": True,
+                           "stream": True}) as events:
+        for _, _event in zip(range(3), events):
+            pass
+        assert mock.active() == 1
+        # Leaving the block closes the client connection mid-stream.
+    start = time.monotonic()
+    while mock.active() and time.monotonic() - start < 5:
+        time.sleep(0.02)
+    released = time.monotonic() - start
+    assert mock.active() == 0
+    assert released < 2.0, f"the mock request was released after {released:.2f}s"
+    metrics = mock.call(mock.mock.metrics)
+    deadline = time.monotonic() + 2
+    while (metrics.running_requests or metrics.waiting_requests) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        metrics = mock.call(mock.mock.metrics)
+    assert (metrics.running_requests, metrics.waiting_requests) == (0, 0)
+
+
+def test_sigterm_removes_the_model_at_once_drains_and_exits_0(agg):
+    dep, _ = agg
+    mock = dep.mock(served_model_name="tiny-term", seed=SEED, engine_args=ENGINE_ARGS)
+    proc = dep.trio_sidecar(mock, "--drain-timeout-secs", "30", name="term-sidecar")
+    local.wait_for_models(dep.http_port, ["tiny-term"], timeout=120, watch=[proc])
+    with local.stream_sse(dep.http_port, "/v1/completions",
+                          {"model": "tiny-term", "prompt": "drain me", "max_tokens": 150, "ignore_eos": True,
+                           "stream": True}) as events:
+        first = next(events)
+        proc.send_signal(signal.SIGTERM)
+        gone = local.wait_for_no_model(dep.http_port, "tiny-term", timeout=10)
+        rest = list(events)  # the in-flight request is drained, not cut
+    assert gone is not None and gone < 2.0, f"model still listed {gone}s after SIGTERM"
+    chunks = [first, *rest]
+    tokens = "".join(c["choices"][0].get("text") or "" for c in chunks if c.get("choices"))
+    assert tokens == expected_text(request_id_of(first["id"]), 150)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert proc.wait(60) == 0, proc.log()[-3000:]
+    assert "tiny" in local.list_models(dep.http_port)  # the other worker is untouched
