@@ -1,0 +1,222 @@
+"""Benchmark: streaming through ``open_sidecar`` versus a direct gRPC client to the same mock.
+
+One invocation starts one mock vLLM server as a subprocess (so its CPU is not charged to the client), then
+for each concurrency level (1, 64, 512 streams by default) runs the same workload twice — once with a direct
+client (the project transport, a pool of the same size used round-robin, the same ``GenerateRequest``) and
+once through ``open_sidecar`` — and prints:
+
+* tokens/s (wall clock),
+* client CPU µs per token (``time.process_time`` of this process),
+* p50/p99 inter-token latency (gaps between consecutive token arrivals of a stream),
+
+as values and as sidecar/direct ratios. Targets (issue 4): ≥ 0.7× the direct client's tokens/s at 64 streams;
+added p99 inter-token latency ≤ 1 ms.
+
+    python bench/sidecar.py [--streams 1,64,512] [--tokens-per-level 20000] [--connections 8] [--repeat 1]
+
+Nothing here asserts: the numbers are for the README table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+
+import attrs
+import trio
+from rich.console import Console
+from rich.table import Table
+
+from trio_sidecar import GenerateContext, SidecarConfig, open_sidecar
+from trio_sidecar._proto.vllm import inference_pb2
+from trio_sidecar.config import DisaggregationMode
+from trio_sidecar.convert.request import build_generate_request
+from trio_sidecar.protocol import structure_request
+from trio_sidecar.transport import open_channel
+
+GENERATE_STREAM = "/vllm.Inference/GenerateStream"
+PROMPT = [11, 22, 33, 44, 55, 66, 77, 88]
+
+
+@attrs.define
+class Result:
+    tokens: int = 0
+    wall: float = 0.0
+    cpu: float = 0.0
+    gaps: list[float] = attrs.field(factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall if self.wall else 0.0
+
+    @property
+    def cpu_us_per_token(self) -> float:
+        return 1e6 * self.cpu / self.tokens if self.tokens else 0.0
+
+    def percentile(self, q: float) -> float:
+        if not self.gaps:
+            return 0.0
+        ordered = sorted(self.gaps)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def start_mock(max_streams: int) -> tuple[subprocess.Popen, str]:
+    engine_args = {
+        "block_size": 16,
+        "enable_prefix_caching": False,
+        "num_gpu_blocks": 1_000_000,
+        "max_num_seqs": max(max_streams, 1),
+        "max_num_batched_tokens": 1_000_000,
+        "speedup_ratio": 0.0,
+    }
+    process = subprocess.Popen(
+        [
+            sys.executable, "-m", "trio_sidecar.mock", "--listen", "127.0.0.1:0",
+            "--max-concurrent-requests", str(max(2 * max_streams, 16)),
+            "--extra-engine-args", json.dumps(engine_args), "--log-level", "warning",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    match = re.search(r"listening on (\S+)", line)
+    if match is None:
+        process.kill()
+        raise SystemExit(f"the mock did not start: {line!r}")
+    return process, match.group(1)
+
+
+async def run_level(streams: int, per_stream: int, one_stream: Callable[[int, list[float]], Awaitable[int]]) -> Result:
+    result = Result()
+
+    async def worker(i: int) -> None:
+        stamps: list[float] = []
+        tokens = await one_stream(i, stamps)  # (never `x += await ...`: the read happens before the await)
+        result.tokens += tokens
+        result.gaps.extend(b - a for a, b in zip(stamps, stamps[1:]))
+
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for i in range(streams):
+            nursery.start_soon(worker, i)
+    result.wall = time.perf_counter() - wall0
+    result.cpu = time.process_time() - cpu0
+    return result
+
+
+def body(max_tokens: int) -> dict:
+    return {"token_ids": PROMPT, "stop_conditions": {"max_tokens": max_tokens, "ignore_eos": True}}
+
+
+async def bench_direct(address: str, connections: int, streams: int, per_stream: int, tag: str) -> Result:
+    host, port = address.rsplit(":", 1)
+    async with AsyncExitStack() as stack:
+        channels = [await stack.enter_async_context(open_channel(host, int(port))) for _ in range(connections)]
+        preprocessed = structure_request(body(per_stream))
+
+        async def one(i: int, stamps: list[float]) -> int:
+            built = build_generate_request(preprocessed, f"{tag}-{i}", "mocker-model", DisaggregationMode.AGG)
+            tokens = 0
+            channel = channels[i % len(channels)]
+            async with channel.unary_stream(
+                GENERATE_STREAM, built.message, inference_pb2.GenerateResponse, metadata=built.metadata
+            ) as stream:
+                async for response in stream:
+                    if response.HasField("outputs") and response.outputs.num_tokens:
+                        tokens += response.outputs.num_tokens
+                        stamps.append(time.perf_counter())
+            return tokens
+
+        return await run_level(streams, per_stream, one)
+
+
+async def bench_sidecar(sidecar, streams: int, per_stream: int, tag: str) -> Result:
+    async def one(i: int, stamps: list[float]) -> int:
+        tokens = 0
+        async with sidecar.generate(body(per_stream), GenerateContext(f"{tag}-{i}")) as chunks:
+            async for chunk in chunks:
+                if chunk.token_ids:
+                    tokens += len(chunk.token_ids)
+                    stamps.append(time.perf_counter())
+        return tokens
+
+    return await run_level(streams, per_stream, one)
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}×" if b else "—"
+
+
+async def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="open_sidecar vs direct client, same mock")
+    parser.add_argument("--streams", default="1,64,512")
+    parser.add_argument("--tokens-per-level", type=int, default=20000)
+    parser.add_argument("--connections", type=int, default=8)
+    parser.add_argument("--repeat", type=int, default=1, help="runs per level and client; the best is kept")
+    args = parser.parse_args(argv)
+    levels = [int(s) for s in args.streams.split(",") if s.strip()]
+    console = Console()
+    process, address = start_mock(max(levels))
+    rows = []
+    try:
+        config = SidecarConfig(
+            grpc_endpoint=address, grpc_connections=args.connections, startup_deadline=30.0, health_prober=False
+        )
+        async with open_sidecar(config) as sidecar:
+            # warm-up both paths
+            await bench_direct(address, args.connections, 4, 20, "warm-d")
+            await bench_sidecar(sidecar, 4, 20, "warm-s")
+            for streams in levels:
+                per_stream = max(10, args.tokens_per_level // streams)
+                best_direct = best_sidecar = None
+                for r in range(args.repeat):
+                    d = await bench_direct(address, args.connections, streams, per_stream, f"d{streams}-{r}")
+                    s = await bench_sidecar(sidecar, streams, per_stream, f"s{streams}-{r}")
+                    if best_direct is None or d.tokens_per_s > best_direct.tokens_per_s:
+                        best_direct = d
+                    if best_sidecar is None or s.tokens_per_s > best_sidecar.tokens_per_s:
+                        best_sidecar = s
+                rows.append((streams, per_stream, best_direct, best_sidecar))
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    table = Table(title=f"open_sidecar vs direct client (mock on {address}, {args.connections} connections, "
+                        f"{os.cpu_count()} CPUs)")
+    for column in ("streams", "tokens/s direct", "tokens/s sidecar", "ratio", "CPU µs/tok direct",
+                   "CPU µs/tok sidecar", "ratio", "p50 ITL ms d/s", "p99 ITL ms d/s", "added p99 ms"):
+        table.add_column(column, justify="right")
+    for streams, _per_stream, d, s in rows:
+        table.add_row(
+            str(streams),
+            f"{d.tokens_per_s:,.0f}",
+            f"{s.tokens_per_s:,.0f}",
+            ratio(s.tokens_per_s, d.tokens_per_s),
+            f"{d.cpu_us_per_token:.1f}",
+            f"{s.cpu_us_per_token:.1f}",
+            ratio(s.cpu_us_per_token, d.cpu_us_per_token),
+            f"{1e3 * d.percentile(0.5):.3f} / {1e3 * s.percentile(0.5):.3f}",
+            f"{1e3 * d.percentile(0.99):.3f} / {1e3 * s.percentile(0.99):.3f}",
+            f"{1e3 * (s.percentile(0.99) - d.percentile(0.99)):+.3f}",
+        )
+    console.print(table)
+    for streams, _per_stream, d, s in rows:
+        if streams == 64:
+            console.print(f"64-stream throughput ratio: {s.tokens_per_s / d.tokens_per_s:.2f} (target ≥ 0.70)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(trio.run(main))
