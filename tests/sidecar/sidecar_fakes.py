@@ -119,6 +119,7 @@ class FakeVllm:
     health_script: dict[str, list[Any]] = attrs.field(factory=dict)
     kv_sources: list[control_pb2.KvEventSource] = attrs.field(factory=list)
     abort_hang: bool = False
+    abort_error: tuple[StatusCode, str] | None = None
     hang_rpcs: set[str] = attrs.field(factory=set)  # "GetModelInfo", "GetServerInfo", "GetKvEventSources"
     # records
     requests: list[tuple[inference_pb2.GenerateRequest, dict[str, str], tuple[str, int]]] = attrs.field(
@@ -287,6 +288,8 @@ class _Control(control_grpc.ControlServicer):
         fake.abort_received.set()
         if fake.abort_hang:
             await trio.sleep_forever()
+        if fake.abort_error is not None:
+            raise RpcError(*fake.abort_error)
         return control_pb2.AbortResponse()
 
 
