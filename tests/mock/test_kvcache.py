@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import blake3
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trio_sidecar.mock.kvcache import BlockRemoved, BlockStored, KvPool, SeqKv, block_hash
 
@@ -236,3 +238,68 @@ def test_admit_rejects_a_sequence_that_already_holds_blocks():
     run_prefill(pool, seq, 3)
     with pytest.raises(ValueError):
         pool.admit(seq, 3)
+
+
+# --- randomized invariants ----------------------------------------------------------------------------
+
+
+
+def check_invariants(pool: KvPool, live: dict[int, SeqKv], cached: set[int]) -> None:
+    held: dict[int, int] = {}
+    for seq in live.values():
+        for block in seq._blocks:
+            held[id(block)] = held.get(id(block), 0) + 1
+    assert pool.active_blocks == len(held)
+    assert pool.free_blocks + pool.inactive_blocks + pool.active_blocks == pool.total_blocks
+    assert min(pool.free_blocks, pool.inactive_blocks, pool.active_blocks) >= 0
+    # The events describe exactly the registered set.
+    assert cached == set(pool._registry)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["admit", "grow", "release"]),
+            st.integers(0, 5),  # sequence slot
+            st.integers(1, 24),  # tokens
+            st.integers(0, 2),  # prompt family: shared prefixes between slots
+            st.booleans(),  # bypass
+        ),
+        max_size=60,
+    ),
+    caching=st.booleans(),
+)
+def test_random_operations_keep_the_pool_consistent(ops, caching):
+    pool = KvPool(12, 4, enable_prefix_caching=caching)
+    live: dict[int, SeqKv] = {}
+    lengths: dict[int, int] = {}
+    cached: set[int] = set()
+    for op, slot, tokens, family, bypass in ops:
+        if op == "admit" and slot not in live:
+            seq = SeqKv(tuple(family * 100 + i for i in range(tokens)), plan=tuple(range(5000, 5400)),
+                        bypass_prefix_cache=bypass)
+            got = pool.admit(seq, tokens)
+            if got is not None:
+                assert got % 4 == 0 and got < tokens
+                live[slot] = seq
+                lengths[slot] = tokens
+                pool.commit(seq, tokens)
+        elif op == "grow" and slot in live:
+            target = lengths[slot] + tokens
+            if pool.grow(live[slot], target):
+                lengths[slot] = target
+                pool.commit(live[slot], target)
+        elif op == "release" and slot in live:
+            pool.release(live.pop(slot))
+            del lengths[slot]
+        for event in pool.drain_events():
+            if isinstance(event, BlockStored):
+                assert caching
+                assert len(event.token_ids) == len(event.block_hashes) * 4
+                assert cached.isdisjoint(event.block_hashes)
+                cached.update(event.block_hashes)
+            else:
+                assert set(event.block_hashes) <= cached
+                cached.difference_update(event.block_hashes)
+        check_invariants(pool, live, cached)

@@ -474,3 +474,77 @@ async def test_metrics_report_the_rank_and_usage(autojump_clock):
         assert m.active_decode_blocks == 2  # the snapshot after pass 1: the 8-token prompt
         assert m.gpu_cache_usage_perc == pytest.approx(0.2)
         assert "rank=3" in repr(engine)
+
+
+# --- randomized scenarios -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(12))
+async def test_random_workloads_deliver_every_plan_exactly_once(seed):
+    import random
+
+    rng = random.Random(seed)
+    overrides = {
+        "block_size": rng.choice([1, 2, 4]),
+        "num_gpu_blocks": rng.randint(8, 40),
+        "max_num_seqs": rng.choice([None, 1, 3, 8]),
+        "max_num_batched_tokens": rng.choice([None, 3, 7, 64]),
+        "enable_prefix_caching": rng.random() < 0.7,
+        "enable_chunked_prefill": rng.random() < 0.7,
+        "preemption_mode": rng.choice(["lifo", "fifo"]),
+    }
+    publisher = RecordingPublisher()
+    async with running_engine(publisher, **overrides) as engine:
+        args = engine.args
+        results: dict[str, list[OutputSignal]] = {}
+        expected: dict[str, tuple[int, ...]] = {}
+        cancelled: set[str] = set()
+
+        async def consume(uuid: str, receive: trio.MemoryReceiveChannel[OutputSignal]) -> None:
+            results[uuid] = await drain(receive)
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for i in range(40):
+                    prompt_len = rng.randint(1, 12)
+                    if args.token_budget and not args.enable_chunked_prefill:
+                        prompt_len = min(prompt_len, args.token_budget)
+                    prompt_len = min(prompt_len, args.num_gpu_blocks * args.block_size)
+                    family = rng.randint(0, 3)
+                    request = SimRequest(
+                        uuid=f"r{i}",
+                        prompt=tuple(family * 10 + k for k in range(prompt_len)),
+                        plan=tuple(rng.randint(1000, 31999) for _ in range(rng.randint(1, 15))),
+                        cache_salt=rng.choice(["", "", "s"]),
+                        bypass_prefix_cache=rng.random() < 0.2,
+                    )
+                    expected[request.uuid] = request.plan
+                    nursery.start_soon(consume, request.uuid, engine.submit(request))
+                    if rng.random() < 0.3:
+                        await trio.sleep(0)
+                    if rng.random() < 0.15:
+                        victim = f"r{rng.randint(0, i)}"
+                        if engine.cancel(victim):
+                            cancelled.add(victim)
+            metrics = await wait_idle(engine)
+    assert metrics.active_decode_blocks == 0
+    assert engine.kv_pool.active_blocks == 0
+    for uuid, plan in expected.items():
+        tokens = [s.token for s in results[uuid]]
+        if uuid in cancelled:
+            assert tokens == list(plan[: len(tokens)])
+            assert not any(s.completed for s in results[uuid][:-1])
+        else:
+            assert tokens == list(plan)
+            assert [s.completed for s in results[uuid]] == [False] * (len(plan) - 1) + [True]
+    # Every removal names a stored, not yet removed hash.
+    live: set[int] = set()
+    for message in publisher.messages:
+        assert message
+        for event in message:
+            if isinstance(event, BlockStored):
+                assert live.isdisjoint(event.block_hashes)
+                live.update(event.block_hashes)
+            else:
+                assert set(event.block_hashes) <= live
+                live.difference_update(event.block_hashes)
