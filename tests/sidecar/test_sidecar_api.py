@@ -159,3 +159,26 @@ async def test_prober_fatal_identity_change_leaves_open_sidecar_as_one_exception
             fake.health.set_status("vllm.Control", SERVING)
             with trio.fail_after(5):
                 await trio.sleep_forever()
+
+
+async def test_drain_support_stop_admission_in_flight_and_cancel(fake):
+    from trio_sidecar.errors import EngineShutdown
+
+    fake.hang = True
+    async with open_sidecar(sidecar_config(fake.endpoint)) as sidecar:
+        engine = sidecar.engine
+        async with sidecar.generate(BODY, GenerateContext("drain")) as stream:
+            first = await stream.__anext__()
+            assert engine.in_flight == 1
+            engine.stop_admission()
+            with pytest.raises(EngineShutdown, match="^vLLM sidecar is not started$"):
+                async with sidecar.generate(BODY):
+                    pass  # pragma: no cover
+            engine.cancel_in_flight()
+            rest = [c async for c in stream]
+        with trio.fail_after(2):
+            await engine.wait_idle()
+        assert engine.in_flight == 0
+    assert first.token_ids == [42]
+    assert rest[-1].finish_reason == "cancelled"
+    assert fake.abort_calls == [["drain"]]

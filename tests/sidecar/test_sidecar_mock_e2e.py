@@ -201,7 +201,10 @@ async def test_out_of_range_dp_rank_gets_the_server_error():
             with pytest.raises(Exception) as info:
                 await collect(sidecar, {"token_ids": [1], "routing": {"dp_rank": 5}})
     assert info.value.kind.name == "INVALID_ARGUMENT"
-    assert str(info.value).startswith("GenerateStream: ")
+    assert str(info.value) == (
+        "GenerateStream: engine-core error: data parallel rank 5 is not connected to this frontend; "
+        "connected ranks: [0, 1] (InvalidArgument)"
+    )
 
 
 # ---------------------------------------------------------------------------- KV events over ZMQ (issue 5)
