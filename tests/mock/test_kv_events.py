@@ -193,27 +193,33 @@ def test_bind_failure_is_reported_and_nothing_stays_bound():
             KvEventPublisher.bind("127.0.0.1", port=port)
 
 
+def port_is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def test_rank_ports_are_offset_and_a_failing_rank_closes_the_others():
-    # Find a base port whose successor can be taken by a TCP listener (the failing rank 1).
+    # A base port whose successor can be taken by a TCP listener, so that rank 1 fails to bind.
     for _ in range(20):
         with occupied_tcp_port() as probe:
             base = probe.getsockname()[1] - 1
+        if not port_is_free(base):
+            continue
+        blocker = socket.socket()
         try:
-            blocker = socket.socket()
             blocker.bind(("127.0.0.1", base + 1))
             blocker.listen()
         except OSError:
             blocker.close()
             continue
         with blocker:
-            try:
-                with pytest.raises(KvEventBindError):
-                    bind_publishers("127.0.0.1", 2, port=base)
-            except AssertionError:
-                continue  # base itself was busy: the failure was rank 0's
-            # Rank 0 was bound on base and closed again: the port is free.
-            with socket.socket() as again:
-                again.bind(("127.0.0.1", base))
+            with pytest.raises(KvEventBindError, match=f"127.0.0.1:{base + 1}"):
+                bind_publishers("127.0.0.1", 2, port=base)
+            assert port_is_free(base)  # rank 0 was bound there, then closed again
         publishers = bind_publishers("127.0.0.1", 2, port=base)
         try:
             assert [p.port for p in publishers] == [base, base + 1]
