@@ -1,0 +1,89 @@
+"""Fixtures for the conformance suite against the real vLLM 0.32 gRPC server on CPU (issue 8).
+
+Every test in this folder is marked ``real_vllm`` and skipped unless ``scripts/real-vllm.sh`` has been run
+and its two variables are exported (``TRIO_SIDECAR_REAL_VLLM_PYTHON``, ``TRIO_SIDECAR_REAL_VLLM_MODEL``).
+
+Server lifetimes: starting vLLM costs 20-60 s on 2 cores, so one Python-supervised server is shared by
+the whole folder (``real_server``, session scope; the tests on it never stop or break it). The shutdown
+tests get their own server each (``fresh_server``), since they end it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from ._server import (
+    ENV_MODEL,
+    ENV_PYTHON,
+    AttachedServer,
+    RealVllmServer,
+    env_from_environ,
+    start_ready_server,
+)
+
+# Developer iteration only: reuse a running server ("PORT:LOG_PATH") instead of starting one.
+ENV_ATTACH = "TRIO_SIDECAR_REAL_VLLM_ATTACH"
+
+HERE = Path(__file__).parent
+TIMINGS: list[tuple[str, float]] = []
+
+
+def pytest_collection_modifyitems(config, items):
+    skip = None
+    if env_from_environ() is None:
+        skip = pytest.mark.skip(reason=f"{ENV_PYTHON} / {ENV_MODEL} not set (run scripts/real-vllm.sh)")
+    for item in items:
+        if HERE in Path(item.path).parents:
+            item.add_marker(pytest.mark.real_vllm)
+            if skip is not None:
+                item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if TIMINGS:
+        terminalreporter.section("real vLLM timings")
+        for what, seconds in TIMINGS:
+            terminalreporter.write_line(f"{what}: {seconds:.1f} s")
+
+
+def _start(launch: str) -> RealVllmServer:
+    env = env_from_environ()
+    assert env is not None
+    server = start_ready_server(env, launch=launch)
+    TIMINGS.append((f"{launch} launch: start -> SERVING", server.ready_after_s or 0.0))
+    TIMINGS.append((f"{launch} launch: start -> warmed up", time.monotonic() - server.started_at))
+    return server
+
+
+def _stop(server: RealVllmServer, label: str) -> None:
+    try:
+        TIMINGS.append((f"{label}: SIGTERM -> main process exited", server.stop()))
+        leftovers = [p.pid for p in server.descendants() if p.is_running() and p.status() != "zombie"]
+        assert not leftovers, f"vLLM descendants still running after stop: {leftovers}"
+    finally:
+        server.cleanup_files()
+
+
+@pytest.fixture(scope="session")
+def real_server():
+    """The shared, warmed-up ``vllm serve`` (Python-supervised) server on 127.0.0.1."""
+    attach = os.environ.get(ENV_ATTACH)
+    if attach:
+        yield AttachedServer(env_from_environ(), attach)
+        return
+    server = _start("python")
+    yield server
+    _stop(server, "shared server")
+
+
+@pytest.fixture
+def fresh_server(request):
+    """A private server for tests that stop it; ``launch`` via indirect parametrization (default python)."""
+    launch = getattr(request, "param", "python")
+    server = _start(launch)
+    yield server
+    _stop(server, f"fresh {launch} server")
