@@ -39,6 +39,7 @@ from .status import StatusCode
 __all__ = [
     "ChannelPool",
     "open_channel_pool",
+    "connect_with_retry",
     "MAX_MESSAGE_LENGTH",
     "cause_chain",
     "collapse_exception_group",

@@ -131,6 +131,7 @@ class FakeVllm:
     abort_calls: list[list[str]] = attrs.field(factory=list)
     abort_received: trio.Event = attrs.field(factory=trio.Event)
     health_checks: list[str] = attrs.field(factory=list)
+    control_peers: set[tuple[str, int]] = attrs.field(factory=set)  # client ports of Check/Control calls
     model_info_calls: int = 0
     server_info_calls: int = 0
     request_arrived: trio.Event = attrs.field(factory=trio.Event)
@@ -263,6 +264,7 @@ class _Control(control_grpc.ControlServicer):
 
     async def GetModelInfo(self, request: Any, context: Any) -> control_pb2.ModelInfo:  # type: ignore[override]
         fake = self.fake
+        fake.control_peers.add(tuple(context.peer))
         if "GetModelInfo" in fake.hang_rpcs:
             await trio.sleep_forever()
         info = fake.model_infos[min(fake.model_info_calls, len(fake.model_infos) - 1)]
@@ -271,6 +273,7 @@ class _Control(control_grpc.ControlServicer):
 
     async def GetServerInfo(self, request: Any, context: Any) -> control_pb2.ServerInfo:  # type: ignore[override]
         fake = self.fake
+        fake.control_peers.add(tuple(context.peer))
         if "GetServerInfo" in fake.hang_rpcs:
             await trio.sleep_forever()
         info = fake.server_infos[min(fake.server_info_calls, len(fake.server_infos) - 1)]
@@ -303,6 +306,7 @@ class _ScriptedHealth(HealthServicer):
     async def Check(self, request: health_pb2.HealthCheckRequest, context: Any) -> health_pb2.HealthCheckResponse:  # type: ignore[override]
         fake = self.fake
         fake.health_checks.append(request.service)
+        fake.control_peers.add(tuple(context.peer))
         script = fake.health_script.get(request.service)
         if script:
             step = script.pop(0) if len(script) > 1 else script[0]

@@ -182,3 +182,27 @@ async def test_drain_support_stop_admission_in_flight_and_cancel(fake):
     assert first.token_ids == [42]
     assert rest[-1].finish_reason == "cancelled"
     assert fake.abort_calls == [["drain"]]
+
+
+def test_cause_chain_joins_causes_and_contexts():
+    from trio_sidecar.pool import cause_chain
+
+    try:
+        try:
+            raise OSError("connection refused")
+        except OSError as inner:
+            raise RuntimeError("connect failed") from inner
+    except RuntimeError as outer:
+        assert cause_chain(outer) == "connect failed: connection refused"
+    assert cause_chain(TimeoutError()) == "TimeoutError"
+
+
+async def test_collapse_exception_group_unwraps_a_single_failure_only():
+    from trio_sidecar.pool import collapse_exception_group
+
+    with pytest.raises(KeyError):
+        async with collapse_exception_group():
+            raise ExceptionGroup("one", [ExceptionGroup("nested", [KeyError("k")])])
+    with pytest.raises(ExceptionGroup):
+        async with collapse_exception_group():
+            raise ExceptionGroup("two", [KeyError("a"), ValueError("b")])
