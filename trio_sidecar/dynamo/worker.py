@@ -67,6 +67,8 @@ _WORKER_TYPES = {
     DisaggregationMode.DECODE: "Decode",
 }
 _FIXED_COMPONENT = {DisaggregationMode.PREFILL: "prefill", DisaggregationMode.DECODE: "backend"}
+# register_model rejects Prefill/Decode without `needs`; the native sidecar declares the peer role.
+_NEEDS = {DisaggregationMode.PREFILL: (("Decode",),), DisaggregationMode.DECODE: (("Prefill",),)}
 
 
 def worker_namespace(namespace: str, environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
@@ -85,12 +87,13 @@ class WorkerPlan:
     model_path: str
     served_model_name: str
     aliases: tuple[str, ...]
-    model_types: tuple[str, ...]  # dynamo.llm.ModelType member names, OR-ed together ("Empty" for prefill)
+    model_types: tuple[str, ...]  # dynamo.llm.ModelType member names, OR-ed together ("Prefill" for prefill)
     worker_type: str  # dynamo.llm.WorkerType member name
+    needs: tuple[tuple[str, ...], ...]  # DNF of WorkerType names the role depends on (required for P/D)
     kv_cache_block_size: int | None
     runtime_config: dict[str, Any]  # ModelRuntimeConfig attributes to set (None values already dropped)
     custom_template_path: str | None
-    local_indexer: bool  # decode workers do not advertise a local KV indexer
+    local_indexer: bool  # KvEventPublisher(enable_local_indexer=...): off for decode workers
 
 
 def plan_registration(
@@ -112,9 +115,10 @@ def plan_registration(
     component = _FIXED_COMPONENT.get(mode, options.component)
     path = f"{worker_namespace(options.namespace, environ)}.{component}.{options.endpoint}"
     if mode is DisaggregationMode.PREFILL:
-        # The native sidecar registers prefill workers with an empty ModelType regardless of
-        # --endpoint-types: they have no OpenAI surface; WorkerType.Prefill carries the role.
-        model_types: tuple[str, ...] = ("Empty",)
+        # Prefill workers have no OpenAI surface whatever --endpoint-types says; like the native sidecar
+        # they register the legacy ModelType.Prefill marker (so older frontends still see the role) and
+        # WorkerType.Prefill.
+        model_types: tuple[str, ...] = ("Prefill",)
     else:
         names = []
         for kind in options.endpoint_types:
@@ -135,8 +139,10 @@ def plan_registration(
     runtime = {k: v for k, v in runtime.items() if v is not None}
     runtime["kv_event_publishing_enabled"] = bool(sources)
     runtime["exclude_tools_when_tool_choice_none"] = bool(options.exclude_tools_when_tool_choice_none)
+    # The native 1.6.1 sidecar's model card says enable_local_indexer=true in every mode; decode workers
+    # get no KV publishers anyway (vLLM reports no KV-event sources in decode mode).
+    runtime["enable_local_indexer"] = True
     local_indexer = mode is not DisaggregationMode.DECODE
-    runtime["enable_local_indexer"] = local_indexer
     return WorkerPlan(
         endpoint_path=path,
         model_path=engine.model,
@@ -144,6 +150,7 @@ def plan_registration(
         aliases=tuple(engine.aliases),
         model_types=model_types,
         worker_type=_WORKER_TYPES[mode],
+        needs=_NEEDS.get(mode, ()),
         kv_cache_block_size=engine.kv_cache_block_size,
         runtime_config=runtime,
         custom_template_path=options.custom_jinja_template,
@@ -193,6 +200,7 @@ class DynamoSide:
             plan.model_path,
             plan.served_model_name,
             worker_type=getattr(WorkerType, plan.worker_type),
+            needs=[[getattr(WorkerType, name) for name in group] for group in plan.needs] or None,
             kv_cache_block_size=plan.kv_cache_block_size,
             runtime_config=rc,
             model_aliases=list(plan.aliases) or None,

@@ -1,0 +1,124 @@
+"""Registration planning (sidecar.md §9.3, §11; dynamo-worker.md §7), pure and table-driven.
+
+The expected cards were checked against the model-card records the native 1.6.1 sidecar writes under
+``v1/mdc`` (docs/dynamo.md): same model type, worker type, ``needs`` and runtime config, except
+``runtime_data`` (the native advertises engine-native generate and LoRA capabilities) and
+``kv_event_publishing_enabled`` (set here per dynamo-worker.md §7 step 4).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from trio_sidecar.config import DisaggregationMode, SidecarConfig, WorkerOptions
+from trio_sidecar.dynamo.worker import plan_registration, worker_namespace
+from trio_sidecar.errors import InvalidArgument
+from trio_sidecar.model import EngineConfig
+from trio_sidecar.routing import KvEventSource
+
+pytestmark = pytest.mark.dynamo
+
+# The upstream reference fixture of sidecar.md §11.2.
+ENGINE = EngineConfig(
+    model="model-source",
+    served_model_name="served-model",
+    aliases=("model-alias",),
+    context_length=8192,
+    kv_cache_block_size=16,
+    total_kv_blocks=4096,
+    max_num_seqs=128,
+    max_num_batched_tokens=2048,
+    data_parallel_size=4,
+    data_parallel_start_rank=0,
+)
+SOURCES = (KvEventSource("tcp://127.0.0.1:20081", "", 0),)
+
+
+def plan(mode="agg", *, options=None, engine=ENGINE, sources=SOURCES, environ=None):
+    config = SidecarConfig(grpc_endpoint="127.0.0.1:50051", disaggregation_mode=mode)
+    return plan_registration(config, options or WorkerOptions(), engine, sources, environ=environ or {})
+
+
+@pytest.mark.parametrize(
+    ("mode", "component", "path", "model_types", "worker_type", "needs", "publisher_indexer"),
+    [
+        ("agg", "backend", "dynamo.backend.generate", ("Chat", "Completions"), "Aggregated", (), True),
+        ("agg", "custom", "dynamo.custom.generate", ("Chat", "Completions"), "Aggregated", (), True),
+        ("prefill", "custom", "dynamo.prefill.generate", ("Prefill",), "Prefill", (("Decode",),), True),
+        ("decode", "custom", "dynamo.backend.generate", ("Chat", "Completions"), "Decode", (("Prefill",),), False),
+    ],
+)
+def test_component_model_type_worker_type_and_needs_by_mode(mode, component, path, model_types, worker_type,
+                                                            needs, publisher_indexer):
+    p = plan(mode, options=WorkerOptions(component=component))
+    assert p.endpoint_path == path
+    assert p.model_types == model_types
+    assert p.worker_type == worker_type
+    assert p.needs == needs
+    assert p.local_indexer is publisher_indexer
+    assert p.runtime_config["enable_local_indexer"] is True
+
+
+def test_identity_and_capacity_come_from_the_engine_config():
+    p = plan()
+    assert (p.model_path, p.served_model_name, p.aliases) == ("model-source", "served-model", ("model-alias",))
+    assert p.kv_cache_block_size == 16
+    assert p.runtime_config == {
+        "context_length": 8192,
+        "total_kv_blocks": 4096,
+        "max_num_seqs": 128,
+        "max_num_batched_tokens": 2048,
+        "data_parallel_size": 4,
+        "data_parallel_start_rank": 0,
+        "kv_event_publishing_enabled": True,
+        "exclude_tools_when_tool_choice_none": True,
+        "enable_local_indexer": True,
+    }
+    # Parsers are never advertised (§11.1).
+    assert "tool_call_parser" not in p.runtime_config and "reasoning_parser" not in p.runtime_config
+
+
+def test_unknown_limits_are_left_at_dynamo_defaults():
+    engine = EngineConfig(model="m", served_model_name="m", aliases=(), context_length=None,
+                          kv_cache_block_size=None, total_kv_blocks=None, max_num_seqs=None,
+                          max_num_batched_tokens=None, data_parallel_size=None, data_parallel_start_rank=None)
+    p = plan(engine=engine, sources=())
+    assert p.kv_cache_block_size is None
+    assert p.aliases == ()
+    assert p.runtime_config == {"kv_event_publishing_enabled": False, "exclude_tools_when_tool_choice_none": True,
+                                "enable_local_indexer": True}
+
+
+@pytest.mark.parametrize(
+    ("types", "expected"),
+    [("chat", ("Chat",)), ("completions", ("Completions",)), ("completions,chat", ("Completions", "Chat"))],
+)
+def test_endpoint_types_map_to_model_type_flags(types, expected):
+    assert plan(options=WorkerOptions(endpoint_types=types)).model_types == expected
+
+
+def test_an_unknown_endpoint_type_is_rejected():
+    with pytest.raises(InvalidArgument, match="unsupported endpoint type `embeddings`"):
+        plan(options=WorkerOptions(endpoint_types="chat,embeddings"))
+
+
+def test_template_and_exclude_tools_are_passed_through():
+    p = plan(options=WorkerOptions(custom_jinja_template="/t.jinja", exclude_tools_when_tool_choice_none=False))
+    assert p.custom_template_path == "/t.jinja"
+    assert p.runtime_config["exclude_tools_when_tool_choice_none"] is False
+
+
+@pytest.mark.parametrize(
+    ("namespace", "suffix", "expected"),
+    [("dynamo", "", "dynamo"), ("dynamo", "blue", "dynamo-blue"), ("dynamo-blue", "blue", "dynamo-blue"),
+     ("ns", " ", "ns")],
+)
+def test_namespace_worker_suffix_is_appended_once(namespace, suffix, expected):
+    assert worker_namespace(namespace, {"DYN_NAMESPACE_WORKER_SUFFIX": suffix}) == expected
+    p = plan(options=WorkerOptions(namespace=namespace), environ={"DYN_NAMESPACE_WORKER_SUFFIX": suffix})
+    assert p.endpoint_path == f"{expected}.backend.generate"
+
+
+def test_encode_mode_is_rejected():
+    with pytest.raises(InvalidArgument, match="encode mode is not supported by the vLLM sidecar"):
+        plan(DisaggregationMode.ENCODE)
