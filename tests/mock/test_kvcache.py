@@ -256,7 +256,7 @@ def check_invariants(pool: KvPool, live: dict[int, SeqKv], cached: set[int]) -> 
     assert cached == set(pool._registry)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(deadline=None)
 @given(
     ops=st.lists(
         st.tuples(
@@ -270,7 +270,7 @@ def check_invariants(pool: KvPool, live: dict[int, SeqKv], cached: set[int]) -> 
     ),
     caching=st.booleans(),
 )
-def test_random_operations_keep_the_pool_consistent(ops, caching):
+def test_property_random_operations_keep_the_pool_consistent(ops, caching):
     pool = KvPool(12, 4, enable_prefix_caching=caching)
     live: dict[int, SeqKv] = {}
     lengths: dict[int, int] = {}
