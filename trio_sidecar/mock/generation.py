@@ -38,6 +38,7 @@ __all__ = [
     "build_prompt_info",
     "build_sequence_output",
     "candidates_for",
+    "fill_sequence_output",
     "plan_output",
     "planned_tokens",
     "prompt_token_seed",
@@ -233,11 +234,11 @@ class OutputOptions:
         )
 
 
-def build_sequence_output(tokens: Sequence[int], options: OutputOptions) -> pb.SequenceOutput:
-    """One ``SequenceOutput`` delta carrying ``tokens`` as the options ask (no ``finish_info``)."""
-    out = pb.SequenceOutput(index=0, num_tokens=len(tokens))
+def fill_sequence_output(out: pb.SequenceOutput, tokens: Sequence[int], options: OutputOptions) -> None:
+    """Fill an empty ``SequenceOutput`` in place (no copy: the hot path of streaming)."""
+    out.num_tokens = len(tokens)
     if options.text:
-        out.text = "".join(f"<token:{t}>" for t in tokens)
+        out.text = "".join([f"<token:{t}>" for t in tokens])
     if options.token_ids:
         out.token_ids.extend(tokens)
     if options.logprobs or options.candidates_requested:
@@ -247,6 +248,12 @@ def build_sequence_output(tokens: Sequence[int], options: OutputOptions) -> pb.S
                 out.logprobs.append(lp)
                 out.ranks.append(1)
             out.candidate_tokens.append(_candidate_info(candidates_for(t, lp, options.candidates)))
+
+
+def build_sequence_output(tokens: Sequence[int], options: OutputOptions) -> pb.SequenceOutput:
+    """One ``SequenceOutput`` delta carrying ``tokens`` as the options ask (no ``finish_info``)."""
+    out = pb.SequenceOutput()
+    fill_sequence_output(out, tokens, options)
     return out
 
 

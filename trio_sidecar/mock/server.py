@@ -13,9 +13,9 @@ it). From then on it is a :class:`_Call` registered under its request UUID in th
 the RPC ends, however it ends; the permit is held for exactly as long.
 
 The scheduler delivers output signals into the call's own buffer (``len(plan) + 1`` entries, filled with
-non-blocking sends), so a slow reader never stalls a pass and is never shed. The handler waits for the
-next signal inside a cancel scope that only ``Control.Abort`` and shutdown cancel; messages are yielded
-outside that scope. Exactly one terminal is sent per request: a claim flag on the call decides between
+non-blocking sends), so a slow reader never stalls a pass and is never shed. ``Control.Abort`` and shutdown
+wake a waiting handler by cancelling the scheduler request, which closes that buffer; signals already in
+it are still received. Exactly one terminal is sent per request: a claim flag on the call decides between
 the natural finish and an abort that race. Abort flushes the already-buffered tokens first, then sends an
 ``ABORTED`` terminal with no tokens (clarifications.md #15) and the RPC ends OK, like vLLM.
 
@@ -42,7 +42,13 @@ from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar._proto.vllm import control_grpc, control_pb2, inference_grpc
 from trio_sidecar._proto.vllm import inference_pb2 as pb
 from trio_sidecar.mock import engine_args as _engine_args
-from trio_sidecar.mock.generation import RequestRejected, build_prompt_info, build_sequence_output, request_uuid
+from trio_sidecar.mock.generation import (
+    RequestRejected,
+    build_prompt_info,
+    build_sequence_output,
+    fill_sequence_output,
+    request_uuid,
+)
 from trio_sidecar.mock.handoff import Role, prefill_terminal_params
 from trio_sidecar.mock.validation import PreparedRequest, RequestPolicy, parse_dp_rank, prepare_request
 from trio_sidecar.status import StatusCode
@@ -184,7 +190,6 @@ class _Call:
         self.claim: _Claim | None = None
         self.shutting_down = False
         self._receive: trio.MemoryReceiveChannel[Any] | None = None
-        self._wake: trio.CancelScope | None = None
 
     # --- decisions (synchronous) ---------------------------------------------------------------------
 
@@ -199,19 +204,15 @@ class _Call:
         if not self.try_claim(_Claim.ABORT):
             return
         try:
-            self.engine.cancel(self.prepared.uuid)
+            self.engine.cancel(self.prepared.uuid)  # applied at once; closes the output channel
         except Exception as exc:  # an engine bug; Abort reports it (§14.2)
             LOGGER.exception("abort of request %s failed", self.prepared.request_id)
             raise RpcError(StatusCode.INTERNAL, f"Mocker abort failed: {exc}") from None
-        self._wake_up()
 
     def shutdown(self) -> None:
+        """Graceful shutdown: the call fails with UNAVAILABLE at its next step; its engine work stops now."""
         self.shutting_down = True
-        self._wake_up()
-
-    def _wake_up(self) -> None:
-        if self._wake is not None:
-            self._wake.cancel()
+        self.engine.cancel(self.prepared.uuid)
 
     def release(self) -> None:
         """The RPC ended (any way): stop the engine work if it is still live, unregister, free the permit."""
@@ -244,16 +245,23 @@ class _Call:
 
         For an ``ABORTED`` terminal the tokens are the buffered ones flushed before it (they do not belong
         to the terminal message); otherwise the terminal belongs with the (single) token.
+
+        Abort and shutdown wake a waiting call by cancelling the scheduler request, which closes its
+        output channel (buffered signals are still received first).
         """
-        assert self._receive is not None
+        receive = self._receive
+        assert receive is not None
         signal = None
         if self.claim is not _Claim.ABORT and not self.shutting_down:
-            with trio.CancelScope() as self._wake:
+            try:
+                signal = receive.receive_nowait()
+            except trio.WouldBlock:
                 try:
-                    signal = await self._receive.receive()
+                    signal = await receive.receive()
                 except (trio.EndOfChannel, trio.ClosedResourceError):
                     signal = None
-            self._wake = None
+            except (trio.EndOfChannel, trio.ClosedResourceError):
+                signal = None
         if self.shutting_down:
             raise RpcError(StatusCode.UNAVAILABLE, SHUTTING_DOWN)
         tokens: list[int] = []
@@ -468,17 +476,20 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
             options = call.prepared.output
             while True:
                 tokens, terminal = await call.next_output()
-                aborted = terminal is not None and terminal.finish_reason == FinishReason.ABORTED
-                if aborted or terminal is None:
+                if terminal is None or terminal.finish_reason == FinishReason.ABORTED:
                     for token in tokens:
-                        yield pb.GenerateResponse(outputs=build_sequence_output([token], options))
+                        message = pb.GenerateResponse()
+                        fill_sequence_output(message.outputs, (token,), options)
+                        yield message
                     if terminal is None:
                         continue
-                    last = pb.SequenceOutput(index=0)
+                    message = pb.GenerateResponse()
+                    message.outputs.SetInParent()  # the ABORTED terminal carries no token
                 else:
-                    last = build_sequence_output(tokens, options)
-                last.finish_info.CopyFrom(terminal)
-                yield pb.GenerateResponse(outputs=last)
+                    message = pb.GenerateResponse()
+                    fill_sequence_output(message.outputs, tokens, options)
+                message.outputs.finish_info.CopyFrom(terminal)
+                yield message
                 return
         finally:
             call.release()
