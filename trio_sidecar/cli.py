@@ -59,7 +59,9 @@ class Option:
     dest: str
     target: str  # "sidecar" | "worker"
     default: Any
-    kind: str  # "str", "opt_str", "choice", "opt_choice", "bool_value", "switch", "pair", "count", "secs", "mode"
+    # str | opt_str | opt_int | choice | opt_choice | bool_value (takes a value) | switch (flag) |
+    # pair (--x/--no-x) | count (integer >= 1) | secs (seconds >= 0) | mode | endpoint_types
+    kind: str
     help: str
     choices: tuple[str, ...] = ()
     metavar: str | None = None
