@@ -1,0 +1,104 @@
+"""Issue 7 item 4: malformed vLLM responses fail only their own request, with the typed protocol error.
+
+A scripted fake vLLM answers each request id with one §14.2/§14.3 violation (plus NaN in a Struct and an
+unknown finish reason) while well-formed streams share the same pooled connections. Invariant: every request
+ends with exactly one terminal chunk or exactly one typed error; nothing leaks on the server.
+"""
+
+from __future__ import annotations
+
+import trio
+from reliability_fakes import MALFORMED, ScriptedInference, check_all, drive, request_for
+
+from trio_sidecar.config import DisaggregationMode, SidecarConfig
+from trio_sidecar.errors import PROTOCOL_ERROR_PREFIX, ProtocolError
+
+WAIT = 30.0
+
+
+def config_for(port: int, **overrides) -> SidecarConfig:
+    fields = dict(
+        grpc_endpoint=f"127.0.0.1:{port}",
+        grpc_connections=2,
+        connect_attempt_timeout=5.0,
+        retry_interval=0.05,
+        startup_deadline=30.0,
+    )
+    fields.update(overrides)
+    return SidecarConfig(**fields)
+
+
+async def wait_until(predicate, *, timeout: float = WAIT) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.01)
+
+
+async def test_each_malformed_response_fails_only_its_request(nursery):
+    from trio_sidecar.api import open_sidecar
+
+    fake = ScriptedInference()
+    port = await fake.serve(nursery)
+    outcomes = []
+    with trio.fail_after(120):
+        async with open_sidecar(config_for(port)) as sidecar:
+
+            async def one(kind: str, request_id: str) -> None:
+                outcomes.append(await drive(sidecar, request_for(kind), request_id))
+
+            async with trio.open_nursery() as requests:
+                # Long well-formed streams that span every failure on the same connections.
+                for i in range(2):
+                    requests.start_soon(one, "slow", f"slow/40/{i}")
+                await wait_until(lambda: len(fake.requests) == 2)
+                for copy in range(2):
+                    for kind in MALFORMED:
+                        requests.start_soon(one, kind, f"{kind}/{copy}")
+                    requests.start_soon(one, "good", f"good/{copy}")
+
+            check_all(outcomes, 2 + 2 * (len(MALFORMED) + 1))
+            for outcome in outcomes:
+                kind = outcome.request_id.split("/")[0]
+                if kind in MALFORMED:
+                    detail = MALFORMED[kind][1]
+                    assert isinstance(outcome.error, ProtocolError), (outcome.request_id, outcome.error)
+                    assert outcome.error.message.startswith(PROTOCOL_ERROR_PREFIX)
+                    if kind == "nan-struct":
+                        assert detail in outcome.error.message
+                    else:
+                        assert outcome.error.message == PROTOCOL_ERROR_PREFIX + detail
+                else:
+                    assert outcome.error is None, (outcome.request_id, outcome.error)
+                    expected = list(range(100, 140)) if kind == "slow" else [100, 101, 102]
+                    assert outcome.tokens == expected
+                    assert outcome.finish_reason == "stop"
+
+            # Nothing leaks on the server: every stream the sidecar abandoned was dropped.
+            await wait_until(lambda: fake.active == 0)
+            assert set(fake.ended) == set(fake.requests)
+
+            # Conversion errors abandon a live stream, so each is followed by an Abort (§17.4); a stream the
+            # server ended itself (EOF) is not.
+            abandoned = {f"{kind}/{copy}" for kind in MALFORMED if kind != "early-eof" for copy in range(2)}
+            await wait_until(lambda: abandoned <= {rid for batch in fake.control.aborts for rid in batch})
+            aborted = {rid for batch in fake.control.aborts for rid in batch}
+            assert not aborted & {"early-eof/0", "early-eof/1", "good/0", "good/1", "slow/40/0", "slow/40/1"}
+
+            # The sidecar keeps serving afterwards.
+            after = await drive(sidecar, request_for("good"), "good/after")
+            after.check_invariant()
+            assert after.error is None and after.tokens == [100, 101, 102]
+
+
+async def test_prefill_terminal_without_kv_transfer_params(nursery):
+    from trio_sidecar.api import open_sidecar
+
+    fake = ScriptedInference()
+    port = await fake.serve(nursery)
+    with trio.fail_after(60):
+        async with open_sidecar(config_for(port, disaggregation_mode=DisaggregationMode.PREFILL)) as sidecar:
+            outcome = await drive(sidecar, request_for("prefill-no-kv", max_tokens=1), "prefill-no-kv/0")
+            outcome.check_invariant()
+            assert isinstance(outcome.error, ProtocolError)
+            assert outcome.error.message == PROTOCOL_ERROR_PREFIX + "prefill terminal is missing kv_transfer_params"
+            await wait_until(lambda: fake.active == 0)
