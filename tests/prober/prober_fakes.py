@@ -216,3 +216,46 @@ async def running_prober(vllm: ScriptedVllm, *, config: SidecarConfig | None = N
         await nursery.start(run)
         yield harness
         nursery.cancel_scope.cancel()
+
+
+class MockRunner:
+    """Runs ``open_mock_server`` blocks one after another in ``nursery`` (a "vLLM process" that can die and
+    come back on the same port, possibly with another configuration)."""
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self.nursery = nursery
+        self.mock = None
+        self.port = 0
+        self._stop: trio.Event | None = None
+        self._done: trio.Event | None = None
+
+    async def start(self, **config) -> object:
+        from trio_sidecar.mock import MockConfig, open_mock_server
+
+        fields = dict(
+            listen=f"127.0.0.1:{self.port}",
+            model="mocker-model",
+            engine_args={"block_size": 4, "enable_prefix_caching": False, "speedup_ratio": 0.0},
+        )
+        fields.update(config)
+        stop, done = trio.Event(), trio.Event()
+
+        async def run(task_status=trio.TASK_STATUS_IGNORED):
+            try:
+                async with open_mock_server(MockConfig(**fields)) as mock:
+                    task_status.started(mock)
+                    await stop.wait()
+            finally:
+                done.set()
+
+        self.mock = await self.nursery.start(run)
+        self.port = self.mock.port
+        self._stop, self._done = stop, done
+        return self.mock
+
+    async def stop(self) -> None:
+        """Close the server: every connection drops (no graceful health sequence)."""
+        assert self._stop is not None and self._done is not None
+        self._stop.set()
+        await self._done.wait()
+        self.mock = self._stop = self._done = None
