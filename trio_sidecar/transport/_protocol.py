@@ -118,11 +118,15 @@ class _H2Connection(h2.connection.H2Connection):
     does, and the remaining frames of the read are processed normally.
     """
 
+    #: How many late WINDOW_UPDATE frames were ignored (process-wide; a diagnostic for tests/benchmarks).
+    late_window_updates = 0
+
     def _receive_window_update_frame(self, frame):  # type: ignore[no-untyped-def]
         try:
             return super()._receive_window_update_frame(frame)
         except h2.exceptions.StreamClosedError:
             if frame.stream_id:
+                _H2Connection.late_window_updates += 1
                 return [], []
             raise
 
