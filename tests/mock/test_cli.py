@@ -80,7 +80,7 @@ def test_bad_log_level_env_exits_2(monkeypatch, capsys):
     assert "TRIO_SIDECAR_LOG_LEVEL" in capsys.readouterr().err
 
 
-def _command(*extra: str) -> list[str]:
+def _command(*extra: str, speedup_ratio: float = 0.1) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -88,7 +88,7 @@ def _command(*extra: str) -> list[str]:
         "--listen",
         "127.0.0.1:0",
         "--extra-engine-args",
-        json.dumps({**FAST_ARGS, "speedup_ratio": 0.1}),
+        json.dumps({**FAST_ARGS, "speedup_ratio": speedup_ratio}),
         "--log-level",
         "warning",
         *extra,
@@ -175,3 +175,61 @@ async def test_subprocess_port_in_use_exits_1():
         )
     assert result.returncode == 1
     assert b"listening" not in result.stdout and result.stderr
+
+
+async def _open_unread_stream(port: int) -> trio.SocketStream:
+    """A raw HTTP/2 client that starts a GenerateStream and never reads or grants window: the server's
+    handler parks on flow control after 64 KiB, so a graceful drain cannot finish."""
+    import h2.config
+    import h2.connection
+
+    request = pb.GenerateRequest(
+        request_id="unread",
+        token_ids=pb.TokenIds(ids=[1, 2, 3]),
+        stopping=pb.StoppingCriteria(max_new_tokens=30000),
+        response=pb.ResponseOptions(output_logprobs=True, output_candidates=pb.CandidateTokens(all=True)),
+    ).SerializeToString()
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    conn.send_headers(
+        1,
+        [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", "/vllm.Inference/GenerateStream"),
+            (":authority", f"127.0.0.1:{port}"),
+            ("content-type", "application/grpc"),
+            ("te", "trailers"),
+        ],
+    )
+    conn.send_data(1, b"\x00" + len(request).to_bytes(4, "big") + request, end_stream=True)
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    await stream.send_all(conn.data_to_send())
+    return stream
+
+
+async def test_a_second_signal_during_shutdown_exits_1_at_once():
+    process = await trio.lowlevel.open_process(_command(speedup_ratio=0.0), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        with trio.fail_after(30):
+            port = int(LISTENING.match(await _read_line(process.stdout)).group(2))
+        async with open_channel("127.0.0.1", port) as channel:
+            async with watch_health(channel, "") as updates:
+                assert await updates.__anext__() == health_pb2.HealthCheckResponse.SERVING
+                raw = await _open_unread_stream(port)
+                try:
+                    await trio.sleep(0.5)  # the server fills the stream's 64 KiB window and parks
+                    process.send_signal(signal.SIGTERM)
+                    with trio.fail_after(10):
+                        assert await updates.__anext__() == health_pb2.HealthCheckResponse.NOT_SERVING
+                    process.send_signal(signal.SIGTERM)
+                    assert await _wait_exit(process, timeout=10) == 1
+                finally:
+                    await raw.aclose()
+    finally:
+        if process.returncode is None:
+            process.kill()
+        with trio.CancelScope(shield=True):
+            await process.wait()
+            await process.stdout.aclose()
+            await process.stderr.aclose()

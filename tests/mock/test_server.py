@@ -17,7 +17,7 @@ from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar._proto.vllm import control_pb2
 from trio_sidecar._proto.vllm import inference_pb2 as pb
 from trio_sidecar.mock import MockConfig, open_mock_server, planned_tokens, request_uuid
-from trio_sidecar.mock.server import MockConfigError
+from trio_sidecar.mock.server import MockConfigError, parse_listen
 from trio_sidecar.status import StatusCode as C
 from trio_sidecar.transport import RpcError, check_health, watch_health
 
@@ -361,9 +361,9 @@ async def test_unary_accumulates_the_output():
             ch.unary_unary(GENERATE, gen(), pb.GenerateResponse, metadata=[("x-data-parallel-rank", "one")])
         )
         assert err.message == "x-data-parallel-rank metadata must be an unsigned 32-bit integer"
-        assert mock.recorded_requests[0][2] == (("x-data-parallel-rank", "0"),) or any(
-            k == "x-data-parallel-rank" for k, _ in mock.recorded_requests[0][2]
-        )
+        rpc, recorded, metadata, peer = mock.recorded_requests[0]
+        assert (rpc, recorded.request_id, metadata) == ("Generate", "stable", (("x-data-parallel-rank", "0"),))
+        assert peer[0] == "127.0.0.1" and peer[1] == ch.local_address[1]
 
 
 # --- 13: slow consumer -----------------------------------------------------------------------------------------
@@ -684,3 +684,52 @@ async def test_preemption_under_kv_pressure_is_counted(mode):
                 nursery.start_soon(collect, ch, gen(rid, prompt=tuple(range(6)), max_new_tokens=8))
         assert mock.metrics(0).vllm_preemptions_total >= 1
         await wait_drained(mock)
+
+
+# --- configuration and hooks ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("127.0.0.1:0", ("127.0.0.1", 0)), ("0.0.0.0:50051", ("0.0.0.0", 50051)), ("[::1]:8000", ("::1", 8000))],
+)
+def test_parse_listen_accepts_literal_ips(text, expected):
+    assert parse_listen(text) == expected
+
+
+@pytest.mark.parametrize("text", ["localhost:1", "127.0.0.1", "::1:80", "[127.0.0.1]:80", "127.0.0.1:x", "1.2.3.4:65536"])
+def test_parse_listen_rejects_everything_else(text):
+    with pytest.raises(MockConfigError, match="invalid listen address"):
+        parse_listen(text)
+
+
+async def test_engine_args_instance_and_repr_shows_live_state():
+    from trio_sidecar.mock.engine_args import EngineArgs
+
+    args = EngineArgs(speedup_ratio=0.1, block_size=4, enable_prefix_caching=False)
+    async with open_mock_server(MockConfig(listen="127.0.0.1:0", engine_args=args)) as mock:
+        assert mock.address == f"127.0.0.1:{mock.port}" and mock.port > 0
+        from trio_sidecar.transport import open_channel
+
+        async with open_channel("127.0.0.1", mock.port) as ch:
+            async with ch.unary_stream(GENERATE_STREAM, gen("live", max_new_tokens=10_000), pb.GenerateResponse) as s:
+                await s.__anext__()
+                assert "[1 active |" in repr(mock)
+        await wait_drained(mock)
+        assert repr(mock) == f"<MockServer 127.0.0.1:{mock.port} [0 active | rank 0: 0 running, 0 waiting]>"
+
+
+async def test_ipv6_loopback_listen():
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback")
+    from trio_sidecar.transport import open_channel
+
+    async with open_mock_server(MockConfig(listen="[::1]:0", engine_args={"enable_prefix_caching": False})) as mock:
+        assert mock.address == f"[::1]:{mock.port}"
+        async with open_channel("::1", mock.port) as ch:
+            assert await check_health(ch, "") == health_pb2.HealthCheckResponse.SERVING
