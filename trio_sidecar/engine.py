@@ -500,7 +500,13 @@ class SidecarEngine:
                 return True
             try:
                 await send.send(chunk)
+            except trio.Cancelled:
+                # Never delivered: the cancelled chunk's usage counts what the caller received (upstream
+                # yields each chunk as it converts it, so there "converted" and "delivered" coincide).
+                state.completion_tokens -= len(chunk.token_ids)
+                raise
             except (trio.BrokenResourceError, trio.ClosedResourceError):
+                state.completion_tokens -= len(chunk.token_ids)
                 req.client_cancel()  # the caller left
                 await trio.lowlevel.checkpoint_if_cancelled()
         if req.request_cancelled:
