@@ -328,8 +328,10 @@ class PausableProxy:
     def __init__(self, host: str, port: int) -> None:
         self.target = (host, port)
         self.port = 0
+        self.connections = 0
         self._flowing = trio.Event()
         self._flowing.set()
+        self._scopes: set[trio.CancelScope] = set()
 
     @property
     def endpoint(self) -> str:
@@ -341,6 +343,11 @@ class PausableProxy:
 
     def resume(self) -> None:
         self._flowing.set()
+
+    def break_connections(self) -> None:
+        """Close every proxied connection abruptly (a connection-level read error for the client)."""
+        for scope in list(self._scopes):
+            scope.cancel()
 
     async def serve(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
@@ -355,7 +362,9 @@ class PausableProxy:
                 upstream = await trio.open_tcp_stream(*self.target)
             except OSError:
                 return
+            self.connections += 1
             async with upstream, trio.open_nursery() as nursery:
+                self._scopes.add(nursery.cancel_scope)
 
                 async def pipe(src: trio.SocketStream, dst: trio.SocketStream, gated: bool) -> None:
                     try:
@@ -371,3 +380,4 @@ class PausableProxy:
 
                 nursery.start_soon(pipe, client, upstream, False)
                 nursery.start_soon(pipe, upstream, client, True)
+            self._scopes.discard(nursery.cancel_scope)

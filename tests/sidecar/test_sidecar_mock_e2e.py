@@ -283,3 +283,28 @@ async def test_kv_events_reach_subscribers_of_the_validated_sources():
         for sub in subscribers:
             sub.close()
         context.term()
+
+
+async def test_connection_lost_mid_stream_keeps_the_token_and_the_slot_reconnects():
+    body = {"token_ids": [1, 2, 3, 4], "stop_conditions": {"max_tokens": 50}}
+    async with open_mock_server(mock_config(engine_args={"speedup_ratio": 0.05})) as mock:
+        async with trio.open_nursery() as nursery:
+            proxy = await nursery.start(PausableProxy("127.0.0.1", mock.port).serve)
+            async with open_sidecar(sidecar_config(proxy.endpoint, grpc_connections=1)) as sidecar:
+                chunks = []
+                with pytest.raises(Exception) as info:
+                    async with sidecar.generate(body, GenerateContext("lost")) as stream:
+                        async for chunk in stream:
+                            chunks.append(chunk)
+                            proxy.break_connections()
+                assert info.value.kind.name == "CANNOT_CONNECT"
+                assert str(info.value).startswith("GenerateStream: ")
+                assert str(info.value).endswith("(Unavailable)")
+                assert len(chunks) >= 1 and chunks[0].token_ids
+                with trio.fail_after(2):
+                    await wait_drained(mock)  # the mock saw the disconnect
+                # the broken slot is replaced by the next RPC (§7.4)
+                again = await collect(sidecar, dict(body, stop_conditions={"max_tokens": 3}))
+                assert again[-1].finish_reason == "length"
+                assert sidecar.engine.pool.reconnects == 1
+            nursery.cancel_scope.cancel()
