@@ -42,7 +42,7 @@ import enum
 import logging
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NoReturn
+from typing import Any, NoReturn
 
 import attrs
 import trio
@@ -50,23 +50,32 @@ import trio_util
 
 from ._proto.grpc.health.v1 import health_pb2
 from ._proto.vllm import control_pb2
+from .config import SidecarConfig
+from .endpoint import GrpcEndpoint
 from .errors import ProtocolError, SidecarError, status_to_error
+from .model import DiscoveredModel
+from .pool import MAX_MESSAGE_LENGTH, cause_chain
+from .routing import KvEventSource, validate_kv_event_sources
 from .status import StatusCode
+from .transport import Channel, ConnectionLostError, RpcError, check_health, connect_channel, watch_health
 
-if TYPE_CHECKING:
-    from .config import SidecarConfig
-    from .endpoint import GrpcEndpoint
-    from .model import DiscoveredModel
-    from .routing import KvEventSource
-
-__all__ = ["HealthKind", "HealthState", "run_health_prober", "SERVICES"]
+__all__ = [
+    "HealthKind",
+    "HealthState",
+    "run_health_prober",
+    "SERVICES",
+    "WATCH_TIMED_OUT",
+    "WATCH_NOT_SERVING",
+    "WATCH_ENDED",
+    "CHECK_NOT_SERVING",
+]
 
 LOGGER = logging.getLogger("trio_sidecar.prober")
 
 SERVICES: tuple[str, ...] = ("vllm.Control", "vllm.Inference")
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 
-# Fixed reasons (sidecar.md §20.2).
+# Fixed reasons (sidecar.md §20.2). The Check fallback has its own text (the spec only names Watch's).
 WATCH_TIMED_OUT = "Health.Watch initial status timed out"
 WATCH_NOT_SERVING = "vLLM Health.Watch is not SERVING"
 WATCH_ENDED = "vLLM Health.Watch ended"
@@ -95,10 +104,12 @@ class HealthState:
 
 SERVING_STATE = HealthState(HealthKind.SERVING)
 RECOVERING_STATE = HealthState(HealthKind.RECOVERING)
-# Socket-level failures the transport may let through besides its RpcError (defensive: a reset during the
-# HTTP/2 preface surfaces as trio.BrokenResourceError).
-_IO_ERRORS: tuple[type[BaseException], ...] = (OSError, trio.BrokenResourceError, SidecarError)
 _CLOSED_KINDS = frozenset({HealthKind.NOT_SERVING, HealthKind.UNREACHABLE})
+# gRPC codes of a failed rediscovery RPC that mean "vLLM cannot be reached" rather than "not ready".
+_UNREACHABLE_CODES = frozenset({StatusCode.UNAVAILABLE, StatusCode.DEADLINE_EXCEEDED})
+# Socket-level failures the transport may let through besides RpcError (a reset during the HTTP/2 preface
+# surfaces as trio.BrokenResourceError).
+_IO_ERRORS: tuple[type[BaseException], ...] = (OSError, trio.BrokenResourceError, SidecarError, RpcError)
 
 
 # --- events from the session's tasks to its coordinator -------------------------------------------------
@@ -120,35 +131,32 @@ class _SessionEnd:
 
 @attrs.frozen
 class _RecoveryDone:
+    attempt: int
     model: DiscoveredModel
     sources: tuple[KvEventSource, ...]
 
 
 @attrs.frozen
 class _RecoveryFailed:
+    attempt: int
     state: HealthState
 
 
 @attrs.frozen
 class _RecoveryFatal:
+    attempt: int
     error: ProtocolError
 
 
 _Event = _Status | _SessionEnd | _RecoveryDone | _RecoveryFailed | _RecoveryFatal
 
 
-def _cause_chain(exc: BaseException) -> str:
-    """``str()`` of an exception and its causes, joined with ``": "`` (the pool's rule, §7.2)."""
-    parts: list[str] = []
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        text = str(current) or type(current).__name__
-        if text not in parts:
-            parts.append(text)
-        current = current.__cause__ or current.__context__
-    return ": ".join(parts)
+class _Transient(Exception):
+    """A rediscovery step failed in a way that may pass (§20.4 item 3)."""
+
+    def __init__(self, kind: HealthKind, reason: str) -> None:
+        super().__init__(reason)
+        self.state = HealthState(kind, reason)
 
 
 class _Prober:
@@ -173,15 +181,19 @@ class _Prober:
     # --- publishing ---------------------------------------------------------------------------------
 
     def publish(self, state: HealthState) -> None:
+        if state == self.health.value:
+            return
         if state.kind in _CLOSED_KINDS and self._warned_kind is not state.kind:
             LOGGER.warning("vLLM is not serving (%s); new requests are rejected", state.reason)
             self._warned_kind = state.kind
         elif state.kind is HealthKind.SERVING:
             self._warned_kind = None
+        else:
+            LOGGER.debug("vLLM health: %s (%s)", state.kind.name, state.reason)
         self.health.value = state
 
     def close_admission(self, state: HealthState) -> None:
-        """Publish a non-serving state (a no-op for FAILED, which is final)."""
+        """Publish a non-serving state (never over ``FAILED``, which is final)."""
         if self.health.value.kind is not HealthKind.FAILED:
             self.publish(state)
 
@@ -189,7 +201,7 @@ class _Prober:
 
     async def run(self) -> NoReturn:
         while True:
-            fatal: ProtocolError | None = None
+            fatal: BaseException | None = None
             async with trio.open_nursery() as conn_nursery:
                 channel = await self.connect(conn_nursery)
                 if channel is not None:
@@ -201,115 +213,112 @@ class _Prober:
                 conn_nursery.cancel_scope.cancel()
             if fatal is not None:
                 # Raised outside every nursery: a single failure never surfaces as an ExceptionGroup.
-                self.publish(HealthState(HealthKind.FAILED, fatal.message))
+                self.publish(HealthState(HealthKind.FAILED, str(fatal)))
                 raise fatal
             await trio.sleep(self.config.retry_interval)
 
-    async def connect(self, nursery: trio.Nursery):
+    async def connect(self, nursery: trio.Nursery) -> Channel | None:
         """One connect attempt with the pool's rules (§7.2); ``None`` (and UNREACHABLE) on failure."""
-        from .transport import RpcError, connect_channel  # noqa: PLC0415
-
         cause = "the connection attempt timed out"
         with trio.move_on_after(self.config.connect_attempt_timeout):
             try:
-                return await connect_channel(nursery, self.endpoint.host, self.endpoint.port)
-            except (*_IO_ERRORS, RpcError) as exc:
-                cause = _cause_chain(exc)
+                return await connect_channel(
+                    nursery, self.endpoint.host, self.endpoint.port, max_message_length=MAX_MESSAGE_LENGTH
+                )
+            except _IO_ERRORS as exc:
+                cause = cause_chain(exc)
         self.close_admission(
             HealthState(HealthKind.UNREACHABLE, f"cannot connect to {self.endpoint.canonical}: {cause}")
         )
         return None
 
-    async def session(self, channel) -> ProtocolError | None:
-        """Watch both services on ``channel`` until the session ends; returns a fatal error, if any."""
+    async def session(self, channel: Channel) -> BaseException | None:
+        """Watch both services on ``channel`` until the session ends; returns a fatal error, if any.
+
+        The coordinator (this function) alone changes ``health``; watchers and recovery attempts only
+        send events. Each recovery attempt carries a number, and an outcome that arrives after its attempt
+        was abandoned (a status changed meanwhile) is ignored, so a stale success never reopens admission.
+        """
         cfg = self.config
         send, receive = trio.open_memory_channel[_Event](math.inf)
         latest: dict[str, int | None] = dict.fromkeys(SERVICES)
-        fatal: ProtocolError | None = None
-        recovery: trio.CancelScope | None = None
+        fatal: BaseException | None = None
+        attempt = 0  # the current recovery attempt; 0 = none running
+        attempts = 0
+        recovery_scope = trio.CancelScope()
         retry_recovery_at = math.inf
         initial_deadline = trio.current_time() + cfg.connect_attempt_timeout
+        not_serving = WATCH_NOT_SERVING
 
-        def cancel_recovery() -> None:
-            nonlocal recovery
-            if recovery is not None:
-                recovery.cancel()
-                recovery = None
+        def all_serving() -> bool:
+            return all(status == _SERVING for status in latest.values())
+
+        def abandon_recovery() -> None:
+            nonlocal attempt, retry_recovery_at
+            recovery_scope.cancel()
+            attempt = 0
+            retry_recovery_at = math.inf
 
         async with send, receive, trio.open_nursery() as nursery:
             for service in SERVICES:
                 nursery.start_soon(self.watch, channel, service, send.clone())
 
             def start_recovery() -> None:
-                nonlocal recovery, retry_recovery_at
+                nonlocal attempt, attempts, recovery_scope, retry_recovery_at
+                attempts += 1
+                attempt = attempts
                 retry_recovery_at = math.inf
-                scope = trio.CancelScope()
-                recovery = scope
+                recovery_scope = trio.CancelScope()
                 self.publish(RECOVERING_STATE)
-                nursery.start_soon(self.recover, channel, scope, send.clone())
+                nursery.start_soon(self.recover, channel, attempt, recovery_scope, send.clone())
 
             while True:
                 waiting_initial = any(status is None for status in latest.values())
-                wake_at = initial_deadline if waiting_initial else retry_recovery_at
-                event = None
-                with trio.move_on_at(wake_at):
+                event: _Event | None = None
+                with trio.move_on_at(initial_deadline if waiting_initial else retry_recovery_at):
                     event = await receive.receive()
+
                 if event is None:
                     if waiting_initial:
-                        cancel_recovery()
                         self.close_admission(HealthState(HealthKind.UNREACHABLE, WATCH_TIMED_OUT))
                         break
-                    # A transient recovery failure: retry while both services still report SERVING.
-                    if recovery is None and self.health.value.kind is not HealthKind.SERVING:
-                        start_recovery()
-                    else:
-                        retry_recovery_at = math.inf
-                    continue
-                if isinstance(event, _SessionEnd):
-                    cancel_recovery()
-                    self.close_admission(event.state)
-                    break
-                if isinstance(event, _RecoveryFatal):
-                    fatal = event.error
-                    break
-                if isinstance(event, _RecoveryDone):
-                    recovery = None
-                    self.finish_recovery(event.model, event.sources)
-                    continue
-                if isinstance(event, _RecoveryFailed):
-                    recovery = None
-                    self.close_admission(event.state)
-                    retry_recovery_at = trio.current_time() + cfg.retry_interval
-                    continue
-                # A status update.
-                latest[event.service] = event.status
-                if any(status is None for status in latest.values()):
-                    if event.status != _SERVING:
-                        self.close_admission(
-                            HealthState(
-                                HealthKind.NOT_SERVING, CHECK_NOT_SERVING if event.via_check else WATCH_NOT_SERVING
-                            )
-                        )
-                    continue
-                if all(status == _SERVING for status in latest.values()):
-                    if self.health.value.kind is not HealthKind.SERVING and recovery is None:
-                        start_recovery()
-                else:
-                    cancel_recovery()
+                    # The retry after a transient recovery failure (§20.4 item 3).
                     retry_recovery_at = math.inf
-                    self.close_admission(
-                        HealthState(
-                            HealthKind.NOT_SERVING, CHECK_NOT_SERVING if event.via_check else WATCH_NOT_SERVING
-                        )
-                    )
+                    if attempt == 0 and all_serving() and self.health.value.kind is not HealthKind.SERVING:
+                        start_recovery()
+                elif isinstance(event, _SessionEnd):
+                    self.close_admission(event.state)
+                    break
+                elif isinstance(event, (_RecoveryDone, _RecoveryFailed, _RecoveryFatal)):
+                    if event.attempt != attempt:
+                        continue  # abandoned meanwhile
+                    attempt = 0
+                    if isinstance(event, _RecoveryFatal):
+                        fatal = event.error
+                        break
+                    if isinstance(event, _RecoveryFailed):
+                        self.close_admission(event.state)
+                        retry_recovery_at = trio.current_time() + cfg.retry_interval
+                        continue
+                    try:
+                        self.finish_recovery(event.model, event.sources)
+                    except Exception as exc:  # from on_recovered: fatal, raised outside the nursery
+                        fatal = exc
+                        break
+                else:
+                    latest[event.service] = event.status
+                    not_serving = CHECK_NOT_SERVING if event.via_check else WATCH_NOT_SERVING
+                    if event.status != _SERVING:
+                        abandon_recovery()
+                        self.close_admission(HealthState(HealthKind.NOT_SERVING, not_serving))
+                    elif all_serving() and attempt == 0 and self.health.value.kind is not HealthKind.SERVING:
+                        start_recovery()
             nursery.cancel_scope.cancel()
         return fatal
 
     # --- watchers -----------------------------------------------------------------------------------
 
-    async def watch(self, channel, service: str, send: trio.MemorySendChannel[_Event]) -> None:
-        from .transport import RpcError, watch_health  # noqa: PLC0415
-
+    async def watch(self, channel: Channel, service: str, send: trio.MemorySendChannel[_Event]) -> None:
         async with send:
             try:
                 async with watch_health(channel, service) as statuses:
@@ -319,68 +328,61 @@ class _Prober:
                 if exc.code == StatusCode.UNIMPLEMENTED:
                     await self.poll(channel, service, send)
                     return
-                await send.send(_SessionEnd(HealthState(HealthKind.UNREACHABLE, f"{service} Health.Watch failed: {exc}")))
+                reason = f"{service} Health.Watch failed: {exc}"
+                await send.send(_SessionEnd(HealthState(HealthKind.UNREACHABLE, reason)))
             except _IO_ERRORS as exc:
-                await send.send(
-                    _SessionEnd(HealthState(HealthKind.UNREACHABLE, f"{service} Health.Watch failed: {_cause_chain(exc)}"))
-                )
+                reason = f"{service} Health.Watch failed: {cause_chain(exc)}"
+                await send.send(_SessionEnd(HealthState(HealthKind.UNREACHABLE, reason)))
             else:
                 await send.send(_SessionEnd(HealthState(HealthKind.NOT_SERVING, WATCH_ENDED)))
 
-    async def poll(self, channel, service: str, send: trio.MemorySendChannel[_Event]) -> None:
+    async def poll(self, channel: Channel, service: str, send: trio.MemorySendChannel[_Event]) -> None:
         """The ``Health.Check`` fallback for a server without ``Watch`` (§20.2)."""
-        from .transport import RpcError, check_health  # noqa: PLC0415
-
         cfg = self.config
         while True:
             try:
                 status = await check_health(channel, service, timeout=cfg.connect_attempt_timeout)
-            except (RpcError, *_IO_ERRORS) as exc:
-                await send.send(
-                    _SessionEnd(HealthState(HealthKind.UNREACHABLE, f"{service} Health.Check failed: {_cause_chain(exc)}"))
-                )
+            except _IO_ERRORS as exc:
+                reason = f"{service} Health.Check failed: {cause_chain(exc)}"
+                await send.send(_SessionEnd(HealthState(HealthKind.UNREACHABLE, reason)))
                 return
             await send.send(_Status(service, int(status), via_check=True))
             await trio.sleep(cfg.retry_interval)
 
     # --- recovery (§20.4) ---------------------------------------------------------------------------
 
-    async def recover(self, channel, scope: trio.CancelScope, send: trio.MemorySendChannel[_Event]) -> None:
+    async def recover(
+        self, channel: Channel, attempt: int, scope: trio.CancelScope, send: trio.MemorySendChannel[_Event]
+    ) -> None:
         async with send:
             with scope:
-                outcome = await self._rediscover(channel)
-            if not scope.cancelled_caught:
+                outcome = await self._rediscover(channel, attempt)
                 await send.send(outcome)
 
-    async def _rediscover(self, channel) -> _Event:
-        from .model import DiscoveredModel
-        from .routing import validate_kv_event_sources
-        from .transport import ConnectionLostError, RpcError  # noqa: PLC0415
-
+    async def _rediscover(self, channel: Channel, attempt: int) -> _Event:
         timeout = self.config.connect_attempt_timeout
 
-        async def call(rpc: str, request, response_type):
+        async def call(rpc: str, request: Any, response_type: Any) -> Any:
             try:
                 return await channel.unary_unary(f"/vllm.Control/{rpc}", request, response_type, timeout=timeout)
             except ConnectionLostError as exc:
                 raise _Transient(HealthKind.UNREACHABLE, str(status_to_error(rpc, exc.code, exc.message))) from exc
             except RpcError as exc:
-                err = status_to_error(rpc, exc.code, exc.message)
                 kind = HealthKind.UNREACHABLE if exc.code in _UNREACHABLE_CODES else HealthKind.NOT_SERVING
-                raise _Transient(kind, str(err)) from exc
+                raise _Transient(kind, str(status_to_error(rpc, exc.code, exc.message))) from exc
             except _IO_ERRORS as exc:
-                raise _Transient(HealthKind.UNREACHABLE, f"{rpc}: {_cause_chain(exc)}") from exc
+                raise _Transient(HealthKind.UNREACHABLE, f"{rpc}: {cause_chain(exc)}") from exc
 
         try:
             model_info = await call("GetModelInfo", control_pb2.GetModelInfoRequest(), control_pb2.ModelInfo)
             server_info = await call("GetServerInfo", control_pb2.GetServerInfoRequest(), control_pb2.ServerInfo)
             try:
                 observed = DiscoveredModel.from_proto(model_info, server_info)
-            except ProtocolError as exc:
+            except ProtocolError as exc:  # a half-started server may answer blanks: not a verdict yet
                 raise _Transient(HealthKind.NOT_SERVING, exc.message) from exc
             fatal = self._compare(observed)
             if fatal is not None:
-                return _RecoveryFatal(fatal)
+                return _RecoveryFatal(attempt, fatal)
             response = await call(
                 "GetKvEventSources", control_pb2.GetKvEventSourcesRequest(), control_pb2.GetKvEventSourcesResponse
             )
@@ -392,12 +394,13 @@ class _Prober:
                 raise _Transient(HealthKind.NOT_SERVING, exc.message) from exc
         except _Transient as exc:
             LOGGER.debug("vLLM recovery attempt failed: %s", exc.state.reason)
-            return _RecoveryFailed(exc.state)
+            return _RecoveryFailed(attempt, exc.state)
         for warning in warnings:
             LOGGER.warning("%s", warning)
-        return _RecoveryDone(observed, tuple(sources))
+        return _RecoveryDone(attempt, observed, tuple(sources))
 
     def _compare(self, observed: DiscoveredModel) -> ProtocolError | None:
+        """§20.4 item 4 (identity and DP size; KV sources may change, clarification #5)."""
         expected = self.model
         if observed.identity != expected.identity:
             return ProtocolError(
@@ -419,20 +422,11 @@ class _Prober:
                 [s.endpoint for s in self.kv_sources],
                 [s.endpoint for s in sources],
             )
+        self.on_recovered(observed, sources)
         self.model = observed
         self.kv_sources = sources
-        self.on_recovered(observed, sources)
         LOGGER.info("vLLM is serving again (instance %s → %s)", old_instance, observed.server_info.instance_id)
         self.publish(SERVING_STATE)
-
-
-class _Transient(Exception):
-    def __init__(self, kind: HealthKind, reason: str) -> None:
-        super().__init__(reason)
-        self.state = HealthState(kind, reason)
-
-
-_UNREACHABLE_CODES = frozenset({StatusCode.UNAVAILABLE, StatusCode.DEADLINE_EXCEEDED})
 
 
 async def run_health_prober(

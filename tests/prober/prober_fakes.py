@@ -19,7 +19,6 @@ from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar._proto.vllm import control_grpc, control_pb2
 from trio_sidecar.config import SidecarConfig
 from trio_sidecar.endpoint import parse_grpc_endpoint
-from trio_sidecar.errors import ProtocolError
 from trio_sidecar.model import DiscoveredModel
 from trio_sidecar.prober import HealthKind, HealthState, run_health_prober
 
@@ -165,7 +164,7 @@ class RecordingValue(trio_util.AsyncValue):
 class ProberHarness:
     health: RecordingValue
     recovered: list = attrs.Factory(list)
-    fatal: ProtocolError | None = None
+    fatal: Exception | None = None
     finished: trio.Event = attrs.Factory(trio.Event)
 
     async def wait_for(self, kind: HealthKind, reason: str | None = None, *, timeout: float = WAIT) -> HealthState:
@@ -187,14 +186,18 @@ def prober_config(port: int, **overrides) -> SidecarConfig:
 
 
 @asynccontextmanager
-async def running_prober(vllm: ScriptedVllm, *, config: SidecarConfig | None = None, model=None, kv_sources=()):
+async def running_prober(
+    vllm: ScriptedVllm, *, config: SidecarConfig | None = None, model=None, kv_sources=(), on_recovered=None
+):
     """Run the prober against ``vllm`` for the block; a fatal error is recorded, not raised."""
     config = config or prober_config(vllm.port)
     endpoint = parse_grpc_endpoint(config.grpc_endpoint)
     harness = ProberHarness(RecordingValue(HealthState(HealthKind.SERVING)))
 
-    def on_recovered(new_model, sources) -> None:
+    def record_recovery(new_model, sources) -> None:
         harness.recovered.append((new_model, sources))
+        if on_recovered is not None:
+            on_recovered(new_model, sources)
 
     async def run(task_status=trio.TASK_STATUS_IGNORED):
         try:
@@ -204,10 +207,10 @@ async def running_prober(vllm: ScriptedVllm, *, config: SidecarConfig | None = N
                 model=model if model is not None else vllm.model(),
                 kv_sources=tuple(kv_sources),
                 health=harness.health,
-                on_recovered=on_recovered,
+                on_recovered=record_recovery,
                 task_status=task_status,
             )
-        except ProtocolError as exc:
+        except Exception as exc:  # a group here would be a bug: tests check the type
             harness.fatal = exc
         finally:
             harness.finished.set()

@@ -136,6 +136,20 @@ async def test_recovery_with_changed_kv_sources_replaces_them(scripted_vllm, cap
     assert any("KV-event sources changed after vLLM recovery" in m for m in warnings_of(caplog_prober))
 
 
+async def test_a_failing_on_recovered_is_fatal_and_not_a_group(scripted_vllm):
+    def explode(model, sources) -> None:
+        raise RuntimeError("publisher re-creation failed")
+
+    async with running_prober(scripted_vllm, on_recovered=explode) as prober:
+        scripted_vllm.set_all(NOT_SERVING)
+        await prober.wait_for(HealthKind.NOT_SERVING)
+        scripted_vllm.set_all(SERVING)
+        with trio.fail_after(20):
+            await prober.finished.wait()
+    assert type(prober.fatal) is RuntimeError
+    assert prober.health.value == HealthState(HealthKind.FAILED, "publisher re-creation failed")
+
+
 async def test_watch_that_ends_is_not_serving_and_the_prober_reconnects(scripted_vllm, caplog_prober):
     async with running_prober(scripted_vllm) as prober:
         scripted_vllm.health.shutdown()  # every status NOT_SERVING, then the Watch streams end with OK
