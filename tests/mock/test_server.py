@@ -402,6 +402,17 @@ async def test_kv_event_source_counts(mode, caching, dp_size, count):
             assert (source.data_parallel_rank, source.encoding, source.schema_version) == (rank, "msgpack", 1)
 
 
+async def test_replay_endpoint_is_advertised_per_rank():
+    engine_args = {"enable_prefix_caching": True, "dp_size": 2, "zmq_replay_port": 0}
+    async with running_mock(engine_args=engine_args) as (mock, ch):
+        response = await control(
+            ch, "GetKvEventSources", control_pb2.GetKvEventSourcesRequest(), control_pb2.GetKvEventSourcesResponse
+        )
+        replay = [s.replay_endpoint for s in response.sources]
+        assert len(replay) == 2 and all(r.startswith("tcp://0.0.0.0:") for r in replay)
+        assert len(set(replay)) == 2 and not set(replay) & {s.endpoint for s in response.sources}
+
+
 async def test_a_failed_publisher_is_not_advertised():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

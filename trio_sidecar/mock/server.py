@@ -68,6 +68,8 @@ LORA_UNIMPLEMENTED = "LoRA is not supported by the mock server"
 RL_UNIMPLEMENTED = "the vLLM mocker does not implement RL control RPCs"
 SHUTDOWN_UNIMPLEMENTED = "shutdown is not supported by the mocker"
 SHUTTING_DOWN = "server shutting down"
+# Most buffered signals taken per wake-up (bounds the work between two checkpoints).
+_BATCH_LIMIT = 64
 # How long graceful shutdown waits for failed in-flight calls to leave before the server is torn down.
 DRAIN_GRACE_S = 2.0
 
@@ -243,15 +245,16 @@ class _Call:
     async def next_output(self) -> tuple[list[int], pb.FinishInfo | None]:
         """Wait for the next tokens: ``(tokens, terminal)``; ``terminal`` is set once, on the last call.
 
-        For an ``ABORTED`` terminal the tokens are the buffered ones flushed before it (they do not belong
-        to the terminal message); otherwise the terminal belongs with the (single) token.
+        Every signal already buffered is taken at once (one wake-up for a reader that lagged behind). A
+        ``LENGTH``/``STOP`` terminal belongs with the last token; an ``ABORTED`` terminal carries no token
+        and follows the flushed ones.
 
         Abort and shutdown wake a waiting call by cancelling the scheduler request, which closes its
         output channel (buffered signals are still received first).
         """
         receive = self._receive
         assert receive is not None
-        signal = None
+        tokens: list[int] = []
         if self.claim is not _Claim.ABORT and not self.shutting_down:
             try:
                 signal = receive.receive_nowait()
@@ -262,22 +265,26 @@ class _Call:
                     signal = None
             except (trio.EndOfChannel, trio.ClosedResourceError):
                 signal = None
+            while signal is not None:
+                if signal.token is None:
+                    raise RpcError(StatusCode.INTERNAL, "Mocker output signal is missing a token ID")
+                tokens.append(signal.token)
+                self.sent += 1
+                if signal.completed and self.try_claim(_Claim.FINISH):
+                    return tokens, self._finish_info()
+                if self.claim is _Claim.ABORT or len(tokens) >= _BATCH_LIMIT:
+                    break
+                try:
+                    signal = receive.receive_nowait()
+                except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                    break
+            if not tokens and self.claim is None and not self.shutting_down:
+                raise RpcError(StatusCode.INTERNAL, "Mocker output channel closed before a terminal response")
         if self.shutting_down:
             raise RpcError(StatusCode.UNAVAILABLE, SHUTTING_DOWN)
-        tokens: list[int] = []
-        if signal is not None:
-            if signal.token is None:
-                raise RpcError(StatusCode.INTERNAL, "Mocker output signal is missing a token ID")
-            tokens.append(signal.token)
-            self.sent += 1
-            if signal.completed and self.try_claim(_Claim.FINISH):
-                return tokens, self._finish_info()
         if self.claim is _Claim.ABORT:
-            return tokens + self._flush(), pb.FinishInfo(
-                num_output_tokens=self.sent, finish_reason=FinishReason.ABORTED
-            )
-        if signal is None:
-            raise RpcError(StatusCode.INTERNAL, "Mocker output channel closed before a terminal response")
+            tokens += self._flush()
+            return tokens, pb.FinishInfo(num_output_tokens=self.sent, finish_reason=FinishReason.ABORTED)
         return tokens, None
 
     def _flush(self) -> list[int]:
@@ -477,17 +484,20 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
             while True:
                 tokens, terminal = await call.next_output()
                 if terminal is None or terminal.finish_reason == FinishReason.ABORTED:
-                    for token in tokens:
-                        message = pb.GenerateResponse()
-                        fill_sequence_output(message.outputs, (token,), options)
-                        yield message
-                    if terminal is None:
-                        continue
+                    plain, last_token = tokens, None
+                else:
+                    plain, last_token = tokens[:-1], tokens[-1]
+                for token in plain:
                     message = pb.GenerateResponse()
+                    fill_sequence_output(message.outputs, (token,), options)
+                    yield message
+                if terminal is None:
+                    continue
+                message = pb.GenerateResponse()
+                if last_token is None:
                     message.outputs.SetInParent()  # the ABORTED terminal carries no token
                 else:
-                    message = pb.GenerateResponse()
-                    fill_sequence_output(message.outputs, tokens, options)
+                    fill_sequence_output(message.outputs, (last_token,), options)
                 message.outputs.finish_info.CopyFrom(terminal)
                 yield message
                 return
