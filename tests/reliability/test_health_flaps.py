@@ -15,6 +15,7 @@ from reliability_fakes import (
     mock_idle,
     mock_request,
     sidecar_config,
+    sidecar_in_flight,
     wait_until,
 )
 
@@ -97,5 +98,5 @@ async def test_health_flaps_under_load_lose_nothing():
                 final = await drive(sidecar, mock_request(3), "flap-final")
                 final.check_invariant()
                 assert final.error is None and len(final.tokens) == 3
-                await wait_until(lambda: mock_idle(mock))
+                await wait_until(lambda: mock_idle(mock) and sidecar_in_flight(sidecar) == 0)
                 print(f"\nflaps: {len(admitted)} admitted, {len(rejected)} rejected, states {sorted(k.name for k in kinds_seen)}")

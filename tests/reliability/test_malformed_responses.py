@@ -8,7 +8,7 @@ ends with exactly one terminal chunk or exactly one typed error; nothing leaks o
 from __future__ import annotations
 
 import trio
-from reliability_fakes import MALFORMED, ScriptedInference, check_all, drive, request_for
+from reliability_fakes import MALFORMED, ScriptedInference, check_all, drive, request_for, sidecar_in_flight
 
 from trio_sidecar.config import DisaggregationMode, SidecarConfig
 from trio_sidecar.errors import PROTOCOL_ERROR_PREFIX, ProtocolError
@@ -73,8 +73,9 @@ async def test_each_malformed_response_fails_only_its_request(nursery):
                     assert outcome.tokens == expected
                     assert outcome.finish_reason == "stop"
 
-            # Nothing leaks on the server: every stream the sidecar abandoned was dropped.
+            # Nothing leaks: every stream the sidecar abandoned was dropped, nothing is left in flight.
             await wait_until(lambda: fake.active == 0)
+            assert sidecar_in_flight(sidecar) == 0
             assert set(fake.ended) == set(fake.requests)
 
             # Conversion errors abandon a live stream, so each is followed by an Abort (§17.4); a stream the
@@ -88,6 +89,8 @@ async def test_each_malformed_response_fails_only_its_request(nursery):
             after = await drive(sidecar, request_for("good"), "good/after")
             after.check_invariant()
             assert after.error is None and after.tokens == [100, 101, 102]
+        # Leaving the block closes every connection (pool and prober).
+        await wait_until(lambda: fake.server.open_connections == 0)
 
 
 async def test_prefill_terminal_without_kv_transfer_params(nursery):
@@ -102,3 +105,4 @@ async def test_prefill_terminal_without_kv_transfer_params(nursery):
             assert isinstance(outcome.error, ProtocolError)
             assert outcome.error.message == PROTOCOL_ERROR_PREFIX + "prefill terminal is missing kv_transfer_params"
             await wait_until(lambda: fake.active == 0)
+        await wait_until(lambda: fake.server.open_connections == 0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import psutil
 import trio
-from reliability_fakes import check_all, drive, mock_config, mock_idle, mock_request, sidecar_config, wait_until
+from reliability_fakes import check_all, drive, mock_config, mock_idle, mock_request, sidecar_config, sidecar_in_flight, wait_until
 
 STREAMS = 1000
 TOKENS = 8
@@ -63,7 +63,7 @@ async def test_thousand_concurrent_streams():
                     assert outcome.finish_reason == "length"
                     usage = outcome.chunks[-1].completion_usage
                     assert (usage.prompt_tokens, usage.completion_tokens) == (4, TOKENS)
-                await wait_until(lambda: mock_idle(mock))
+                await wait_until(lambda: mock_idle(mock) and sidecar_in_flight(sidecar) == 0)
 
     growth = peak - baseline
     print(

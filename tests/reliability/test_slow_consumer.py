@@ -8,7 +8,7 @@ and the stalled stream must still deliver every token afterwards.
 from __future__ import annotations
 
 import trio
-from reliability_fakes import check_all, drive, mock_config, mock_idle, mock_request, sidecar_config, wait_until
+from reliability_fakes import check_all, drive, mock_config, mock_idle, mock_request, sidecar_config, sidecar_in_flight, wait_until
 
 STALL = 1.0
 SLOW_TOKENS = 3000  # with logprobs: several hundred KiB, well past a 64 KiB stream window
@@ -64,4 +64,4 @@ async def test_slow_consumer_does_not_stall_other_streams():
                 assert len(slow_outcome.tokens) == SLOW_TOKENS
                 assert slow_outcome.finish_reason == "length"
                 assert all(len(chunk.log_probs) == len(chunk.token_ids) for chunk in slow_outcome.chunks)
-                await wait_until(lambda: mock_idle(mock))
+                await wait_until(lambda: mock_idle(mock) and sidecar_in_flight(sidecar) == 0)
