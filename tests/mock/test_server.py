@@ -744,3 +744,12 @@ async def test_ipv6_loopback_listen():
         assert mock.address == f"[::1]:{mock.port}"
         async with open_channel("::1", mock.port) as ch:
             assert await check_health(ch, "") == health_pb2.HealthCheckResponse.SERVING
+
+
+async def test_serve_mock_reports_the_server_through_task_status(nursery):
+    from trio_sidecar.mock import serve_mock
+    from trio_sidecar.transport import open_channel
+
+    mock = await nursery.start(serve_mock, MockConfig(listen="127.0.0.1:0", engine_args={"speedup_ratio": 0.0}))
+    async with open_channel("127.0.0.1", mock.port) as ch:
+        assert len(stream_tokens(await collect(ch, gen(max_new_tokens=3)))) == 3

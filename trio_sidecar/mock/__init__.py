@@ -1,6 +1,7 @@
 """The CPU-only mock vLLM gRPC server (mock-server.md).
 
-``open_mock_server(MockConfig(...))`` runs it inside a test or an application; ``trio-sidecar mock`` runs it
+``open_mock_server(MockConfig(...))`` runs it inside a test or an application (or
+``await nursery.start(serve_mock, config)``); ``trio-sidecar mock`` runs it
 as a process. ``planned_tokens`` and ``request_uuid`` are the deterministic functions of §7, for choosing
 stop tokens and checking outputs.
 
@@ -12,15 +13,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["MockConfig", "MockServer", "open_mock_server", "planned_tokens", "request_uuid"]
+__all__ = ["MockConfig", "MockConfigError", "MockServer", "open_mock_server", "planned_tokens", "request_uuid", "serve_mock"]
 
 if TYPE_CHECKING:
     from trio_sidecar.mock.generation import planned_tokens, request_uuid
-    from trio_sidecar.mock.server import MockConfig, MockServer, open_mock_server
+    from trio_sidecar.mock.server import MockConfig, MockConfigError, MockServer, open_mock_server, serve_mock
 
 _HOMES = {
     "MockConfig": "trio_sidecar.mock.server",
+    "MockConfigError": "trio_sidecar.mock.server",
     "MockServer": "trio_sidecar.mock.server",
+    "serve_mock": "trio_sidecar.mock.server",
     "open_mock_server": "trio_sidecar.mock.server",
     "planned_tokens": "trio_sidecar.mock.generation",
     "request_uuid": "trio_sidecar.mock.generation",

@@ -31,7 +31,7 @@ import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn
 
 import attrs
 import trio
@@ -54,7 +54,15 @@ from trio_sidecar.mock.validation import PreparedRequest, RequestPolicy, parse_d
 from trio_sidecar.status import StatusCode
 from trio_sidecar.transport import HealthServicer, RpcError, serve_grpc
 
-__all__ = ["HEALTH_SERVICES", "MockConfig", "MockConfigError", "MockServer", "open_mock_server", "parse_listen"]
+__all__ = [
+    "HEALTH_SERVICES",
+    "MockConfig",
+    "MockConfigError",
+    "MockServer",
+    "open_mock_server",
+    "parse_listen",
+    "serve_mock",
+]
 
 LOGGER = logging.getLogger("trio_sidecar.mock")
 
@@ -691,3 +699,13 @@ async def open_mock_server(config: MockConfig) -> AsyncIterator[MockServer]:
     finally:
         for pub in publishers:
             pub.close()
+
+
+async def serve_mock(config: MockConfig, *, task_status: trio.TaskStatus[MockServer] = trio.TASK_STATUS_IGNORED) -> NoReturn:
+    """Run a mock server until cancelled: ``mock = await nursery.start(serve_mock, config)``.
+
+    ``task_status.started`` receives the running :class:`MockServer`. Raises as :func:`open_mock_server`.
+    """
+    async with open_mock_server(config) as server:
+        task_status.started(server)
+        await trio.sleep_forever()
