@@ -78,7 +78,8 @@ class Sidecar:
     def _check_admission(self) -> None:
         state = self.health.value
         if state.kind is not HealthKind.SERVING:
-            raise CannotConnect(f"vLLM is not serving: {state.reason}")
+            reason = state.reason or state.kind.name.lower().replace("_", " ")
+            raise CannotConnect(f"vLLM is not serving: {reason}")
 
     def _on_recovered(self, model: DiscoveredModel, kv_sources: tuple[Any, ...]) -> None:
         if kv_sources != self.kv_event_sources:

@@ -206,3 +206,27 @@ async def test_collapse_exception_group_unwraps_a_single_failure_only():
     with pytest.raises(ExceptionGroup):
         async with collapse_exception_group():
             raise ExceptionGroup("two", [KeyError("a"), ValueError("b")])
+
+
+@pytest.mark.parametrize(
+    ("state", "message"),
+    [
+        (("NOT_SERVING", "vLLM Health.Watch is not SERVING"), "vLLM is not serving: vLLM Health.Watch is not SERVING"),
+        (("RECOVERING", ""), "vLLM is not serving: recovering"),
+    ],
+)
+async def test_admission_gate_reads_the_health_value(fake, state, message):
+    from trio_sidecar.errors import CannotConnect
+    from trio_sidecar.prober import HealthState
+
+    async with open_sidecar(sidecar_config(fake.endpoint)) as sidecar:
+        sidecar.health.value = HealthState(HealthKind[state[0]], state[1])
+        with pytest.raises(CannotConnect) as info:
+            async with sidecar.generate(BODY):
+                pass  # pragma: no cover
+        assert str(info.value) == message
+        sidecar.health.value = HealthState(HealthKind.SERVING)
+        async with sidecar.generate(BODY) as stream:
+            [chunk] = [c async for c in stream]
+    assert chunk.finish_reason == "stop"
+    assert len(fake.requests) == 1
