@@ -13,11 +13,15 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
 import trio
 
 from trio_sidecar.mock.engine_args import EngineArgsError, parse_engine_args
+
+if TYPE_CHECKING:
+    from trio_sidecar.mock.server import MockConfig
 
 __all__ = ["build_parser", "main"]
 
@@ -143,12 +147,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     return trio.run(_serve, config)
 
 
-async def _serve(config: object) -> int:
+async def _serve(config: MockConfig) -> int:
     from trio_sidecar.mock.server import open_mock_server
 
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         try:
-            async with open_mock_server(config) as mock:  # type: ignore[arg-type]
+            async with open_mock_server(config) as mock:
                 print(f"trio-sidecar mock listening on {mock.address}", flush=True)
                 async for signum in signals:
                     logging.getLogger("trio_sidecar.mock").info(
@@ -165,7 +169,7 @@ async def _serve(config: object) -> int:
     return 0
 
 
-async def _exit_on_second_signal(signals: trio.abc.ReceiveChannel[int]) -> None:  # type: ignore[name-defined]
+async def _exit_on_second_signal(signals: AsyncIterator[int]) -> None:
     async for _ in signals:
         sys.stderr.flush()
         os._exit(1)

@@ -226,8 +226,8 @@ class _Call:
 
     def release(self) -> None:
         """The RPC ended (any way): stop the engine work if it is still live, unregister, free the permit."""
-        if self.try_claim(_Claim.DROP):
-            self.engine.cancel(self.prepared.uuid)
+        if self.try_claim(_Claim.DROP) and self.engine.cancel(self.prepared.uuid):
+            LOGGER.debug("auto-aborting request due to dropped stream request_id=%r", self.prepared.request_id)
         if self._receive is not None:
             self._receive.close()
         self.server._unregister(self)
