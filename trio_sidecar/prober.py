@@ -29,7 +29,8 @@ connection. A status change away from ``SERVING`` cancels it. Its outcome comes 
 as a value (never as an exception through the session nursery, so a single failure never surfaces as an
 ``ExceptionGroup``):
 
-* same identity and DP size → ``on_recovered(model, sources)``, then ``SERVING``;
+* same identity and DP size → ``on_recovered(model, sources)``, then ``SERVING`` (changed KV-event
+  sources are not fatal, clarification #5: a warning, and the caller replaces its publishers);
 * changed identity or DP size → ``FAILED`` and the fatal :class:`~trio_sidecar.errors.ProtocolError`
   leaves :func:`run_health_prober` (and so ``open_sidecar``);
 * a transient failure → ``NOT_SERVING``/``UNREACHABLE``; retried ``retry_interval`` later while both

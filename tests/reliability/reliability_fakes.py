@@ -191,6 +191,42 @@ MALFORMED: dict[str, tuple[list[inference_pb2.GenerateResponse], str]] = {
 }
 
 
+def kv_struct():
+    from google.protobuf import struct_pb2
+
+    struct = struct_pb2.Struct()
+    struct.update({"do_remote_prefill": True, "remote_engine_id": "prefill-0", "remote_block_ids": [7, 8]})
+    return struct
+
+
+def _prefill_terminal() -> inference_pb2.GenerateResponse:
+    return inference_pb2.GenerateResponse(
+        outputs=inference_pb2.SequenceOutput(
+            index=0, num_tokens=0, finish_info=finish(0, FinishReason.LENGTH, kv_transfer_params=kv_struct())
+        )
+    )
+
+
+#: Multimodal prefill violations (§19.5): vLLM's expanded prompt ids are missing or inconsistent.
+PREFILL_MALFORMED: dict[str, tuple[list[inference_pb2.GenerateResponse], str]] = {
+    "mm-no-ids": ([prompt_info(20), _prefill_terminal()], "multimodal prefill did not return expanded prompt token IDs"),
+    "mm-bad-ids": (
+        [prompt_info(20, token_ids=list(range(19))), _prefill_terminal()],
+        "multimodal prefill returned 19 prompt token IDs for 20 prompt tokens",
+    ),
+    "prefill-no-kv": (
+        [
+            prompt_info(),
+            inference_pb2.GenerateResponse(
+                outputs=inference_pb2.SequenceOutput(index=0, num_tokens=0, finish_info=finish(0, FinishReason.LENGTH))
+            ),
+        ],
+        "prefill terminal is missing kv_transfer_params",
+    ),
+}
+
+IMAGE = {"image_url": [{"Url": "data:image/png;base64,iVBORw0KGgo="}]}
+
 REQUEST_OPTIONS: dict[str, dict] = {
     "prompt-logprobs": {"prompt_logprobs": 1},
     "output-logprobs": {"logprobs": 1},
@@ -198,11 +234,14 @@ REQUEST_OPTIONS: dict[str, dict] = {
 
 
 def request_for(kind: str, *, max_tokens: int = 8) -> dict:
-    return {
+    request = {
         "token_ids": list(PROMPT),
         "stop_conditions": {"max_tokens": max_tokens},
         "output_options": REQUEST_OPTIONS.get(kind, {}),
     }
+    if kind.startswith("mm-"):
+        request["multi_modal_data"] = IMAGE
+    return request
 
 
 class _Control(control_grpc.ControlServicer):
@@ -241,7 +280,8 @@ class _Inference(inference_grpc.InferenceServicer):
                     await trio.sleep(delay)
                 yield message
             # The server keeps the stream open after a violation so that only the sidecar can drop it.
-            if request.request_id.split("/")[0] in MALFORMED and request.request_id.split("/")[0] != "early-eof":
+            kind = request.request_id.split("/")[0]
+            if (kind in MALFORMED or kind in PREFILL_MALFORMED) and kind != "early-eof":
                 await trio.sleep_forever()
         finally:
             fake.active -= 1
@@ -267,9 +307,8 @@ class ScriptedInference:
         kind, _, rest = request_id.partition("/")
         if kind in MALFORMED:
             return MALFORMED[kind][0], 0.0
-        if kind == "prefill-no-kv":
-            return [prompt_info(), inference_pb2.GenerateResponse(outputs=inference_pb2.SequenceOutput(
-                index=0, num_tokens=0, finish_info=finish(0, FinishReason.LENGTH)))], 0.0
+        if kind in PREFILL_MALFORMED:
+            return PREFILL_MALFORMED[kind][0], 0.0
         if kind == "slow":  # slow/<n>: n tokens, 20 ms apart
             return good_stream(int(rest.split("/")[0])), 0.02
         return good_stream(3), 0.0

@@ -8,7 +8,7 @@ ends with exactly one terminal chunk or exactly one typed error; nothing leaks o
 from __future__ import annotations
 
 import trio
-from reliability_fakes import MALFORMED, ScriptedInference, check_all, drive, request_for, sidecar_in_flight
+from reliability_fakes import MALFORMED, PREFILL_MALFORMED, ScriptedInference, check_all, drive, request_for, sidecar_in_flight
 
 from trio_sidecar.config import DisaggregationMode, SidecarConfig
 from trio_sidecar.errors import PROTOCOL_ERROR_PREFIX, ProtocolError
@@ -93,16 +93,32 @@ async def test_each_malformed_response_fails_only_its_request(nursery):
         await wait_until(lambda: fake.server.open_connections == 0)
 
 
-async def test_prefill_terminal_without_kv_transfer_params(nursery):
+async def test_prefill_violations_fail_only_their_request(nursery):
+    """Prefill mode: a terminal without ``kv_transfer_params`` (§14.2) and the multimodal handoff checks
+    (§19.5), next to a request that succeeds."""
     from trio_sidecar.api import open_sidecar
 
     fake = ScriptedInference()
     port = await fake.serve(nursery)
+    outcomes = []
     with trio.fail_after(60):
         async with open_sidecar(config_for(port, disaggregation_mode=DisaggregationMode.PREFILL)) as sidecar:
-            outcome = await drive(sidecar, request_for("prefill-no-kv", max_tokens=1), "prefill-no-kv/0")
-            outcome.check_invariant()
-            assert isinstance(outcome.error, ProtocolError)
-            assert outcome.error.message == PROTOCOL_ERROR_PREFIX + "prefill terminal is missing kv_transfer_params"
+
+            async def one(kind: str) -> None:
+                outcomes.append(await drive(sidecar, request_for(kind, max_tokens=1), f"{kind}/0"))
+
+            async with trio.open_nursery() as requests:
+                for kind in PREFILL_MALFORMED:
+                    requests.start_soon(one, kind)
+            check_all(outcomes, len(PREFILL_MALFORMED))
+            for outcome in outcomes:
+                kind = outcome.request_id.split("/")[0]
+                assert isinstance(outcome.error, ProtocolError), (outcome.request_id, outcome.error)
+                assert outcome.error.message == PROTOCOL_ERROR_PREFIX + PREFILL_MALFORMED[kind][1]
+            # The multimodal requests carried their media; the sidecar asked for the expanded prompt ids.
+            for kind in ("mm-no-ids", "mm-bad-ids"):
+                sent = fake.requests[f"{kind}/0"]
+                assert len(sent.media) == 1 and sent.response.prompt_token_ids
             await wait_until(lambda: fake.active == 0)
+            assert sidecar_in_flight(sidecar) == 0
         await wait_until(lambda: fake.server.open_connections == 0)
