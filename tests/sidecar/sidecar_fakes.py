@@ -31,6 +31,7 @@ from google.protobuf import struct_pb2
 
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar._proto.vllm import control_grpc, control_pb2, inference_grpc, inference_pb2
+from trio_sidecar.config import SidecarConfig
 from trio_sidecar.status import StatusCode
 from trio_sidecar.transport import HealthServicer, RpcError, serve_grpc
 
@@ -46,6 +47,32 @@ PREFILL_HANDOFF: dict[str, Any] = {
     "remote_block_ids": [7, 8],
     "nested": {"flags": [True, None, "opaque"]},
 }
+
+
+#: The mock's fast engine args (mock-server.md §17, "admitting args").
+FAST_ENGINE_ARGS: dict[str, Any] = {
+    "block_size": 4,
+    "enable_prefix_caching": False,
+    "num_gpu_blocks": 4096,
+    "max_num_seqs": 64,
+    "max_num_batched_tokens": 1024,
+    "speedup_ratio": 0.0,
+}
+
+
+def sidecar_config(endpoint: str, **overrides: Any) -> SidecarConfig:
+    """Test defaults: 2 connections, short timeouts, no prober (tests that need it turn it on)."""
+    fields: dict[str, Any] = dict(
+        grpc_endpoint=endpoint,
+        grpc_connections=2,
+        connect_attempt_timeout=2.0,
+        retry_interval=0.05,
+        startup_deadline=5.0,
+        health_prober=False,
+        abort_timeout=2.0,
+    )
+    fields.update(overrides)
+    return SidecarConfig(**fields)
 
 
 def reference_model_info(**overrides: Any) -> control_pb2.ModelInfo:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import trio
-from conftest import sidecar_config
-from sidecar_fakes import NOT_SERVING, SERVING, reference_model_info
+from sidecar_fakes import NOT_SERVING, SERVING, reference_model_info, sidecar_config
 
 import trio_sidecar
 from trio_sidecar import GenerateContext, open_sidecar

@@ -11,8 +11,7 @@ import logging
 
 import pytest
 import trio
-from conftest import sidecar_config
-from sidecar_fakes import PREFILL_HANDOFF
+from sidecar_fakes import PREFILL_HANDOFF, sidecar_config
 
 from trio_sidecar import GenerateContext, open_sidecar
 from trio_sidecar.engine import SidecarEngine

@@ -10,8 +10,7 @@ import msgpack
 import pytest
 import trio
 import zmq
-from conftest import FAST_ENGINE_ARGS, sidecar_config
-from sidecar_fakes import PausableProxy
+from sidecar_fakes import FAST_ENGINE_ARGS, PausableProxy, sidecar_config
 
 from trio_sidecar import GenerateContext, open_sidecar
 from trio_sidecar.mock import MockConfig, open_mock_server, planned_tokens

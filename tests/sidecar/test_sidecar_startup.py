@@ -10,8 +10,7 @@ import socket
 
 import pytest
 import trio
-from conftest import sidecar_config
-from sidecar_fakes import NOT_SERVING, SERVING, reference_model_info, reference_server_info
+from sidecar_fakes import NOT_SERVING, SERVING, reference_model_info, reference_server_info, sidecar_config
 
 from trio_sidecar import open_sidecar
 from trio_sidecar._proto.vllm import control_pb2

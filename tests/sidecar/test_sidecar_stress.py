@@ -7,7 +7,7 @@ import random
 
 import pytest
 import trio
-from conftest import FAST_ENGINE_ARGS, sidecar_config
+from sidecar_fakes import FAST_ENGINE_ARGS, sidecar_config
 
 from trio_sidecar import GenerateContext, open_sidecar
 from trio_sidecar.mock import MockConfig, open_mock_server, planned_tokens
