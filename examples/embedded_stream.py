@@ -24,7 +24,19 @@ from trio_sidecar.mock import MockConfig, open_mock_server
 ENGINE_ARGS = {"block_size": 4, "enable_prefix_caching": False, "speedup_ratio": 0.0}
 
 
+# A guard so that the demo never hangs: everything below normally takes well under a second.
+OVERALL_TIMEOUT = 60.0
+
+
 async def main(argv: list[str] | None = None) -> int:
+    with trio.move_on_after(OVERALL_TIMEOUT) as guard:
+        return await _demo(argv)
+    assert guard.cancelled_caught
+    Console().print(f"[red]error:[/red] the demo did not finish within {OVERALL_TIMEOUT:g}s")
+    return 1
+
+
+async def _demo(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--prompt", default="1,2,3,4", help="comma-separated prompt token ids")
