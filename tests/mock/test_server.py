@@ -730,6 +730,13 @@ async def test_engine_args_instance_and_repr_shows_live_state():
         assert repr(mock) == f"<MockServer 127.0.0.1:{mock.port} [0 active | rank 0: 0 running, 0 waiting]>"
 
 
+async def test_recording_can_be_turned_off():
+    async with running_mock(record_requests=False) as (mock, ch):
+        await collect(ch, gen(max_new_tokens=1))
+        await abort(ch, "r")
+        assert mock.recorded_requests == [] and mock.abort_calls == []
+
+
 async def test_ipv6_loopback_listen():
     if not socket.has_ipv6:
         pytest.skip("no IPv6")

@@ -139,6 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_concurrent_requests=ns.max_concurrent_requests,
             engine_args=parse_engine_args(ns.extra_engine_args),
             supports_multimodal=ns.supports_multimodal,
+            record_requests=False,
         )
         prepare_config(config)
     except (EngineArgsError, MockConfigError) as exc:

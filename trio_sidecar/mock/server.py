@@ -122,6 +122,9 @@ class MockConfig:
     max_concurrent_requests: int = 256
     engine_args: Mapping[str, Any] | _engine_args.EngineArgs | None = None
     supports_multimodal: bool = False
+    #: Keep ``recorded_requests`` / ``abort_calls`` (test hooks). The CLI turns it off so a long-running
+    #: process does not grow with its traffic.
+    record_requests: bool = True
 
 
 @attrs.frozen(kw_only=True)
@@ -329,6 +332,7 @@ class MockServer:
         self._permits = trio.Semaphore(prepared.config.max_concurrent_requests)
         self._active = trio_util.AsyncValue(0)
         self._shutting_down = False
+        self._record = prepared.config.record_requests
         self.health = HealthServicer({name: SERVING for name in HEALTH_SERVICES})
         self.host = prepared.host
         self.port = 0
@@ -396,7 +400,8 @@ class MockServer:
     def _begin(self, rpc: str, request: pb.GenerateRequest, context: Any) -> _Call:
         """Rows 1–19 of §6, then register the call. Raises RpcError."""
         metadata = tuple(getattr(context, "metadata", ()))
-        self.recorded_requests.append((rpc, request, metadata, getattr(context, "peer", None)))
+        if self._record:
+            self.recorded_requests.append((rpc, request, metadata, getattr(context, "peer", None)))
         if self._shutting_down:
             raise RpcError(StatusCode.UNAVAILABLE, SHUTTING_DOWN)
         try:
@@ -446,7 +451,8 @@ class MockServer:
         return None
 
     def _abort(self, request_ids: Sequence[str]) -> None:
-        self.abort_calls.append(list(request_ids))
+        if self._record:
+            self.abort_calls.append(list(request_ids))
         seed = self._prepared.config.seed
         for request_id in request_ids:
             call = self._routes.get(request_uuid(seed, request_id))
