@@ -279,3 +279,32 @@ async def test_admission_closes_while_vllm_is_not_serving(fake):
         async with sidecar.generate({"token_ids": [1]}) as stream:
             chunks = [c async for c in stream]
     assert chunks[-1].finish_reason == "stop"
+
+
+async def test_each_attempt_is_bounded_by_the_attempt_timeout(nursery):
+    """A peer that accepts TCP but never speaks HTTP/2: attempts time out and are retried on the interval."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    held = []
+
+    async def hold(stream):
+        held.append(stream)
+        async with stream:
+            await trio.sleep_forever()
+
+    nursery.start_soon(trio.serve_listeners, hold, listeners)
+    config = sidecar_config(
+        f"127.0.0.1:{port}", connect_attempt_timeout=0.05, retry_interval=0.01, startup_deadline=0.3
+    )
+    start = trio.current_time()
+    with pytest.raises(CannotConnect) as info:
+        await discover(config)
+    assert trio.current_time() - start < 1.0
+    message = str(info.value)
+    assert "for pool slot 1 within 300ms after " in message
+    attempts = int(message.split(" after ")[1].split(" attempts")[0])
+    assert attempts >= 3
+    assert message.endswith(
+        ("the connection attempt timed out after 50ms", "the connection attempt exceeded the startup deadline")
+    )
+    assert attempts - 1 <= len(held) <= attempts  # the last one may be cut before the accept
