@@ -308,3 +308,23 @@ async def test_each_attempt_is_bounded_by_the_attempt_timeout(nursery):
         ("the connection attempt timed out after 50ms", "the connection attempt exceeded the startup deadline")
     )
     assert attempts - 1 <= len(held) <= attempts  # the last one may be cut before the accept
+
+
+async def test_pool_construction_safety_net_is_a_connection_timeout(nursery, monkeypatch):
+    from trio_sidecar import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "PHASE_GRACE", -0.2)  # make the whole-construction scope fire first
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+
+    async def hold(stream):
+        async with stream:
+            await trio.sleep_forever()
+
+    nursery.start_soon(trio.serve_listeners, hold, listeners)
+    config = sidecar_config(f"127.0.0.1:{port}", connect_attempt_timeout=5, startup_deadline=0.3)
+    with pytest.raises(ConnectionTimeout) as info:
+        await discover(config)
+    assert str(info.value) == (
+        f"vLLM gRPC connection pool to http://127.0.0.1:{port} exceeded the total startup deadline"
+    )
