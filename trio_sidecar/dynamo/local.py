@@ -100,7 +100,8 @@ class Process:
         return self.popen.poll() is None
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         try:
             return self.log_path.read_text(errors="replace")
         except OSError:
