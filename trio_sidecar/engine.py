@@ -400,8 +400,9 @@ class SidecarEngine:
             request_id=request_id, ctx=ctx, state=state, built=built, decode=self.mode.is_decode, send=send
         )
         ctx._subscribe(req.client_cancel)
+        if not self._requests:
+            self._idle = trio.Event()  # (only on the empty → busy edge: wait_idle() callers hold the old one)
         self._requests.add(req)
-        self._idle = trio.Event()
         self._nursery.start_soon(self._run_request, req, name=f"vllm-request {request_id}")
         try:
             await req.opened.wait()

@@ -229,3 +229,31 @@ async def test_admission_gate_reads_the_health_value(fake, state, message):
             [chunk] = [c async for c in stream]
     assert chunk.finish_reason == "stop"
     assert len(fake.requests) == 1
+
+
+async def test_wait_idle_returns_when_overlapping_requests_have_all_ended(fake):
+    fake.hang = True
+    async with open_sidecar(sidecar_config(fake.endpoint)) as sidecar:
+        engine = sidecar.engine
+        idle = trio.Event()
+        first, second = GenerateContext("one"), GenerateContext("two")
+
+        async def waiter():
+            await engine.wait_idle()
+            idle.set()
+
+        async with sidecar.generate(BODY, first) as one:
+            await one.__anext__()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(waiter)
+                await trio.sleep(0)
+                async with sidecar.generate(BODY, second) as two:
+                    await two.__anext__()
+                    first.stop()
+                    [c async for c in one]
+                    await trio.sleep(0.05)
+                    assert not idle.is_set() and engine.in_flight == 1
+                    second.stop()
+                    [c async for c in two]
+                with trio.fail_after(2):
+                    await idle.wait()
