@@ -74,7 +74,7 @@ class MockThread:
 
         self._stop = trio.Event()
         self._token = trio.lowlevel.current_trio_token()
-        async with open_mock_server(MockConfig(listen="127.0.0.1:0", **self.config)) as mock:
+        async with open_mock_server(MockConfig(**{"listen": "127.0.0.1:0", **self.config})) as mock:
             self.mock = mock
             self._ready.set()
             await self._stop.wait()
