@@ -41,6 +41,8 @@ WARM_UP_TIMEOUT_S = 180.0
 STOP_TIMEOUT_S = 30.0
 SERVICES = ("vllm.Control", "vllm.Inference")
 READY_LOG_LINE = "gRPC server is ready to accept requests"
+# (what, seconds) measured during the run; printed in the pytest terminal summary.
+TIMINGS: list[tuple[str, float]] = []
 
 
 @attrs.frozen

@@ -19,6 +19,7 @@ import pytest
 from ._server import (
     ENV_MODEL,
     ENV_PYTHON,
+    TIMINGS,
     AttachedServer,
     RealVllmServer,
     env_from_environ,
@@ -29,7 +30,6 @@ from ._server import (
 ENV_ATTACH = "TRIO_SIDECAR_REAL_VLLM_ATTACH"
 
 HERE = Path(__file__).parent
-TIMINGS: list[tuple[str, float]] = []
 
 
 def pytest_collection_modifyitems(config, items):
@@ -50,18 +50,22 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(f"{what}: {seconds:.1f} s")
 
 
-def _start(launch: str) -> RealVllmServer:
+def _start(launch: str, *, warm_up: bool = True) -> RealVllmServer:
     env = env_from_environ()
     assert env is not None
-    server = start_ready_server(env, launch=launch)
+    server = start_ready_server(env, launch=launch, warm_up=warm_up)
     TIMINGS.append((f"{launch} launch: start -> SERVING", server.ready_after_s or 0.0))
-    TIMINGS.append((f"{launch} launch: start -> warmed up", time.monotonic() - server.started_at))
+    if warm_up:
+        TIMINGS.append((f"{launch} launch: start -> warmed up", time.monotonic() - server.started_at))
     return server
 
 
 def _stop(server: RealVllmServer, label: str) -> None:
     try:
-        TIMINGS.append((f"{label}: SIGTERM -> main process exited", server.stop()))
+        already_exited = server.exited()
+        took = server.stop()
+        if not already_exited:
+            TIMINGS.append((f"{label}: SIGTERM -> main process exited", took))
         leftovers = [p.pid for p in server.descendants() if p.is_running() and p.status() != "zombie"]
         assert not leftovers, f"vLLM descendants still running after stop: {leftovers}"
     finally:
@@ -82,8 +86,11 @@ def real_server():
 
 @pytest.fixture
 def fresh_server(request):
-    """A private server for tests that stop it; ``launch`` via indirect parametrization (default python)."""
+    """A private server for tests that stop it; ``launch`` via indirect parametrization (default python).
+
+    Not warmed up: these tests only watch health and never time a generation.
+    """
     launch = getattr(request, "param", "python")
-    server = _start(launch)
+    server = _start(launch, warm_up=False)
     yield server
     _stop(server, f"fresh {launch} server")

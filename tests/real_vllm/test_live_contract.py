@@ -181,6 +181,15 @@ async def test_greedy_generation_is_deterministic(direct):
     assert a.tokens() == b.tokens() and len(a.tokens()) == 8
 
 
+async def test_max_new_tokens_zero_generates_up_to_the_context_limit(direct):
+    # Not the "server default 20" of the contract's §4.5/§8: vllm-rs 0.32 leaves max_tokens unset, and the
+    # engine then stops at max_model_len (ignore_eos keeps the random model from stopping at EOS earlier).
+    out = await collect(direct, generate_request(unique_id("max0"), max_new_tokens=0))
+    assert out.error is None, out.error
+    terminal = out.terminal()
+    assert (terminal.finish_reason, terminal.num_output_tokens) == (LENGTH, MAX_MODEL_LEN - 4)
+
+
 async def test_duplicate_active_request_id_is_accepted(direct):
     request_id = unique_id("dup")
     results = {}
