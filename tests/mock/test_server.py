@@ -545,7 +545,22 @@ async def test_kv_events_for_a_two_block_prompt_and_its_eviction():
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             sub.connect(mock.kv_event_endpoints[0])
-            await trio.sleep(0.3)  # ZMQ slow joiner: events published before the subscription are lost
+            # ZMQ slow joiner: events published before the subscription is in place are lost, so probe
+            # with empty messages until one arrives (they only advance the sequence number).
+            with trio.fail_after(5):
+                while True:
+                    mock._publishers[0].publish([])
+                    await trio.sleep(0.02)
+                    try:
+                        sub.recv_multipart(zmq.NOBLOCK)
+                        break
+                    except zmq.Again:
+                        continue
+            while True:  # drain the remaining probes
+                try:
+                    sub.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
 
             async def receive_events(predicate):
                 events = []
