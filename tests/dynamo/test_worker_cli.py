@@ -1,0 +1,83 @@
+"""``trio-sidecar run`` startup failures and signals as a real process (sidecar.md §3.6, §9.1, #12).
+
+No frontend is needed: these paths end before (or without) a registered model.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+from dynamo_harness import FAST_ENGINE_ARGS, require_dynamo
+
+from trio_sidecar.dynamo import local
+
+pytestmark = pytest.mark.dynamo
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    require_dynamo()
+    return tmp_path
+
+
+def _collapsed(proc) -> str:
+    return " ".join(proc.log().split())
+
+
+def test_an_unreachable_vllm_fails_startup_with_exit_1_and_the_typed_error(workdir):
+    port = local.free_port()  # nothing listens there
+    env = local.dynamo_env(workdir / "kv")
+    proc = local.start_trio_sidecar(workdir, env, f"127.0.0.1:{port}", namespace="cli",
+                                    extra=["--grpc-startup-deadline-secs", "1", "--grpc-retry-interval-secs", "1"])
+    try:
+        code = proc.wait(60)
+    finally:
+        proc.stop()
+    assert code == 1
+    log = _collapsed(proc)
+    assert f"Discovering vLLM model metadata from http://127.0.0.1:{port}; startup deadline: 1s" in log
+    assert (f"error: failed to establish the vLLM gRPC connection pool to http://127.0.0.1:{port} "
+            "for pool slot 1 within 1s") in log
+
+
+def test_sigterm_during_startup_exits_0_with_the_init_shutdown_line(workdir):
+    port = local.free_port()
+    env = local.dynamo_env(workdir / "kv")
+    proc = local.start_trio_sidecar(workdir, env, f"127.0.0.1:{port}", namespace="cli")
+    try:
+        deadline = time.monotonic() + 60
+        while "bootstrap" not in proc.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert proc.alive(), proc.log()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+    finally:
+        proc.stop()
+    assert code == 0, proc.log()[-2000:]
+    assert "runtime shut down during sidecar initialization" in _collapsed(proc)
+    assert "error:" not in proc.log()
+
+
+def test_a_second_signal_exits_1_immediately(deployment_factory):
+    dep = deployment_factory()
+    mock = dep.mock(served_model_name="tiny-2sig", engine_args={**FAST_ENGINE_ARGS, "speedup_ratio": 1.0})
+    dep.frontend()
+    proc = dep.trio_sidecar(mock, "--drain-timeout-secs", "60")
+    dep.wait_ready("tiny-2sig")
+    with local.stream_sse(dep.http_port, "/v1/completions",
+                          {"model": "tiny-2sig", "prompt": "x", "max_tokens": 20000, "ignore_eos": True,
+                           "stream": True}) as events:
+        next(events)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert proc.alive()  # draining the in-flight request
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(10)
+        elapsed = time.monotonic() - start
+    assert code == 1
+    assert elapsed < 5
+    assert "again; exiting immediately" in proc.log()
