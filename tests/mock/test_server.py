@@ -333,7 +333,8 @@ async def test_concurrency_limit_and_permit_held_until_the_stream_ends():
                 assert mock.active_request_count() == 2
                 err = await rpc_error(collect(ch, gen("c", max_new_tokens=1)))
                 assert (err.code, err.message) == (C.RESOURCE_EXHAUSTED, "Mocker concurrent request limit reached")
-                assert mock.metrics(0).waiting_requests == 1  # queued requests count against the limit
+                with trio.fail_after(2):  # queued requests count against the limit
+                    await mock.metrics_value(0).wait_value(lambda m: (m.running_requests, m.waiting_requests) == (1, 1))
         await wait_drained(mock)
         assert len(stream_tokens(await collect(ch, gen("c", max_new_tokens=1)))) == 1
 
