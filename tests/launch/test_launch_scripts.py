@@ -1,0 +1,197 @@
+"""Issue 9: the ``--mock`` variants of ``launch/*.sh`` as real processes on 127.0.0.1.
+
+Each script runs as a subprocess in its own session (so the test can clean up by process group if the
+script itself fails), with free ports, ``TMPDIR`` in the test's temporary directory and the Python of this
+test run. The test waits for the script's "ready" line, sends one completion through the frontend, stops
+the script with a signal and checks that every process it started is gone, that it removed its working
+directory, and that it exits with the shell's signal status.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trio_sidecar.dynamo import local
+
+pytestmark = pytest.mark.dynamo
+
+REPO = Path(__file__).resolve().parents[2]
+LAUNCH = REPO / "launch"
+READY = "trio-sidecar launch ready:"
+START_TIMEOUT = 90.0
+STOP_TIMEOUT = 45.0
+
+
+def _require_dynamo() -> None:
+    pytest.importorskip("dynamo.llm", reason="ai-dynamo-runtime 1.6.1 is not installed")
+    pytest.importorskip("dynamo.frontend", reason="ai-dynamo 1.6.1 (frontend) is not installed")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    pytest.importorskip("tokenizers")
+    spec = importlib.util.spec_from_file_location("launch_make_tiny_model", REPO / "scripts" / "make_tiny_model.py")
+    module = importlib.util.module_from_spec(spec)
+    assert spec.loader is not None
+    spec.loader.exec_module(module)
+    return module.make_tiny_model(tmp_path_factory.mktemp("launch-model") / "tiny")
+
+
+class Script:
+    """One launch script run: output in a file, descendants snapshotted once ready."""
+
+    def __init__(self, name: str, tmp_path: Path, env: dict[str, str]) -> None:
+        self.out_path = tmp_path / f"{name}.out"
+        self.tmpdir = tmp_path / "tmp"
+        self.tmpdir.mkdir()
+        self._out = open(self.out_path, "wb")  # noqa: SIM115 - closed in close()
+        self.popen = subprocess.Popen(
+            ["bash", str(LAUNCH / name), "--mock"],
+            env={**env, "TMPDIR": str(self.tmpdir)},
+            stdin=subprocess.DEVNULL,
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.children: list = []
+        self.descendants: list = []
+
+    def output(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    def wait_ready(self) -> None:
+        psutil = pytest.importorskip("psutil")
+        deadline = time.monotonic() + START_TIMEOUT
+        while READY not in self.output():
+            assert self.popen.poll() is None, f"the script exited with {self.popen.returncode}:\n{self.output()}"
+            assert time.monotonic() < deadline, f"not ready after {START_TIMEOUT}s:\n{self.output()}"
+            time.sleep(0.2)
+        # The long-lived children (``python -m ...``) and everything below them; the script's own short-lived
+        # helpers (``sleep``, the readiness probe ``python -``) are left out.
+        self.children = [p for p in psutil.Process(self.popen.pid).children() if "-m" in _cmdline(p)]
+        self.descendants = [*self.children, *(d for c in self.children for d in c.children(recursive=True))]
+
+    def close(self) -> None:
+        """Fallback cleanup by PID: the script's process group, then any descendant still running."""
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(10)
+        for proc in self.descendants:
+            try:
+                if proc.is_running():
+                    proc.kill()
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self._out.close()
+
+
+def _cmdline(proc) -> list[str]:
+    try:
+        return proc.cmdline()
+    except Exception:  # noqa: BLE001 - exited meanwhile
+        return []
+
+
+def _env(**ports: int) -> dict[str, str]:
+    env = local.dynamo_env("/nonexistent")  # the script sets DYN_FILE_KV itself
+    env.pop("DYN_FILE_KV")
+    env.update({k: str(v) for k, v in ports.items()}, PYTHON=sys.executable, STOP_TIMEOUT="20")
+    return env
+
+
+CASES = [
+    # script, per-script environment (gRPC ports 0: the mocks choose), signal, expected exit status
+    pytest.param("agg.sh", {"GRPC_PORT": 0}, signal.SIGINT, 130, id="agg-sigint"),
+    pytest.param("disagg.sh", {"DECODE_GRPC_PORT": 0, "PREFILL_GRPC_PORT": 0}, signal.SIGTERM, 143,
+                 id="disagg-sigterm"),
+    pytest.param("agg_kv_router.sh", {"WORKER0_GRPC_PORT": 0, "WORKER1_GRPC_PORT": 0}, signal.SIGINT, 130,
+                 id="kv-router-sigint"),
+]
+EXPECTED_CHILDREN = {"agg.sh": 3, "disagg.sh": 5, "agg_kv_router.sh": 5}
+
+
+@pytest.mark.parametrize(("name", "ports", "signum", "status"), CASES)
+def test_launch_script_serves_a_completion_and_stops_every_child(name, ports, signum, status, tiny_model, tmp_path):
+    _require_dynamo()
+    http_port = local.free_port()
+    script = Script(name, tmp_path, {**_env(HTTP_PORT=http_port, **ports), "MODEL": str(tiny_model)})
+    try:
+        script.wait_ready()
+        out = script.output()
+        assert f"curl -s http://127.0.0.1:{http_port}/v1/completions" in out
+        # The mocks, the frontend and the sidecars, each a Python process of this test run.
+        assert len(script.children) == EXPECTED_CHILDREN[name], [p.cmdline() for p in script.children]
+        for proc in script.children:
+            assert proc.cmdline()[0] == sys.executable
+
+        status_code, body = local.post_json(http_port, "/v1/completions",
+                                            {"model": "tiny", "prompt": "hello world", "max_tokens": 4,
+                                             "ignore_eos": True})
+        assert status_code == 200, body
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "length"
+        assert choice["text"].startswith("<token:")
+        assert body["usage"]["completion_tokens"] == 4
+
+        script.popen.send_signal(signum)
+        try:
+            returncode = script.popen.wait(STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the script did not stop within {STOP_TIMEOUT}s:\n{script.output()}")
+        out = script.output()
+        assert returncode == status, out
+        assert f"stopped {EXPECTED_CHILDREN[name]} process(es)" in out
+        assert "did not stop within" not in out
+        leftovers = [p for p in script.descendants if p.is_running() and p.status() != "zombie"]
+        assert leftovers == [], [p.cmdline() for p in leftovers]
+        assert list(script.tmpdir.glob("trio-sidecar-launch.*")) == []
+    finally:
+        script.close()
+
+
+def test_launch_script_stops_everything_when_a_child_dies(tiny_model, tmp_path):
+    """The mock is killed (by its PID): the script reports it, stops the rest and exits 1, keeping its logs."""
+    _require_dynamo()
+    http_port = local.free_port()
+    script = Script("agg.sh", tmp_path, {**_env(HTTP_PORT=http_port, GRPC_PORT=0), "MODEL": str(tiny_model)})
+    try:
+        script.wait_ready()
+        mock = [p for p in script.children if "mock" in p.cmdline()]
+        assert len(mock) == 1
+        mock[0].kill()
+        returncode = script.popen.wait(STOP_TIMEOUT)
+        out = script.output()
+        assert returncode == 1, out
+        assert "mock exited" in out
+        leftovers = [p for p in script.descendants if p.is_running() and p.status() != "zombie"]
+        assert leftovers == [], [p.cmdline() for p in leftovers]
+        kept = list(script.tmpdir.glob("trio-sidecar-launch.*/logs/trio-sidecar.log"))
+        assert len(kept) == 1
+    finally:
+        script.close()
+
+
+def test_launch_scripts_default_to_loopback_and_document_their_variables():
+    """Static checks: every listener the scripts start is given 127.0.0.1 (only HTTP_HOST is overridable)."""
+    text = (LAUNCH / "agg.sh").read_text()
+    assert "LOOPBACK=127.0.0.1" in text
+    assert 'HTTP_HOST=${HTTP_HOST:-$LOOPBACK}' in text
+    assert '--listen "$LOOPBACK:$port"' in text
+    assert 'serve "$MODEL" --host "$LOOPBACK"' in text
+    for var in ("DYN_TCP_RPC_HOST", "DYN_TCP_RESPONSE_STREAM_HOST", "DYN_EVENT_PLANE_HOST", "DYN_SYSTEM_HOST"):
+        assert f"export {var}=$LOOPBACK" in text
+    for name in ("agg.sh", "disagg.sh", "agg_kv_router.sh"):
+        script = LAUNCH / name
+        assert os.access(script, os.X_OK), f"{name} is not executable"
+        header = script.read_text()
+        assert "unauthenticated" in header
+        result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
