@@ -242,3 +242,12 @@ async def test_oversize_response_fails_only_its_own_call(target):
             assert [m.outputs.index async for m in bystander] == list(range(30))
         assert not channel.broken
         assert (await channel.unary_unary(GENERATE, request("big", n=MIB // 2), R)).outputs.text == "x" * (MIB // 2)
+
+
+async def test_producer_that_never_waits_is_cancelled_within_100ms_of_reset(channel, target):
+    left = await _leave_stream(channel, "break", "tight", interval_ms=0)
+    # Stopped while suspended at a yield: the generator is closed (GeneratorExit), not cancelled inside.
+    await wait_for(lambda: "tight" in target.recorder.finished)
+    assert target.recorder.finished["tight"] - left < 0.1
+    assert target.recorder.produced["tight"] < 100_000
+    assert (await channel.unary_unary(GENERATE, request("echo", text="after"), R)).outputs.text == "after"

@@ -361,6 +361,7 @@ class ResponseStream:
             raise RuntimeError("use 'async with channel.unary_stream(...) as stream:' before iterating")
         while True:
             if call.messages:
+                await trio.lowlevel.checkpoint_if_cancelled()
                 payload = call.take_message()
                 try:
                     return self._response_type.FromString(payload)

@@ -25,6 +25,8 @@ RECEIVE_SIZE = 256 * 1024
 # A sender parks until the writer has flushed once this much is queued, so a fast producer batches its
 # writes without ever holding more than this much outbound data per connection.
 WRITE_HIGH_WATER = 64 * 1024
+# ... and yields to the scheduler at least every this many messages (cancellation and fairness).
+YIELD_EVERY = 32
 
 _pack_prefix = struct.Struct(">BI").pack
 
@@ -102,6 +104,7 @@ class Connection:
         self.nursery: trio.Nursery | None = None
         self._writer = None  # the writer task while it is parked
         self._drain_waiters: list = []
+        self._burst = 0  # messages queued since the last yield
         self._scope = trio.CancelScope()
         self._done = trio.Event()
 
@@ -173,20 +176,36 @@ class Connection:
         Returns once the message is queued for the writer; parks while the peer's window is closed or too
         much is queued. Raises the call's error if the stream or the connection fails meanwhile.
         """
+        if self.lost is not None:
+            # Also keeps a producer that never awaits from spinning on a dead connection.
+            raise ConnectionLostError(self.lost)
         h2conn = self.h2
         stream_id = call.stream_id
         total = len(payload)
+        try:
+            await self._send(call, h2conn, stream_id, payload, total, end_stream)
+        except h2.exceptions.StreamClosedError:
+            raise RpcError(StatusCode.CANCELLED, "stream closed by the peer") from None
+
+    async def _send(self, call: Call, h2conn, stream_id: int, payload: bytes, total: int, end_stream: bool) -> None:  # type: ignore[no-untyped-def]
         if call.error is None:
             try:
                 window = h2conn.local_flow_control_window(stream_id)
             except h2.exceptions.StreamClosedError:
                 window = -1
             if total <= window and total <= h2conn.max_outbound_frame_size:
-                # Fast path: the whole message fits the window and one frame.
+                # Fast path: the whole message fits the window and one frame. No checkpoint per message
+                # (batching is what makes streaming fast), but at most YIELD_EVERY messages or
+                # WRITE_HIGH_WATER bytes before the writer and the reader get to run.
                 h2conn.send_data(stream_id, payload, end_stream=end_stream)
                 self.kick()
-                if len(h2conn._data_to_send) >= WRITE_HIGH_WATER:
-                    await self.wait_drained()
+                self._burst += 1
+                if self._burst >= YIELD_EVERY or len(h2conn._data_to_send) >= WRITE_HIGH_WATER:
+                    self._burst = 0
+                    if len(h2conn._data_to_send) >= WRITE_HIGH_WATER:
+                        await self.wait_drained()
+                    else:
+                        await trio.lowlevel.checkpoint()
                     self._raise_if_failed(call)
                 return
         position = 0

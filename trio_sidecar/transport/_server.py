@@ -137,6 +137,10 @@ class _ServerCall(Call):
             raise RpcError(StatusCode.INTERNAL, "failed to parse the request message") from None
 
     async def send_response(self, response: Any) -> None:
+        if self.reset:
+            # Reset (or connection lost): the scope is cancelled; raise Cancelled here rather than let a
+            # producer that never awaits keep feeding a closed stream.
+            await trio.lowlevel.checkpoint()
         data = response.SerializeToString()
         limit = self.conn.protocol.config.max_message_length
         if len(data) > limit:
