@@ -126,9 +126,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if level not in LOG_LEVELS:
         print(f"{PROG}: error: invalid {LOG_LEVEL_ENV} '{level}': expected one of {', '.join(LOG_LEVELS)}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     try:
         config = MockConfig(
             listen=ns.listen,
@@ -145,6 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (EngineArgsError, MockConfigError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     return trio.run(_serve, config)
 
 
