@@ -251,3 +251,44 @@ async def test_producer_that_never_waits_is_cancelled_within_100ms_of_reset(chan
     assert target.recorder.finished["tight"] - left < 0.1
     assert target.recorder.produced["tight"] < 100_000
     assert (await channel.unary_unary(GENERATE, request("echo", text="after"), R)).outputs.text == "after"
+
+
+async def test_calls_wait_for_a_free_stream_when_the_server_limits_concurrency(aio, recorder):
+    from transport_peers import AioServer, aio_options
+
+    class LimitedServer(AioServer):
+        async def start(self) -> None:
+            import grpc
+            from transport_peers import _aio_handlers
+
+            async def start() -> int:
+                self.server = grpc.aio.server(options=[*aio_options(), ("grpc.max_concurrent_streams", 2)])
+                self.server.add_generic_rpc_handlers(_aio_handlers(self.recorder))
+                port = self.server.add_insecure_port("127.0.0.1:0")
+                await self.server.start()
+                return port
+
+            self.port = await self.aio.call(start)
+
+    server = LimitedServer(aio, recorder)
+    await server.start()
+    try:
+        async with open_channel("127.0.0.1", server.port) as channel:
+            await channel.unary_unary(GENERATE, request("echo"), R)  # SETTINGS with the limit have arrived
+            results = []
+
+            async def stream(i: int) -> None:
+                async with channel.unary_stream(GENERATE_STREAM, request("stream", n=3, interval_ms=50), R) as s:
+                    results.append((i, len([m async for m in s])))
+
+            async with trio.open_nursery() as nursery:
+                for i in range(5):
+                    nursery.start_soon(stream, i)
+                await trio.sleep(0.02)
+                # Two streams are open; a third call waits for a slot and its deadline still applies.
+                with pytest.raises(RpcError) as info:
+                    await channel.unary_unary(GENERATE, request("echo"), R, timeout=0.05)
+                assert info.value.code is StatusCode.DEADLINE_EXCEEDED
+            assert sorted(results) == [(i, 3) for i in range(5)]
+    finally:
+        await server.stop()

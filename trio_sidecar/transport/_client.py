@@ -78,6 +78,7 @@ class _ClientCall(Call):
             if self.end is None and self.error is None:
                 conn.protocol.reset_stream(self.stream_id, ErrorCodes.CANCEL)
                 conn.kick()
+                conn.stream_ended()  # type: ignore[attr-defined]
             self.release_messages()
 
     def status_error(self) -> RpcError | None:
@@ -94,10 +95,41 @@ class _ClientCall(Call):
         return event.data
 
 
+class _NoStreamSlot(Exception):
+    """The server's MAX_CONCURRENT_STREAMS is reached (internal: the call waits for a free stream)."""
+
+
 class _ClientConnection(Connection):
     def __init__(self, stream: trio.SocketStream, protocol: GrpcProtocol, description: str) -> None:
         super().__init__(stream, protocol, description)
         self.goaway: str | None = None
+        self._slot_waiters: list = []
+
+    async def wait_stream_slot(self) -> None:
+        """Park until some stream of this connection ends (or the connection is lost)."""
+        if self.lost is not None:
+            return
+        task = trio.lowlevel.current_task()
+        self._slot_waiters.append(task)
+
+        def abort(raise_cancel):  # type: ignore[no-untyped-def]
+            try:
+                self._slot_waiters.remove(task)
+            except ValueError:
+                pass
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+
+    def stream_ended(self) -> None:
+        if self._slot_waiters:
+            waiters, self._slot_waiters = self._slot_waiters, []
+            for task in waiters:
+                trio.lowlevel.reschedule(task)
+
+    def lose(self, reason: str) -> None:
+        super().lose(reason)
+        self.stream_ended()
 
     def handle_events(self, events: list) -> None:
         calls = self.calls
@@ -138,6 +170,8 @@ class _ClientConnection(Connection):
                 self.wake_window_waiters(0)
             elif kind is GoAway:
                 self._goaway(event)
+        if self._slot_waiters:
+            self.stream_ended()
 
     def _goaway(self, event: GoAway) -> None:
         if event.error_code:
@@ -205,13 +239,30 @@ class Channel:
             stream_id = h2conn.get_next_available_stream_id()
             h2conn.send_headers(stream_id, headers)
         except h2.exceptions.TooManyStreamsError:
-            raise RpcError(StatusCode.RESOURCE_EXHAUSTED, "too many concurrent streams on the connection") from None
+            raise _NoStreamSlot from None
         except h2.exceptions.NoAvailableStreamIDError:
             conn.goaway = f"connection to {conn.description} ran out of stream ids"
             raise ConnectionLostError(conn.goaway) from None
         call = _ClientCall(conn, stream_id)
         conn.calls[stream_id] = call
         return call
+
+    async def _open_call(
+        self, method: str, metadata: Sequence[tuple[str, Any]], timeout: float | None, deadline: float
+    ) -> _ClientCall:
+        """Start a call; while the server's MAX_CONCURRENT_STREAMS is reached, wait for a free stream."""
+        while True:
+            try:
+                return self._start_call(method, metadata, timeout)
+            except _NoStreamSlot:
+                pass
+            with trio.move_on_at(deadline):
+                await self._conn.wait_stream_slot()
+            now = trio.current_time()
+            if now >= deadline:
+                raise _deadline_exceeded()
+            if timeout is not None:
+                timeout = deadline - now
 
     async def unary_unary(
         self,
@@ -236,7 +287,7 @@ class Channel:
         deadline = deadline_after(timeout)
         if timeout is not None and timeout <= 0:
             raise _deadline_exceeded()
-        call = self._start_call(method, metadata, timeout)
+        call = await self._open_call(method, metadata, timeout, deadline)
         try:
             with trio.move_on_at(deadline) as scope:
                 await self._conn.send_message(call, frame_message(data), True)
@@ -326,7 +377,7 @@ class ResponseStream:
         if timeout is not None and timeout <= 0:
             raise _deadline_exceeded()
         self._deadline = deadline_after(timeout)
-        call = self._call = channel._start_call(self._method, self._metadata, timeout)
+        call = self._call = await channel._open_call(self._method, self._metadata, timeout, self._deadline)
         try:
             with trio.move_on_at(self._deadline) as scope:
                 await channel._conn.send_message(call, frame_message(data), True)
