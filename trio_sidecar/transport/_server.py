@@ -314,6 +314,9 @@ class GrpcServer:
                 return
             protocol.initiate_connection()
             await conn.run()
+        except Exception:  # a bug in one connection must not take the server down
+            LOGGER.exception("transport: connection handler failed")
+            stream.socket.close()
         finally:
             self.open_connections -= 1
 
