@@ -290,7 +290,7 @@ class Channel:
         call = await self._open_call(method, metadata, timeout, deadline)
         try:
             with trio.move_on_at(deadline) as scope:
-                await self._conn.send_message(call, frame_message(data), True)
+                await self._conn.send_message(call, frame_message(data), True, flush=True)
                 while call.end is None:
                     if call.error is not None:
                         raise _copy_error(call.error)
@@ -380,7 +380,7 @@ class ResponseStream:
         call = self._call = await channel._open_call(self._method, self._metadata, timeout, self._deadline)
         try:
             with trio.move_on_at(self._deadline) as scope:
-                await channel._conn.send_message(call, frame_message(data), True)
+                await channel._conn.send_message(call, frame_message(data), True, flush=True)
                 while call.headers is None and call.end is None:
                     if call.error is not None:
                         raise _copy_error(call.error)

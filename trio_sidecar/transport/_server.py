@@ -175,7 +175,7 @@ class _ServerCall(Call):
             # The request is not complete: tell the client to stop sending (RFC 9113 §8.1).
             conn.protocol.reset_stream(self.stream_id, ErrorCodes.NO_ERROR)
         self.release_messages()
-        conn.kick()
+        conn.flush()
 
     def close(self) -> None:
         """After the handler: if no status was sent (cancelled by the server itself), reset the stream."""
