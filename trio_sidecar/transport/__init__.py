@@ -15,9 +15,12 @@ Layers:
   WINDOW_UPDATE-after-close race inside h2's own frame handling (findings §10).
 * ``_connection``: one socket = one ``Connection`` with exactly two tasks. The **reader** feeds received
   bytes to the protocol and dispatches the events to ``Call`` objects (one per HTTP/2 stream) without
-  awaiting. The **writer** is the only task that writes to the socket: everyone else queues frames in h2
+  awaiting. The **writer** is the only task that awaits on the socket: everyone else queues frames in h2
   and ``kick()``s it. A cancelled call therefore can never leave half a frame on the wire, and
   "reset this stream" is a synchronous operation that works even from a cancelled task's ``finally``.
+  On the latency-critical path (a unary request, a handler's final status, the reader's replies) the
+  caller may ``flush()`` instead: one non-blocking ``os.write`` while the writer is idle, the rest (if any)
+  left to the writer, first in line.
 * ``_client`` / ``_server``: calls. A call's owner task (the client caller, or the server's handler task)
   parks on its ``Call`` and re-checks state when woken.
 
