@@ -192,7 +192,13 @@ def _strict_list(elem: type) -> Any:
     def hook(value: Any, _type: Any) -> list:
         if not isinstance(value, (list, tuple)):
             raise TypeError(f"expected an array, got {type(value).__name__}")
-        return [converter.structure(v, elem) for v in value]
+        result = []
+        for i, item in enumerate(value):
+            try:
+                result.append(converter.structure(item, elem))
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"{exc} at index {i}") from None
+        return result
 
     return hook
 
@@ -225,9 +231,15 @@ for _cls in (StopConditions, GuidedDecoding, SamplingOptions, OutputOptions, Rou
 _request_inner = cattrs.gen.make_dict_structure_fn(PreprocessedRequest, converter, _cattrs_forbid_extra_keys=False)
 
 
+def _format_leaf(exc: BaseException, _type: Any) -> str:
+    if isinstance(exc, KeyError):
+        return f"required field missing ({exc})"
+    return str(exc) or type(exc).__name__
+
+
 def _detail(exc: BaseException) -> str:
     if isinstance(exc, (ClassValidationError, IterableValidationError)):
-        return "; ".join(cattrs.transform_error(exc, path="$"))
+        return "; ".join(cattrs.transform_error(exc, path="$", format_exception=_format_leaf))
     return str(exc) or type(exc).__name__
 
 

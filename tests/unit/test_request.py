@@ -556,3 +556,24 @@ def test_wire_message_serializes() -> None:
     again = inference_pb2.GenerateRequest.FromString(built.message.SerializeToString())
     assert again == built.message
     assert json.loads(again.decoding.json) == REFERENCE["sampling_options"]["guided_decoding"]["json"]
+
+
+@pytest.mark.parametrize(
+    ("req", "detail"),
+    [
+        ({"token_ids": "abc"}, "expected an array, got str @ $.token_ids"),
+        ({"token_ids": [1, 1.5]}, "expected an integer (u32), got float at index 1 @ $.token_ids"),
+        ({"token_ids": [True]}, "expected an integer (u32), got bool at index 0 @ $.token_ids"),
+        ({"token_ids": [-1]}, "-1 is outside the u32 range at index 0 @ $.token_ids"),
+        ({"token_ids": [1], "sampling_options": {"top_p": "x"}}, "expected a number, got str @ $.sampling_options.top_p"),
+        ({"token_ids": [1], "stop_conditions": []}, "expected an object, got list @ $.stop_conditions"),
+        ({"token_ids": [1], "output_options": {"logprobs": 2**32}}, "4294967296 is outside the u32 range @ $.output_options.logprobs"),
+        ({"token_ids": [1], "routing": {"priority": 2**40}}, "1099511627776 is outside the i32 range @ $.routing.priority"),
+        ({"token_ids": [1], "stop_conditions": {"ignore_eos": "yes"}}, "expected a boolean, got str @ $.stop_conditions.ignore_eos"),
+        ({"token_ids": [1], "routing": {"lora_name": 3}}, "expected a string, got int @ $.routing.lora_name"),
+    ],
+)
+def test_structuring_errors_name_the_field(req: dict, detail: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        structure_request(req)
+    assert str(info.value) == "invalid PreprocessedRequest: " + detail
