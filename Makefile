@@ -34,6 +34,15 @@ test: deps dynamo
 test-fast: deps
 	$(PY) -m pytest -x -q -m "not slow and not dynamo" $(PYTEST_ARGS)
 
+# The real vLLM 0.32 CPU server as a conformance peer: provisioned once into a cache directory outside the
+# tree (${TRIO_SIDECAR_CACHE:-~/.cache/trio-sidecar}/real-vllm), then the `real_vllm` tests run against it.
+REAL_VLLM_DIR ?= $(or $(TRIO_SIDECAR_CACHE),$(HOME)/.cache/trio-sidecar)/real-vllm
+test-real: deps
+	bash scripts/real-vllm.sh
+	TRIO_SIDECAR_REAL_VLLM_PYTHON=$(REAL_VLLM_DIR)/venv/bin/python \
+	TRIO_SIDECAR_REAL_VLLM_MODEL=$(REAL_VLLM_DIR)/model/tiny-llama \
+	$(PY) -m pytest -m real_vllm tests/real_vllm $(PYTEST_ARGS)
+
 demo: deps dynamo
 	$(PY) examples/demo.py
 
