@@ -15,7 +15,7 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -313,9 +313,12 @@ commands:
 def main(argv: Sequence[str] | None = None, *, environ: Mapping[str, str] | None = None) -> int:
     """Entry point of ``trio-sidecar``; returns the exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] in ("-h", "--help"):
+    if not args:
+        sys.stderr.write(_TOP_USAGE)
+        return 2
+    if args[0] in ("-h", "--help"):
         sys.stdout.write(_TOP_USAGE)
-        return 0 if args else 2
+        return 0
     if args[0] == "--version":
         print(f"{PROG} {__version__}")
         return 0
