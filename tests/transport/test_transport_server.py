@@ -13,7 +13,7 @@ from transport_peers import GENERATE, MIB, aio_options, aio_stream, aio_unary, r
 
 from trio_sidecar._proto.vllm import inference_pb2 as pb
 from trio_sidecar.status import StatusCode
-from trio_sidecar.transport import open_channel, serve_grpc
+from trio_sidecar.transport import RpcError, open_channel, serve_grpc
 from trio_sidecar.transport._connection import frame_message
 
 
@@ -219,3 +219,17 @@ async def test_server_limit_is_configurable(aio, nursery, recorder):
         error = await client.unary_error(request("big", n=2 * MIB))
         assert status_of(error)[0] is StatusCode.RESOURCE_EXHAUSTED
         assert (await client.unary(request("echo", text="fine"))).outputs.text == "fine"
+
+
+async def test_our_client_gets_the_servers_resource_exhausted_for_an_oversize_request(nursery, recorder):
+    from transport_peers import TrioEcho
+
+    server = await nursery.start(lambda task_status: serve_grpc([TrioEcho(recorder)], max_message_length=MIB, task_status=task_status))
+    async with open_channel("127.0.0.1", server.port) as channel:
+        # 3 MiB is more than the server's stream window (2 MiB): the client is mid-send when the answer comes.
+        with trio.fail_after(10):
+            with pytest.raises(RpcError) as info:
+                await channel.unary_unary(GENERATE, request("echo", text="q" * (3 * MIB), key="huge"), pb.GenerateResponse)
+        assert info.value.code is StatusCode.RESOURCE_EXHAUSTED
+        assert "huge" not in recorder.started
+        assert (await channel.unary_unary(GENERATE, request("echo", text="ok"), pb.GenerateResponse)).outputs.text == "ok"

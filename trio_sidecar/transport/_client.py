@@ -81,6 +81,9 @@ class _ClientCall(Call):
                 conn.stream_ended()  # type: ignore[attr-defined]
             self.release_messages()
 
+    def peer_ended(self) -> bool:
+        return self.end is not None
+
     def status_error(self) -> RpcError | None:
         """The error a non-OK end represents (None for OK)."""
         status = self.end.status  # type: ignore[union-attr]

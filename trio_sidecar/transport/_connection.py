@@ -76,6 +76,10 @@ class Call:
 
         await wait_task_rescheduled(abort)
 
+    def peer_ended(self) -> bool:
+        """The peer has answered in full: whatever we still meant to send is moot."""
+        return False
+
     def fail(self, error: RpcError) -> None:
         """The stream is gone (connection lost, reset by the peer): remember why and wake the owner."""
         if self.error is None:
@@ -212,6 +216,8 @@ class Connection:
         try:
             await self._send(call, h2conn, stream_id, payload, total, end_stream, flush)
         except h2.exceptions.StreamClosedError:
+            if call.peer_ended():
+                return
             raise RpcError(StatusCode.CANCELLED, "stream closed by the peer") from None
 
     async def _send(self, call: Call, h2conn, stream_id: int, payload: bytes, total: int, end_stream: bool, flush: bool) -> None:  # type: ignore[no-untyped-def]
@@ -241,6 +247,8 @@ class Connection:
         position = 0
         while True:
             self._raise_if_failed(call)
+            if call.peer_ended():
+                return
             try:
                 window = h2conn.local_flow_control_window(stream_id)
             except h2.exceptions.StreamClosedError:
