@@ -244,13 +244,15 @@ def _detail(exc: BaseException) -> str:
 
 
 def structure_request(obj: dict[str, Any] | PreprocessedRequest) -> PreprocessedRequest:
-    """Structure a Dynamo request dict (or pass an attrs request through).
+    """Structure a Dynamo request dict (or re-validate an attrs request).
 
     Raises:
         InvalidArgument: ``invalid PreprocessedRequest: {detail}`` (never an ``ExceptionGroup``).
     """
     if isinstance(obj, PreprocessedRequest):
-        return obj
+        # Embedded callers build the attrs object directly: re-check it with the same strict rules, so a
+        # wrong-typed attribute is an InvalidArgument here rather than a TypeError deep in the mapping.
+        obj = attrs.asdict(obj, recurse=True)
     if not isinstance(obj, dict):
         raise InvalidArgument(f"invalid PreprocessedRequest: expected an object, got {type(obj).__name__}")
     # null equals absent: drop top-level nulls so attribute defaults apply.

@@ -13,7 +13,7 @@ from trio_sidecar.config import DisaggregationMode
 from trio_sidecar.convert import build_generate_request
 from trio_sidecar.errors import InvalidArgument
 from trio_sidecar.jsonstruct import struct_to_json
-from trio_sidecar.protocol import PreprocessedRequest, structure_request
+from trio_sidecar.protocol import PreprocessedRequest, RoutingHints, structure_request
 
 AGG, PREFILL, DECODE, ENCODE = (
     DisaggregationMode.AGG,
@@ -310,10 +310,16 @@ def test_unknown_keys_ignored_and_null_is_absent() -> None:
     assert build_generate_request(req, "r", "served-model", AGG).message.sampling.top_k == 0
 
 
-def test_attrs_request_passes_through() -> None:
-    req = PreprocessedRequest(token_ids=[4, 5])
-    assert structure_request(req) is req
-    assert list(build_generate_request(req, "r", "m", AGG).message.token_ids.ids) == [4, 5]
+def test_attrs_request_is_revalidated() -> None:
+    req = PreprocessedRequest(token_ids=[4, 5], routing=RoutingHints(dp_rank=1))
+    again = structure_request(req)
+    assert again == req
+    built = build_generate_request(again, "r", "m", AGG)
+    assert list(built.message.token_ids.ids) == [4, 5] and built.dp_rank == 1
+    with pytest.raises(InvalidArgument, match=r"expected an integer \(u32\), got str at index 0 @ \$.token_ids"):
+        structure_request(PreprocessedRequest(token_ids=["a"]))  # type: ignore[list-item]
+    with pytest.raises(InvalidArgument, match="token_ids must not be empty"):
+        build_generate_request(structure_request(PreprocessedRequest(stop_conditions=None)), "r", "m", AGG)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- guided decoding (§12.4)
