@@ -3,9 +3,11 @@
 Every test in this folder is marked ``real_vllm`` and skipped unless ``scripts/real-vllm.sh`` has been run
 and its two variables are exported (``TRIO_SIDECAR_REAL_VLLM_PYTHON``, ``TRIO_SIDECAR_REAL_VLLM_MODEL``).
 
-Server lifetimes: starting vLLM costs 20-60 s on 2 cores, so one Python-supervised server is shared by
-the whole folder (``real_server``, session scope; the tests on it never stop or break it). The shutdown
-tests get their own server each (``fresh_server``), since they end it.
+Server lifetimes: starting vLLM costs 25-45 s on an idle 2-core machine (up to 3 minutes when other test
+suites share the cores), so one Python-supervised server is shared by the whole folder (``real_server``,
+session scope). Tests on it never break it, except the SIGTERM test, which uses it through
+``ending_real_server`` and is ordered last. The engine-death test needs the Rust-managed launch and gets a
+private server (``fresh_server``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ HERE = Path(__file__).parent
 
 
 def pytest_collection_modifyitems(config, items):
+    # Tests that end the shared server run after every other test of the session.
+    ending = [item for item in items if "ending_real_server" in getattr(item, "fixturenames", ())]
+    if ending:
+        items[:] = [item for item in items if item not in ending] + ending
     skip = None
     if env_from_environ() is None:
         skip = pytest.mark.skip(reason=f"{ENV_PYTHON} / {ENV_MODEL} not set (run scripts/real-vllm.sh)")
@@ -82,6 +88,14 @@ def real_server():
     server = _start("python")
     yield server
     _stop(server, "shared server")
+
+
+@pytest.fixture
+def ending_real_server(real_server):
+    """The shared server, for a test that stops it (such tests are ordered last; saves a server start)."""
+    if isinstance(real_server, AttachedServer):
+        pytest.skip("an attached server is never stopped by the tests")
+    return real_server
 
 
 @pytest.fixture
