@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import base64
 import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -13,7 +12,7 @@ import trio
 from google.protobuf.message import DecodeError
 from purerpc.grpclib.config import GRPCConfiguration
 
-from ._connection import Call, Connection, _copy_error, deadline_after, frame_message
+from ._connection import Call, Connection, _copy_error, deadline_after, encode_metadata, frame_message
 from ._errors import DEFAULT_MAX_MESSAGE_LENGTH, ConnectionLostError, RpcError
 from ._protocol import (
     ErrorCodes,
@@ -45,18 +44,6 @@ _RESET_CODES = {
 
 def _deadline_exceeded() -> RpcError:
     return RpcError(StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-
-
-def _encode_metadata(metadata: Sequence[tuple[str, Any]]) -> list[tuple[str, str]]:
-    encoded = []
-    for key, value in metadata:
-        key = key.lower()
-        if key.startswith((":", "grpc-")) or key in ("te", "content-type", "user-agent"):
-            raise ValueError(f"reserved metadata key {key!r}")
-        if key.endswith("-bin"):
-            value = base64.b64encode(value).rstrip(b"=").decode("ascii")
-        encoded.append((key, value))
-    return encoded
 
 
 class _ClientCall(Call):
@@ -236,7 +223,7 @@ class Channel:
         if timeout is not None:
             headers.append(("grpc-timeout", encode_timeout(timeout)))
         if metadata:
-            headers.extend(_encode_metadata(metadata))
+            headers.extend(encode_metadata(metadata))
         h2conn = conn.h2
         try:
             stream_id = h2conn.get_next_available_stream_id()

@@ -6,11 +6,14 @@ Shared by the client (``_client``) and the server (``_server``); see the theory 
 
 from __future__ import annotations
 
+import base64
 import logging
 import math
 import os
 import struct
 from collections import deque
+from collections.abc import Sequence
+from typing import Any
 
 import h2.exceptions
 import trio
@@ -35,6 +38,19 @@ _pack_prefix = struct.Struct(">BI").pack
 def frame_message(data: bytes) -> bytes:
     """gRPC length-prefixed message (never compressed)."""
     return _pack_prefix(0, len(data)) + data
+
+
+def encode_metadata(metadata: Sequence[tuple[str, Any]]) -> list[tuple[str, str]]:
+    """Lower-case keys; base64 for ``-bin`` keys; reserved keys are a programming error (ValueError)."""
+    encoded = []
+    for key, value in metadata:
+        key = key.lower()
+        if key.startswith((":", "grpc-")) or key in ("te", "content-type", "user-agent"):
+            raise ValueError(f"reserved metadata key {key!r}")
+        if key.endswith("-bin"):
+            value = base64.b64encode(value).rstrip(b"=").decode("ascii")
+        encoded.append((key, value))
+    return encoded
 
 
 def deadline_after(timeout: float | None) -> float:

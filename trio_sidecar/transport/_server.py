@@ -16,7 +16,7 @@ from google.protobuf.message import DecodeError
 from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.rpc import Cardinality
 
-from ._connection import Call, Connection, frame_message
+from ._connection import Call, Connection, encode_metadata, frame_message
 from ._errors import DEFAULT_MAX_MESSAGE_LENGTH, RpcError
 from ._protocol import (
     ErrorCodes,
@@ -112,7 +112,7 @@ def _collect_methods(servicers: Iterable[Any]) -> dict[str, _Method]:
 
 
 class _ServerCall(Call):
-    __slots__ = ("path", "request_ended", "reset", "response_started", "scope", "timeout")
+    __slots__ = ("path", "request_ended", "reset", "response_started", "scope")
 
     def __init__(self, conn: Connection, stream_id: int, path: str, deadline: float) -> None:
         super().__init__(conn, stream_id)
@@ -166,10 +166,14 @@ class _ServerCall(Call):
             trailers.append(("grpc-status", str(int(code))))
             if message:
                 trailers.append(("grpc-message", encode_grpc_message(message)))
-            trailers.extend(metadata)
+            if metadata:
+                try:
+                    trailers.extend(encode_metadata(metadata))
+                except (ValueError, TypeError, AttributeError):
+                    LOGGER.error("invalid trailing metadata for %s dropped: %r", self.path, metadata)
         try:
             conn.h2.send_headers(self.stream_id, trailers, end_stream=True)
-        except h2.exceptions.StreamClosedError:
+        except h2.exceptions.ProtocolError:  # e.g. the stream was closed meanwhile
             pass
         if not self.request_ended:
             # The request is not complete: tell the client to stop sending (RFC 9113 §8.1).
