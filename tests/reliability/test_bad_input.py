@@ -183,3 +183,43 @@ async def test_hostile_bytes_on_the_mock_port_close_only_that_connection(payload
                 after = await drive(sidecar, mock_request(4), "after")
                 assert after.error is None and len(after.tokens) == 4
                 await wait_until(lambda: mock_idle(mock))
+
+
+# --- malformed request dicts at the API boundary (what Dynamo hands the sidecar) ----------------------------
+
+MALFORMED_REQUESTS = [
+    {},
+    {"token_ids": []},
+    {"token_ids": "1 2 3"},
+    {"token_ids": [1, -2, 3]},
+    {"token_ids": [2**40]},
+    {"token_ids": [1, 2], "stop_conditions": {"max_tokens": -1}},
+    {"token_ids": [1, 2], "stop_conditions": "eight"},
+    {"token_ids": [1, 2], "sampling_options": {"n": 2}},
+    {"token_ids": [1, 2], "sampling_options": {"top_k": -2}},
+    {"token_ids": [1, 2], "output_options": {"logprobs": 2**31}},
+    {"token_ids": [1, 2], "extra_args": {"unknown": True}},
+    {"token_ids": [1, 2], "multi_modal_data": {"audio_url": [{"Url": "data:audio/wav;base64,AAAA"}]}},
+    [1, 2, 3],
+    None,
+]
+
+
+async def test_malformed_request_dicts_are_rejected_before_any_rpc():
+    from trio_sidecar.api import open_sidecar
+    from trio_sidecar.errors import InvalidArgument
+    from trio_sidecar.mock import open_mock_server
+
+    with trio.fail_after(60):
+        async with open_mock_server(mock_config()) as mock:
+            async with open_sidecar(sidecar_config(mock.address, grpc_connections=1)) as sidecar:
+                for index, request in enumerate(MALFORMED_REQUESTS):
+                    outcome = await drive(sidecar, request, f"malformed-{index}")
+                    outcome.check_invariant()
+                    assert not outcome.admitted, request
+                    assert isinstance(outcome.error, InvalidArgument), (request, outcome.error)
+                    assert str(outcome.error), request
+                assert not [r for r in mock.recorded_requests if r[1].request_id.startswith("malformed-")]
+                good = await drive(sidecar, mock_request(3), "good-after-malformed")
+                assert good.error is None and len(good.tokens) == 3
+                await wait_until(lambda: mock_idle(mock))
