@@ -54,7 +54,8 @@ async def test_cli_exits_1_when_vllm_recovers_with_another_identity(nursery, tmp
         extra=["--grpc-connect-attempt-timeout-secs", "5", "--grpc-retry-interval-secs", "1"],
     )
     try:
-        await wait_for_log(sidecar, "vLLM gRPC services are ready", timeout=180)
+        # Registered with Dynamo: the start phase (KV sources, prober) is over.
+        await wait_for_log(sidecar, "ready: serving `tiny`", timeout=180)
         await runner.stop()
         await runner.start(model=model, served_model_name="renamed")
         with trio.move_on_after(120):
