@@ -5,8 +5,10 @@
 # source tree (default ${TRIO_SIDECAR_CACHE:-$HOME/.cache/trio-sidecar}/real-vllm) and is reused when the
 # stamp file is present, so a re-run takes seconds. Nothing is written into the repository.
 #
-# Usage: scripts/real-vllm.sh [--force]
+# Usage: scripts/real-vllm.sh [--force] [--env]
 #   --force   rebuild the environment even if the stamp file exists
+#   --env     print only the `export ...` lines on stdout (progress goes to stderr), for
+#             eval "$(scripts/real-vllm.sh --env)"
 # Env: TRIO_SIDECAR_CACHE (cache root), PYTHON (interpreter for the venv, default python3.11).
 # On success, prints the two variables the `real_vllm` tests need.
 set -euo pipefail
@@ -21,6 +23,7 @@ MODEL="$WORK/model/tiny-llama"
 STAMP="$WORK/.provisioned"
 PYTHON="${PYTHON:-python3.11}"
 FORCE=0
+ENV_ONLY=0
 
 log() { printf '==> %s\n' "$*"; }
 fail() { printf 'real-vllm.sh: error: %s\n' "$*" >&2; exit 1; }
@@ -29,12 +32,20 @@ trap 'fail "step failed (line $LINENO): $BASH_COMMAND"' ERR
 for arg in "$@"; do
   case "$arg" in
     --force) FORCE=1 ;;
-    -h|--help) sed -n '2,12p' "$0"; exit 0 ;;
-    *) fail "unknown argument: $arg (usage: scripts/real-vllm.sh [--force])" ;;
+    --env) ENV_ONLY=1 ;;
+    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    *) fail "unknown argument: $arg (usage: scripts/real-vllm.sh [--force] [--env])" ;;
   esac
 done
+# --env: keep stdout for the export lines only (fd 3); everything else goes to stderr.
+exec 3>&1
+if [ "$ENV_ONLY" = 1 ]; then exec 1>&2; fi
 
 print_env() {
+  if [ "$ENV_ONLY" = 1 ]; then
+    printf 'export TRIO_SIDECAR_REAL_VLLM_PYTHON=%s\nexport TRIO_SIDECAR_REAL_VLLM_MODEL=%s\n' "$VENV/bin/python" "$MODEL" >&3
+    return
+  fi
   cat <<MSG
 
 Real vLLM environment ready in $WORK
@@ -51,11 +62,12 @@ case "$WORK" in
   /*) ;;
   *) fail "cache path must be absolute: $WORK (set TRIO_SIDECAR_CACHE to an absolute path)" ;;
 esac
-mkdir -p "$WORK"
-WORK="$(cd "$WORK" && pwd -P)"; VENV="$WORK/venv"; MODEL="$WORK/model/tiny-llama"; STAMP="$WORK/.provisioned"
+# Resolve symlinks (without creating anything yet) and refuse a cache inside the source tree.
+WORK="$(realpath -m "$WORK")"; VENV="$WORK/venv"; MODEL="$WORK/model/tiny-llama"; STAMP="$WORK/.provisioned"
 case "$WORK/" in
-  "$(cd "$REPO_DIR" && pwd -P)"/*) fail "cache directory $WORK is inside the repository; set TRIO_SIDECAR_CACHE elsewhere" ;;
+  "$(realpath "$REPO_DIR")"/*) fail "cache directory $WORK is inside the repository; set TRIO_SIDECAR_CACHE elsewhere" ;;
 esac
+mkdir -p "$WORK"
 
 if [ "$FORCE" = 0 ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$STAMP_VERSION" ] \
    && [ -x "$VENV/bin/python" ] && [ -f "$MODEL/config.json" ]; then
