@@ -292,3 +292,21 @@ async def test_calls_wait_for_a_free_stream_when_the_server_limits_concurrency(a
             assert sorted(results) == [(i, 3) for i in range(5)]
     finally:
         await server.stop()
+
+
+async def test_many_concurrent_calls_share_one_channel(channel):
+    results = {}
+
+    async def unary(i: int) -> None:
+        results[i] = (await channel.unary_unary(GENERATE, request("echo", text=str(i)), R, timeout=30)).outputs.text
+
+    async def stream(i: int) -> None:
+        async with channel.unary_stream(GENERATE_STREAM, request("stream", text=str(i), n=10), R, timeout=30) as s:
+            results[-1 - i] = "".join([m.outputs.text async for m in s])
+
+    async with trio.open_nursery() as nursery:
+        for i in range(300):
+            nursery.start_soon(unary, i)
+            nursery.start_soon(stream, i)
+    assert results == {**{i: str(i) for i in range(300)}, **{-1 - i: str(i) * 10 for i in range(300)}}
+    assert channel._conn.calls == {}
