@@ -10,7 +10,8 @@ the same prompt yields the same tokens whatever the frontend's request id), each
   request id;
 * the model-card records both wrote under ``v1/mdc`` (docs/dynamo.md lists the two deliberate differences).
 
-Prefill/decode pairs are compared the same way in a second deployment.
+Prefill/decode pairs are compared the same way in a second deployment, which also hosts issue 6 test 3
+(trio-sidecar prefill + decode workers with two mocks behind one frontend complete a request).
 """
 
 from __future__ import annotations
@@ -108,6 +109,14 @@ def _sent(mock, request_id: str) -> tuple[dict, dict]:
     as_dict.pop("temperature", None)
     meta = {k: v for k, v in metadata if k.startswith("x-")}
     return as_dict, meta
+
+
+def _prompt_seeded_tokens(request, n: int, seed: int = 42) -> list[int]:
+    """The mock's tokens under ``token_seed_source: "prompt"`` (clarification #9)."""
+    from trio_sidecar.mock.generation import prompt_token_seed, token_at
+
+    value = prompt_token_seed(seed, list(request.token_ids.ids))
+    return [token_at(value, p) for p in range(n)]
 
 
 def _greedy_tokens(text: str) -> list[int]:
@@ -212,3 +221,34 @@ def test_prefill_decode_same_responses_and_requests_as_the_native_sidecar(pd_pai
     assert len(p_sent) == 2 and len(d_sent) == 2  # one per sidecar family
     assert p_sent[0] == p_sent[1]
     assert d_sent[0] == d_sent[1]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_request_is_prefilled_on_one_worker_and_decoded_on_the_other(pd_pair, path):
+    """Issue 6 test 3, on the trio-sidecar side of the P/D deployment."""
+    from trio_sidecar.mock import planned_tokens
+
+    prefill, decode = pd_pair.mocks
+    before_p, before_d = len(prefill.recorded()), len(decode.recorded())
+    payload = {"model": "tiny", "max_tokens": 5, "ignore_eos": True, "nvext": {"extra_fields": ["worker_id"]}}
+    if path == "/v1/completions":
+        payload["prompt"] = "hello world " * 8
+    else:
+        payload["messages"] = [{"role": "user", "content": "hello world " * 8}]
+    status, body = local.post_json(pd_pair.ports["trio"], path, payload)
+    assert status == 200, body
+    workers = body["nvext"]["worker_id"]
+    assert workers["prefill_worker_id"] != workers["decode_worker_id"]
+
+    p_reqs = [req for _, req, _, _ in prefill.recorded()[before_p:]]
+    d_reqs = [req for _, req, _, _ in decode.recorded()[before_d:]]
+    assert len(p_reqs) == 1 and len(d_reqs) == 1
+    # The prefill request computes the prompt; the decode request carries the prefill's transfer params.
+    assert p_reqs[0].stopping.max_new_tokens == 1
+    assert list(p_reqs[0].token_ids.ids) == list(d_reqs[0].token_ids.ids)
+    assert d_reqs[0].kv.kv_transfer_params.fields, "the decode request carries no kv_transfer_params"
+    # The decode mock generated the answer (seeded by the prompt: token_seed_source "prompt").
+    text = body["choices"][0]["text"] if path == "/v1/completions" else body["choices"][0]["message"]["content"]
+    assert text == "".join(f"<token:{t}>" for t in _prompt_seeded_tokens(d_reqs[0], 5))
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 5

@@ -150,3 +150,24 @@ def test_sigterm_removes_the_model_at_once_drains_and_exits_0(agg):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert proc.wait(60) == 0, proc.log()[-3000:]
     assert "tiny" in local.list_models(dep.http_port)  # the other worker is untouched
+
+
+def test_a_second_signal_exits_1_immediately(agg):
+    dep, _ = agg
+    mock = dep.mock(served_model_name="tiny-2sig", seed=SEED, engine_args=ENGINE_ARGS)
+    proc = dep.trio_sidecar(mock, "--drain-timeout-secs", "60", name="2sig-sidecar")
+    local.wait_for_models(dep.http_port, ["tiny-2sig"], timeout=120, watch=[proc])
+    with local.stream_sse(dep.http_port, "/v1/completions",
+                          {"model": "tiny-2sig", "prompt": "x", "max_tokens": 20000, "ignore_eos": True,
+                           "stream": True}) as events:
+        next(events)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert proc.alive()  # draining the in-flight request
+        start = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(10)
+        elapsed = time.monotonic() - start
+    assert code == 1
+    assert elapsed < 5
+    assert "again; exiting immediately" in proc.log()
