@@ -171,3 +171,28 @@ def test_a_second_signal_exits_1_immediately(agg):
     assert code == 1
     assert elapsed < 5
     assert "again; exiting immediately" in proc.log()
+
+
+def test_drain_timeout_cancels_the_remaining_requests_and_exits_0(agg):
+    dep, _ = agg
+    mock = dep.mock(served_model_name="tiny-drain", seed=SEED, engine_args=ENGINE_ARGS)
+    proc = dep.trio_sidecar(mock, "--drain-timeout-secs", "1", name="drain-sidecar")
+    local.wait_for_models(dep.http_port, ["tiny-drain"], timeout=120, watch=[proc])
+    with local.stream_sse(dep.http_port, "/v1/completions",
+                          {"model": "tiny-drain", "prompt": "x", "max_tokens": 20000, "ignore_eos": True,
+                           "stream": True}) as events:
+        next(events)
+        start = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rest = list(events)  # ends after the drain bound with the cancelled chunk (the frontend's "stop")
+        ended = time.monotonic() - start
+    assert 0.9 <= ended < 15, ended
+    finishes = [c["choices"][0].get("finish_reason") for c in rest if c.get("choices")]
+    assert finishes and finishes[-1] == "stop"  # dynamo-worker.md §6.1: "cancelled" is shown as "stop"
+    assert sum(1 for c in rest if c.get("choices")) < 20000
+    assert proc.wait(30) == 0, proc.log()[-3000:]
+    assert "drain timeout reached; cancelling 1 remaining request(s)" in " ".join(proc.log().split())
+    deadline = time.monotonic() + 5
+    while mock.active() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert mock.active() == 0
