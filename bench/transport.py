@@ -323,6 +323,13 @@ def print_table(results: dict) -> None:
     ours = {w: results["ours", "ours", w]["rate"] for w in ("unary", "stream1", "stream100")}
     print("trio-sidecar → trio-sidecar vs raw purerpc → purerpc: " + ", ".join(
         f"{w} {ours[w] / raw[w]:.2f}×" for w in ("unary", "stream1", "stream100")))
+    checks = [
+        ("unary ≥ 0.75× grpc.aio", ours["unary"] / base["unary"] >= 0.75),
+        ("1 stream ≥ 1.0× grpc.aio", ours["stream1"] / base["stream1"] >= 1.0),
+        ("100 streams ≥ 1.0× grpc.aio", ours["stream100"] / base["stream100"] >= 1.0),
+        ("fixes cost ≤ 10% vs raw purerpc", all(ours[w] / raw[w] >= 0.9 for w in raw)),
+    ]
+    print("targets (issue 2 §4): " + "; ".join(f"{name}: {'met' if ok else 'NOT met'}" for name, ok in checks))
 
 
 if __name__ == "__main__":
