@@ -20,6 +20,7 @@ from prober_fakes import (
     server_info,
 )
 
+from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar.errors import ProtocolError
 from trio_sidecar.prober import (
     WATCH_ENDED,
@@ -250,6 +251,39 @@ async def test_watch_unimplemented_falls_back_to_check_polling(nursery):
         assert state.reason == "vLLM Health.Check is not SERVING"
         vllm.health.set_status("vllm.Control", SERVING)
         await prober.wait_for(HealthKind.SERVING)
+        assert len(prober.recovered) == 1
+
+
+def _failing_health(fail: trio.Event, watching: list):
+    """Watch streams end with UNAVAILABLE once ``fail`` is set (vLLM's SIGTERM path, clarification #8)."""
+    from trio_sidecar.transport import HealthServicer, RpcError
+
+    class Failing(HealthServicer):
+        async def Watch(self, request, context):
+            if fail.is_set():  # later sessions: a normal server again
+                async for message in super().Watch(request, context):
+                    yield message
+                return
+            yield health_pb2.HealthCheckResponse(status=SERVING)
+            watching.append(request.service)
+            await fail.wait()
+            raise RpcError(StatusCode.UNAVAILABLE, "server shutting down")
+
+    return Failing({"": SERVING, "vllm.Control": SERVING, "vllm.Inference": SERVING})
+
+
+async def test_watch_failing_with_a_status_is_unreachable_and_the_prober_reconnects(nursery):
+    fail, watching = trio.Event(), []
+    vllm = ScriptedVllm(nursery, health=_failing_health(fail, watching))
+    await vllm.start()
+    async with running_prober(vllm) as prober:
+        with trio.fail_after(20):
+            while len(watching) < 2:
+                await trio.sleep(0.01)
+        fail.set()
+        state = await prober.wait_for(HealthKind.UNREACHABLE)
+        assert state.reason.endswith("Health.Watch failed: server shutting down (Unavailable)")
+        await prober.wait_for(HealthKind.SERVING)  # a new session on a new connection
         assert len(prober.recovered) == 1
 
 
