@@ -24,6 +24,7 @@ from trio_sidecar.mock.generation import (
     token_at,
     token_logprob,
     token_seed,
+    TokenPlan,
 )
 
 FinishReason = pb.FinishInfo.FinishReason
@@ -150,3 +151,26 @@ def test_pure_modules_do_not_import_trio():
         "assert 'trio' not in sys.modules, 'trio imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_token_plan_behaves_like_a_tuple():
+    seed = token_seed(42, "stable")
+    plan = TokenPlan(seed, 5)
+    expected = (31728, 29888, 3667, 8592, 6614)
+    assert len(plan) == 5 and tuple(plan) == expected and list(plan) == list(expected)
+    assert plan[0] == 31728 and plan[-1] == 6614 and plan[1:3] == expected[1:3] and plan[3:] == expected[3:]
+    assert plan[::2] == expected[::2] and plan[10:] == ()
+    with pytest.raises(IndexError):
+        plan[5]
+    with pytest.raises(IndexError):
+        plan[-6]
+    assert plan == expected and plan == TokenPlan(seed, 5) and plan != TokenPlan(seed, 4) and plan != expected[:4]
+    assert bool(plan) and not TokenPlan(seed, 0)
+    assert 3667 in plan and plan.index(8592) == 3
+    assert repr(plan) == "TokenPlan([31728, 29888, 3667, 8592, 6614], len=5)"
+
+
+def test_large_plans_hold_no_tokens_and_out_of_range_stops_never_match():
+    plan = plan_output(token_seed(42, "big"), 32768, 0, [2, 0, 999, 32000])  # EOS-like ids: no match possible
+    assert len(plan.tokens) == 32768 and plan.finish_reason == FinishReason.LENGTH
+    assert plan.tokens[32767] == planned_tokens(42, "big", 32768)[-1]

@@ -11,8 +11,9 @@ Everything a request produces is a function of values the client controls, so te
   ``blake3(seed as u64 LE ‖ prompt ids as u32 LE)`` instead, so the same prompt always yields the same tokens
   whatever the request id. The UUID still comes from the request id.
 * Token ``p`` is splitmix64's finaliser over ``token_seed + p × golden ratio``, folded into [1000, 32000).
-  Positions are independent, so the whole output plan (already cut by stop tokens and the context cap) is
-  computed up front and handed to the scheduler.
+  Positions are independent, so the output plan (its length already cut by stop tokens and the context
+  cap) is decided up front and handed to the scheduler as a :class:`TokenPlan`, which computes each token
+  when it is read.
 * Text, logprobs and candidates are synthetic functions of the token id (§7.4); the protobuf pieces of the
   responses are built here too, so the server only moves them.
 """
@@ -20,7 +21,7 @@ Everything a request produces is a function of values the client controls, so te
 from __future__ import annotations
 
 import uuid as _uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import attrs
 from blake3 import blake3
@@ -35,6 +36,7 @@ __all__ = [
     "CandidateSpec",
     "OutputPlan",
     "RequestRejected",
+    "TokenPlan",
     "build_prompt_info",
     "build_sequence_output",
     "candidates_for",
@@ -127,11 +129,56 @@ def planned_tokens(seed: int, request_id: str, n: int) -> list[int]:
     return [token_at(s, p) for p in range(n)]
 
 
-@attrs.frozen
+class TokenPlan(Sequence[int]):
+    """The planned output tokens of one request, computed on access.
+
+    Positions are independent (§7.2), so a plan is just ``(token seed, length)``: creating one costs
+    nothing and holds no per-token memory, however large ``max_new_tokens`` is. Indexing and slicing
+    behave like a tuple's.
+    """
+
+    __slots__ = ("_length", "_seed")
+
+    def __init__(self, seed_value: int, length: int) -> None:
+        self._seed = seed_value
+        self._length = length
+
+    def __len__(self) -> int:
+        return self._length
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def]
+        if isinstance(index, slice):
+            return tuple(token_at(self._seed, p) for p in range(*index.indices(self._length)))
+        if index < 0:
+            index += self._length
+        if not 0 <= index < self._length:
+            raise IndexError("token plan index out of range")
+        return token_at(self._seed, index)
+
+    def __iter__(self) -> Iterator[int]:
+        seed_value = self._seed
+        return (token_at(seed_value, p) for p in range(self._length))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TokenPlan):
+            return (self._seed, self._length) == (other._seed, other._length)
+        if isinstance(other, Sequence) and not isinstance(other, str):
+            return len(other) == self._length and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  (equal to tuples, so not hashable consistently)
+
+    def __repr__(self) -> str:
+        head = ", ".join(str(t) for t in self[:5])
+        more = ", …" if self._length > 5 else ""
+        return f"TokenPlan([{head}{more}], len={self._length})"
+
+
+@attrs.frozen(eq=False)
 class OutputPlan:
     """What the scheduler will emit for one request, decided up front (§8)."""
 
-    tokens: tuple[int, ...]
+    tokens: Sequence[int]
     finish_reason: int  # FinishReason.LENGTH or FinishReason.STOP
     stop_token_id: int | None = None
 
@@ -142,16 +189,17 @@ def plan_output(
     """Plan the output: ``max_tokens`` tokens ending ``LENGTH``, or cut after the first stop token.
 
     A stop token counts only from position ``min_tokens`` on (vLLM masks stop tokens until the minimum);
-    the matching token itself is emitted and the terminal is ``STOP`` with ``stop_token_id``.
+    the matching token itself is emitted and the terminal is ``STOP`` with ``stop_token_id``. Stop ids
+    outside the mock's token range can never match, so they cost no scan (frontends routinely send the
+    model's EOS ids).
     """
-    stops = frozenset(stop_token_ids)
-    tokens: list[int] = []
-    for p in range(max_tokens):
-        token = token_at(seed_value, p)
-        tokens.append(token)
-        if p >= min_tokens and token in stops:
-            return OutputPlan(tuple(tokens), FinishReason.STOP, token)
-    return OutputPlan(tuple(tokens), FinishReason.LENGTH)
+    stops = {t for t in stop_token_ids if TOKEN_BASE <= t < TOKEN_BASE + TOKEN_SPAN}
+    if stops:
+        for p in range(min_tokens, max_tokens):
+            token = token_at(seed_value, p)
+            if token in stops:
+                return OutputPlan(TokenPlan(seed_value, p + 1), FinishReason.STOP, token)
+    return OutputPlan(TokenPlan(seed_value, max_tokens), FinishReason.LENGTH)
 
 
 # --- text, logprobs, candidates (§7.4) ----------------------------------------------------------------
