@@ -25,7 +25,9 @@ from trio_sidecar.status import StatusCode
 
 LOGGER = logging.getLogger("trio_sidecar.transport")
 
-RECEIVE_SIZE = 256 * 1024
+# Below glibc's 128 KiB mmap threshold: CPython allocates the whole buffer for every recv(), and a
+# 256 KiB buffer made each read ~17 µs slower (an mmap/munmap pair), several times per unary call.
+RECEIVE_SIZE = 64 * 1024
 # A sender parks until the writer has flushed once this much is queued, so a fast producer batches its
 # writes without ever holding more than this much outbound data per connection.
 WRITE_HIGH_WATER = 64 * 1024
