@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -244,7 +245,12 @@ def run_cell(client_impl: str, server_impl: str, workload: str, amount: float) -
              "--amount", str(amount)],
             stdout=subprocess.PIPE, text=True,
         )
-        output, _ = child.communicate(timeout=600)
+        try:
+            output, _ = child.communicate(timeout=600)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
         if child.returncode != 0:
             raise RuntimeError(f"client {client_impl}->{server_impl} {workload} failed")
         result = json.loads(output)
@@ -288,6 +294,8 @@ def main() -> None:
         _client_main(args)
         return
 
+    # Terminating the orchestrator still kills its server/client children (run_cell's finally).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     workloads = {
         "unary": 1.5 if args.quick else 3.0,  # seconds
         "stream1": 20_000 if args.quick else 50_000,  # messages
