@@ -10,7 +10,7 @@ import signal
 import time
 
 import pytest
-from dynamo_harness import require_dynamo
+from dynamo_harness import FAST_ENGINE_ARGS, MockThread, require_dynamo
 
 from trio_sidecar.dynamo import local
 
@@ -60,3 +60,19 @@ def test_sigterm_during_startup_exits_0_with_the_init_shutdown_line(workdir):
     assert code == 0, proc.log()[-2000:]
     assert "runtime shut down during sidecar initialization" in _collapsed(proc)
     assert "error:" not in proc.log()
+
+
+def test_a_registration_failure_exits_1_with_dynamos_message(workdir, tiny_model):
+    mock = MockThread(model=str(tiny_model), served_model_name="tiny", engine_args=FAST_ENGINE_ARGS).start()
+    env = local.dynamo_env(workdir / "kv")
+    proc = local.start_trio_sidecar(workdir, env, mock.address, namespace="cli",
+                                    extra=["--custom-jinja-template", str(workdir / "missing.jinja")])
+    try:
+        code = proc.wait(60)
+    finally:
+        proc.stop()
+        mock.stop()
+    assert code == 1, proc.log()[-2000:]
+    log = _collapsed(proc)
+    assert f"error: Custom template file does not exist: {workdir / 'missing.jinja'}" in log
+    assert "Exceptions from Trio nursery" not in log

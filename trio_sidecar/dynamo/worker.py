@@ -35,7 +35,8 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -466,13 +467,14 @@ async def _run_with_runtime(
     with state.startup() as scope:
         reporter.phase("start phase", config.startup_deadline)
         try:
-            async with open_sidecar(config, expected=bootstrap) as sidecar:
-                reporter.phase_done("start phase")
-                async with trio.open_nursery() as requests:
-                    requests.start_soon(bridge.run_dispatcher, sidecar.generate, requests)
-                    code = await _register_and_serve(config, options, state, reporter, thread, dynamo, bridge,
-                                                     sidecar)
-                    requests.cancel_scope.cancel()
+            async with _single_errors():
+                async with open_sidecar(config, expected=bootstrap) as sidecar:
+                    reporter.phase_done("start phase")
+                    async with trio.open_nursery() as requests:
+                        requests.start_soon(bridge.run_dispatcher, sidecar.generate, requests)
+                        code = await _register_and_serve(config, options, state, reporter, thread, dynamo,
+                                                         bridge, sidecar)
+                        requests.cancel_scope.cancel()
         except SidecarError as exc:
             _print_error(str(exc))
             return 1
@@ -520,6 +522,24 @@ async def _register_and_serve(
         return 1
     await _drain(options, thread, dynamo, bridge)
     return 0
+
+
+@asynccontextmanager
+async def _single_errors() -> AsyncIterator[None]:
+    """Re-raise a (nested) exception group holding exactly one exception as that exception.
+
+    Trio's strict nurseries wrap even a single failure (say, ``register_model`` rejecting the card); the
+    CLI must print that failure's own message, never "Exceptions from Trio nursery".
+    """
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        leaf: BaseException = group
+        while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
+            leaf = leaf.exceptions[0]
+        if leaf is group:
+            raise
+        raise leaf from leaf.__cause__
 
 
 async def _set_when(event: trio.Event, scope: trio.CancelScope) -> None:
