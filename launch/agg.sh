@@ -29,7 +29,8 @@
 #   TRIO_SIDECAR        trio-sidecar command ("$PYTHON -m trio_sidecar")
 #   READY_TIMEOUT       seconds to wait for readiness (600)
 #   STOP_TIMEOUT        seconds each child gets after SIGTERM before SIGKILL (20)
-#   WORK_DIR            working directory (a new temporary directory, removed on a clean exit)
+#   WORK_DIR            working directory: discovery files, logs, the children's TMPDIR (default: a new
+#                       temporary directory, removed on a clean exit)
 #
 # Security: vLLM's gRPC port is unauthenticated. It is bound to 127.0.0.1 here and must never be exposed.
 #
@@ -91,8 +92,10 @@ launch_setup() {
         WORK_DIR=$(mktemp -d "${TMPDIR:-/tmp}/trio-sidecar-launch.XXXXXX")
         LAUNCH_OWN_WORK_DIR=1
     fi
-    mkdir -p "$WORK_DIR/logs" "$WORK_DIR/file-kv"
+    mkdir -p "$WORK_DIR/logs" "$WORK_DIR/file-kv" "$WORK_DIR/tmp"
     LOG_DIR=$WORK_DIR/logs
+    # Children's temporary files (e.g. vLLM's vllm_dist_* files) go with the working directory.
+    export TMPDIR=$WORK_DIR/tmp
 
     trap 'launch_on_signal 130' INT
     trap 'launch_on_signal 143' TERM
@@ -198,6 +201,7 @@ launch_mock() {
 launch_vllm() {
     local name=$1 grpc_port=$2 http_port=$3
     shift 3
+    command -v "$VLLM" >/dev/null 2>&1 || launch_die "vLLM server command not found: $VLLM (set VLLM=/path/to/vllm-rs, or use --mock)"
     local served=()
     if [[ $SERVED_MODEL_NAME != "$MODEL" ]]; then
         served=(--served-model-name "$SERVED_MODEL_NAME")

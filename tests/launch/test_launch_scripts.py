@@ -21,8 +21,6 @@ import pytest
 
 from trio_sidecar.dynamo import local
 
-pytestmark = pytest.mark.dynamo
-
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH = REPO / "launch"
 READY = "trio-sidecar launch ready:"
@@ -118,6 +116,7 @@ CASES = [
 EXPECTED_CHILDREN = {"agg.sh": 3, "disagg.sh": 5, "agg_kv_router.sh": 5}
 
 
+@pytest.mark.dynamo
 @pytest.mark.parametrize(("name", "ports", "signum", "status"), CASES)
 def test_launch_script_serves_a_completion_and_stops_every_child(name, ports, signum, status, tiny_model, tmp_path):
     _require_dynamo()
@@ -157,6 +156,7 @@ def test_launch_script_serves_a_completion_and_stops_every_child(name, ports, si
         script.close()
 
 
+@pytest.mark.dynamo
 def test_launch_script_stops_everything_when_a_child_dies(tiny_model, tmp_path):
     """The mock is killed (by its PID): the script reports it, stops the rest and exits 1, keeping its logs."""
     _require_dynamo()
