@@ -196,3 +196,27 @@ def test_drain_timeout_cancels_the_remaining_requests_and_exits_0(agg):
     while mock.active() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert mock.active() == 0
+
+
+def test_data_parallel_mock_registers_dp_size_and_one_kv_publisher_per_rank(agg):
+    import json
+
+    dep, _ = agg
+    mock = dep.mock(served_model_name="tiny-dp", seed=SEED, engine_args={**ENGINE_ARGS, "dp_size": 2})
+    proc = dep.trio_sidecar(mock, namespace=dep.namespace, name="dp-sidecar")
+    local.wait_for_models(dep.http_port, ["tiny-dp"], timeout=120, watch=[proc])
+    assert "relaying KV events from 2 vLLM source(s) to the router" in " ".join(proc.log().split())
+    records = [json.loads(p.read_text()) for p in (dep.file_kv / "v1" / "mdc").glob("*")]
+    records = [r for r in records if r["card_json"]["display_name"] == "tiny-dp"]
+    assert [r["card_json"]["runtime_config"]["data_parallel_size"] for r in records] == [2]
+    assert records[0]["card_json"]["runtime_config"]["data_parallel_start_rank"] == 0
+
+    # The frontend forwards nvext.dp_rank (with the pinned instance) as routing.dp_rank (dynamo-worker.md §5.1).
+    status, body = local.post_json(dep.http_port, "/v1/completions",
+                                   {"model": "tiny-dp", "prompt": "rank one", "max_tokens": 2,
+                                    "nvext": {"backend_instance_id": records[0]["instance_id"], "dp_rank": 1}})
+    assert status == 200, body
+    rid = request_id_of(body["id"])
+    sent = [md for _, req, md, _ in mock.recorded() if req.request_id == rid]
+    assert len(sent) == 1
+    assert ("x-data-parallel-rank", "1") in sent[0]
