@@ -260,10 +260,6 @@ class _Inference(inference_grpc.InferenceServicer):
                     return
                 if fake.read_error_after is not None and sent >= fake.read_error_after:
                     completed = True
-                    # Let the chunks already sent arrive on their own first: the transport client (as of
-                    # 3c28189) reports a status that arrives together with the headers at the open,
-                    # dropping messages that came with them.
-                    await trio.sleep(0.05)
                     raise RpcError(StatusCode.UNAVAILABLE, "connection reset by fake vLLM")
                 if fake.bad_after is not None and sent >= fake.bad_after:
                     yield fake._chunk(request, index=1)
