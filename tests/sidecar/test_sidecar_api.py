@@ -169,6 +169,8 @@ async def test_drain_support_stop_admission_in_flight_and_cancel(fake):
         async with sidecar.generate(BODY, GenerateContext("drain")) as stream:
             first = await stream.__anext__()
             assert engine.in_flight == 1
+            assert "[started, 1 in flight, 0 aborts queued]" in repr(engine)
+            assert repr(sidecar) == "<Sidecar 'served-model' SERVING [1 in flight]>"
             engine.stop_admission()
             with pytest.raises(EngineShutdown, match="^vLLM sidecar is not started$"):
                 async with sidecar.generate(BODY):
