@@ -77,15 +77,37 @@ class Script:
         self.children = [p for p in psutil.Process(self.popen.pid).children() if "-m" in _cmdline(p)]
         self.descendants = [*self.children, *(d for c in self.children for d in c.children(recursive=True))]
 
+    def leftover_processes(self) -> list:
+        """Live processes from the snapshot, plus any process still in a session a child created (each child
+        runs under ``setsid``, so this also finds processes started after the snapshot, even reparented)."""
+        psutil = pytest.importorskip("psutil")
+        sessions = {p.pid for p in self.children}
+        found = {}
+        for proc in self.descendants:
+            try:
+                if proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE:
+                    found[proc.pid] = proc
+            except psutil.Error:
+                continue
+        for pid in psutil.pids():
+            try:
+                if os.getsid(pid) in sessions and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    found[pid] = psutil.Process(pid)
+            except (OSError, psutil.Error):
+                continue
+        return list(found.values())
+
+    def leftovers(self) -> list[str]:
+        return [" ".join(_cmdline(p)) or str(p.pid) for p in self.leftover_processes()]
+
     def close(self) -> None:
-        """Fallback cleanup by PID: the script's process group, then any descendant still running."""
+        """Fallback cleanup by PID: the script's process group, then every leftover process."""
         if self.popen.poll() is None:
             os.killpg(self.popen.pid, signal.SIGKILL)
             self.popen.wait(10)
-        for proc in self.descendants:
+        for proc in self.leftover_processes():
             try:
-                if proc.is_running():
-                    proc.kill()
+                proc.kill()
             except Exception:  # noqa: BLE001 - already gone
                 pass
         self._out.close()
@@ -149,8 +171,7 @@ def test_launch_script_serves_a_completion_and_stops_every_child(name, ports, si
         assert returncode == status, out
         assert f"stopped {EXPECTED_CHILDREN[name]} process(es)" in out
         assert "did not stop within" not in out
-        leftovers = [p for p in script.descendants if p.is_running() and p.status() != "zombie"]
-        assert leftovers == [], [p.cmdline() for p in leftovers]
+        assert script.leftovers() == []
         assert list(script.tmpdir.glob("trio-sidecar-launch.*")) == []
     finally:
         script.close()
@@ -171,8 +192,7 @@ def test_launch_script_stops_everything_when_a_child_dies(tiny_model, tmp_path):
         out = script.output()
         assert returncode == 1, out
         assert "mock exited" in out
-        leftovers = [p for p in script.descendants if p.is_running() and p.status() != "zombie"]
-        assert leftovers == [], [p.cmdline() for p in leftovers]
+        assert script.leftovers() == []
         kept = list(script.tmpdir.glob("trio-sidecar-launch.*/logs/trio-sidecar.log"))
         assert len(kept) == 1
     finally:
