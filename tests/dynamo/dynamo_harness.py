@@ -103,6 +103,22 @@ class MockThread:
             raise self._error
 
 
+def free_system_port() -> int:
+    """A free 127.0.0.1 port below 32768: Dynamo 1.6.1 parses ``DYN_SYSTEM_PORT`` as an i16."""
+    import random
+    import socket
+
+    for _ in range(200):
+        port = random.randint(20000, 32000)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below 32768")
+
+
 class Deployment:
     """One module's processes: a frontend, sidecars and in-process mocks, all torn down by :meth:`close`."""
 
@@ -130,8 +146,8 @@ class Deployment:
         return proc
 
     def trio_sidecar(self, mock: MockThread, *extra: str, namespace: str | None = None,
-                     name: str = "trio-sidecar") -> local.Process:
-        proc = local.start_trio_sidecar(self.workdir, self.env, mock.address,
+                     name: str = "trio-sidecar", env: dict[str, str] | None = None) -> local.Process:
+        proc = local.start_trio_sidecar(self.workdir, {**self.env, **(env or {})}, mock.address,
                                         namespace=namespace or self.namespace, extra=extra, name=name)
         self.processes.append(proc)
         return proc

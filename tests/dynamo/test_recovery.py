@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from dynamo_harness import FAST_ENGINE_ARGS, MockThread
+from dynamo_harness import FAST_ENGINE_ARGS, MockThread, free_system_port
 
 from trio_sidecar.dynamo import local
 
@@ -29,10 +29,18 @@ def rec(deployment_factory):
     dep = deployment_factory()
     holder = {"mock": dep.mock(served_model_name="tiny", engine_args=FAST_ENGINE_ARGS)}
     dep.frontend()
+    system_port = free_system_port()
     proc = dep.trio_sidecar(holder["mock"], "--unserving-grace-secs", str(int(GRACE)),
-                            "--grpc-retry-interval-secs", "1", "--grpc-connect-attempt-timeout-secs", "2")
+                            "--grpc-retry-interval-secs", "1", "--grpc-connect-attempt-timeout-secs", "2",
+                            env={"DYN_SYSTEM_PORT": str(system_port)})
     dep.wait_ready("tiny")
+    dep.system_port = system_port
     return dep, holder, proc
+
+
+def _system_health(dep) -> str:
+    status, body = local.get_json(dep.system_port, "/health")
+    return body["status"]
 
 
 def _complete(dep) -> tuple[int, object]:
@@ -66,6 +74,7 @@ def test_not_serving_takes_the_instance_out_of_rotation_and_recovery_puts_it_bac
     dep, holder, proc = rec
     mock = holder["mock"]
     assert _complete(dep)[0] == 200
+    assert _system_health(dep) == "ready"  # DYN_SYSTEM_PORT's /health, like the native sidecar
     start = time.monotonic()
     mock.call(mock.mock.set_serving_status, None, NOT_SERVING)
     gone = local.wait_for_no_model(dep.http_port, "tiny", timeout=30)
@@ -73,12 +82,14 @@ def test_not_serving_takes_the_instance_out_of_rotation_and_recovery_puts_it_bac
     assert time.monotonic() - start >= GRACE * 0.9  # not before the grace period
     _wait_log(proc, "taking the instance out of rotation")
     assert proc.alive()
+    assert _system_health(dep) == "notready"
 
     mock.call(mock.mock.set_serving_status, None, SERVING)
     local.wait_for_models(dep.http_port, ["tiny"], timeout=30, watch=[proc])
     _wait_log(proc, "the instance is back in rotation")
     status, body = _complete(dep)
     assert status == 200, body
+    assert _system_health(dep) == "ready"
 
 
 def test_a_short_outage_within_the_grace_keeps_the_instance_registered(rec):

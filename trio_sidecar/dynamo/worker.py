@@ -241,11 +241,20 @@ class DynamoSide:
             except Exception:  # noqa: BLE001 - best effort on the way out
                 LOGGER.debug("KvEventPublisher.shutdown failed", exc_info=True)
 
+    async def set_ready(self, ready: bool) -> None:
+        """The runtime's system-level health (``/health`` and ``/live`` when ``DYN_SYSTEM_PORT`` is set).
+
+        The runtime starts ``NotReady``; the native sidecar reports ready once serving, so do we.
+        """
+        self.runtime.set_health_status(ready)
+
     async def unregister(self) -> None:
         await self.endpoint.unregister_endpoint_instance()
+        self.runtime.set_health_status(False)
 
     async def register(self) -> None:
         await self.endpoint.register_endpoint_instance()
+        self.runtime.set_health_status(True)
 
     async def wait_serving_ended(self) -> None:
         """Wait for ``serve_endpoint``'s future (shielded: a cancelled waiter never cancels serving)."""
@@ -502,6 +511,7 @@ async def _register_and_serve(
     reporter.phase("registering with Dynamo")
     await thread.run(dynamo.serve_and_register, plan, bridge.handler)
     count = await thread.run(dynamo.replace_publishers, plan, sources)
+    await thread.run(dynamo.set_ready, True)
     reporter.phase_done("registering with Dynamo")
     if count:
         LOGGER.info("relaying KV events from %d vLLM source(s) to the router", count)
