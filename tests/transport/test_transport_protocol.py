@@ -190,3 +190,27 @@ def test_grpc_message_percent_encoding_round_trips(message):
 
 def test_grpc_message_keeps_printable_ascii_and_escapes_percent():
     assert encode_grpc_message("a b:c/%\n") == "a b:c/%25%0A"
+
+
+_HEADER = st.tuples(st.sampled_from([":path", "content-type", "x-data-parallel-rank", "grpc-timeout"]),
+                    st.sampled_from(["0", "1", "application/grpc", "/vllm.Control/Abort", "200000u"]))
+# Each step: maybe a new SETTINGS_HEADER_TABLE_SIZE from the peer, then one header block. (hpack 3.0 only
+# signals the last of several size changes made between two blocks, so sizes change one at a time.)
+_STEP = st.tuples(st.one_of(st.none(), st.sampled_from([64, 256, 4096])), st.lists(_HEADER, min_size=1, max_size=4))
+
+
+@given(st.lists(_STEP, min_size=1, max_size=40))
+def test_hpack_caches_give_the_same_bytes_and_headers_as_plain_hpack(steps):
+    import hpack
+
+    from trio_sidecar.transport._protocol import _CachingDecoder, _CachingEncoder
+
+    cached_encoder, plain_encoder = _CachingEncoder(), hpack.Encoder()
+    cached_decoder, plain_decoder = _CachingDecoder(), hpack.Decoder()
+    for size, step in steps:
+        if size is not None and size != plain_encoder.header_table_size:
+            cached_encoder.header_table_size = plain_encoder.header_table_size = size
+        block = cached_encoder.encode(list(step))
+        assert block == plain_encoder.encode(list(step))
+        decoded = cached_decoder.decode(block)
+        assert decoded == plain_decoder.decode(block) == list(step)

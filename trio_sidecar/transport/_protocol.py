@@ -21,6 +21,8 @@ import math
 import urllib.parse
 
 import h2.config
+import hpack
+import hpack.table
 import h2.connection
 import h2.events
 import h2.exceptions
@@ -108,6 +110,83 @@ class SettingsReceived:
 _SETTINGS_RECEIVED = SettingsReceived()
 
 
+class _VersionedTable(hpack.table.HeaderTable):
+    """An HPACK header table that counts its mutations (entries added, size changed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.version = 0
+
+    def add(self, name, value):  # type: ignore[no-untyped-def]
+        self.version += 1
+        super().add(name, value)
+
+    @property
+    def maxsize(self):  # type: ignore[no-untyped-def]
+        return self._maxsize
+
+    @maxsize.setter
+    def maxsize(self, newmax):  # type: ignore[no-untyped-def]
+        self.version += 1
+        hpack.table.HeaderTable.maxsize.fset(self, newmax)
+
+
+_HPACK_CACHE_SIZE = 256
+
+
+class _CachingEncoder(hpack.Encoder):
+    """Reuses the encoding of a header list while the dynamic table has not changed since.
+
+    Encoding a list whose every header is already in the table does not touch the table and always gives
+    the same bytes, and steady-state gRPC header blocks (request line, ``:status 200``, ``grpc-status 0``)
+    are exactly that. About a tenth of a unary call's CPU was spent in pure-Python HPACK encoding.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.header_table = _VersionedTable()
+        self._cache: dict = {}
+
+    def encode(self, headers, huffman=True):  # type: ignore[no-untyped-def]
+        if type(headers) is not list or not huffman:
+            return super().encode(headers, huffman)
+        key = tuple(headers)
+        table = self.header_table
+        hit = self._cache.get(key)
+        if hit is not None and hit[0] == table.version and not table.resized:
+            return hit[1]
+        version = table.version
+        block = super().encode(headers, huffman)
+        if table.version == version:
+            if len(self._cache) >= _HPACK_CACHE_SIZE:
+                self._cache.clear()
+            self._cache[key] = (version, block)
+        return block
+
+
+class _CachingDecoder(hpack.Decoder):
+    """Reuses the decoding of a header block while the dynamic table has not changed since (see above)."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.header_table = _VersionedTable()
+        self._cache: dict = {}
+
+    def decode(self, data, raw=False):  # type: ignore[no-untyped-def]
+        key = (bytes(data), raw)
+        table = self.header_table
+        hit = self._cache.get(key)
+        if hit is not None and hit[0] == table.version:
+            return list(hit[1])
+        version = table.version
+        headers = super().decode(data, raw)
+        if table.version == version:
+            if len(self._cache) >= _HPACK_CACHE_SIZE:
+                self._cache.clear()
+            self._cache[key] = (version, tuple(headers))
+        return headers
+
+
 class _H2Connection(h2.connection.H2Connection):
     """h2 3.2.0 with h2 4.x's tolerance of a WINDOW_UPDATE for an already-closed stream.
 
@@ -120,6 +199,13 @@ class _H2Connection(h2.connection.H2Connection):
 
     #: How many late WINDOW_UPDATE frames were ignored (process-wide; a diagnostic for tests/benchmarks).
     late_window_updates = 0
+
+    def __init__(self, config: h2.config.H2Configuration) -> None:
+        super().__init__(config)
+        self.encoder = _CachingEncoder()
+        decoder = _CachingDecoder()
+        decoder.max_header_list_size = self.decoder.max_header_list_size
+        self.decoder = decoder
 
     def _receive_window_update_frame(self, frame):  # type: ignore[no-untyped-def]
         try:
