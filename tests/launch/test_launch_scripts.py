@@ -215,3 +215,25 @@ def test_launch_scripts_default_to_loopback_and_document_their_variables():
         assert "unauthenticated" in header
         result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
         assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("name", ["agg.sh", "disagg.sh", "agg_kv_router.sh"])
+def test_launch_script_help_and_unknown_arguments(name, tmp_path):
+    env = {**_env(), "TMPDIR": str(tmp_path)}
+    shown = subprocess.run(["bash", str(LAUNCH / name), "--help"], env=env, capture_output=True, text=True,
+                           timeout=30)
+    assert shown.returncode == 0
+    assert "Usage:" in shown.stderr and "--mock" in shown.stderr
+    bad = subprocess.run(["bash", str(LAUNCH / name), "--bogus"], env=env, capture_output=True, text=True,
+                         timeout=30)
+    assert bad.returncode == 1
+    assert "unknown argument: --bogus" in bad.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing was created
+
+
+def test_launch_script_without_vllm_fails_before_starting_anything(tmp_path):
+    env = {**_env(), "TMPDIR": str(tmp_path), "VLLM": str(tmp_path / "no-such-vllm-rs")}
+    result = subprocess.run(["bash", str(LAUNCH / "agg.sh")], env=env, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1
+    assert "vLLM server command not found" in result.stderr
+    assert "started" not in result.stderr
