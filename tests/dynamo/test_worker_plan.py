@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from trio_sidecar.config import DisaggregationMode, SidecarConfig, WorkerOptions
-from trio_sidecar.dynamo.worker import plan_registration, worker_namespace
+from trio_sidecar.dynamo.worker import health_check_payload, plan_registration, worker_namespace
 from trio_sidecar.errors import InvalidArgument
 from trio_sidecar.model import EngineConfig
 from trio_sidecar.routing import KvEventSource
@@ -122,3 +122,27 @@ def test_namespace_worker_suffix_is_appended_once(namespace, suffix, expected):
 def test_encode_mode_is_rejected():
     with pytest.raises(InvalidArgument, match="encode mode is not supported by the vLLM sidecar"):
         plan(DisaggregationMode.ENCODE)
+
+
+def test_health_check_payload_uses_the_models_bos_token_and_the_canary_marker(tmp_path):
+    (tmp_path / "generation_config.json").write_text('{"bos_token_id": 0, "eos_token_id": 1}')
+    payload = health_check_payload(str(tmp_path), {})
+    assert payload == {
+        "token_ids": [0],
+        "stop_conditions": {"max_tokens": 1, "ignore_eos": True},
+        "sampling_options": {"temperature": 0.0},
+        "_HEALTH_CHECK": True,
+    }
+    assert health_check_payload("org/hub-model-id", {})["token_ids"] == [1]  # not a readable directory
+
+
+def test_health_check_payload_env_override(tmp_path):
+    override = '{"token_ids": [7, 8], "stop_conditions": {"max_tokens": 2}}'
+    assert health_check_payload("m", {"DYN_HEALTH_CHECK_PAYLOAD": override}) == {
+        "token_ids": [7, 8], "stop_conditions": {"max_tokens": 2}, "_HEALTH_CHECK": True}
+    path = tmp_path / "hc.json"
+    path.write_text('{"token_ids": [9]}')
+    assert health_check_payload("m", {"DYN_HEALTH_CHECK_PAYLOAD": f"@{path}"})["token_ids"] == [9]
+    # Unreadable or non-object overrides fall back to the default.
+    assert health_check_payload("m", {"DYN_HEALTH_CHECK_PAYLOAD": "[1, 2]"})["token_ids"] == [1]
+    assert health_check_payload("m", {"DYN_HEALTH_CHECK_PAYLOAD": "{not json"})["token_ids"] == [1]

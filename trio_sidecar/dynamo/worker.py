@@ -30,12 +30,13 @@ as ``error: {message}``), a fatal identity change after recovery, or a runtime t
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -72,7 +73,7 @@ _FIXED_COMPONENT = {DisaggregationMode.PREFILL: "prefill", DisaggregationMode.DE
 _NEEDS = {DisaggregationMode.PREFILL: (("Decode",),), DisaggregationMode.DECODE: (("Prefill",),)}
 
 
-def worker_namespace(namespace: str, environ: dict[str, str] | os._Environ[str] = os.environ) -> str:
+def worker_namespace(namespace: str, environ: Mapping[str, str] = os.environ) -> str:
     """Apply ``DYN_NAMESPACE_WORKER_SUFFIX`` like the native sidecar: ``-{suffix}`` unless empty or present."""
     suffix = environ.get("DYN_NAMESPACE_WORKER_SUFFIX", "").strip()
     if not suffix or namespace.endswith(f"-{suffix}"):
@@ -94,6 +95,7 @@ class WorkerPlan:
     kv_cache_block_size: int | None
     runtime_config: dict[str, Any]  # ModelRuntimeConfig attributes to set (None values already dropped)
     custom_template_path: str | None
+    health_check_payload: dict[str, Any]  # Dynamo's canary request (used only if canaries are enabled)
     local_indexer: bool  # KvEventPublisher(enable_local_indexer=...): off for decode workers
 
 
@@ -103,7 +105,7 @@ def plan_registration(
     engine: EngineConfig,
     sources: Sequence[KvEventSource],
     *,
-    environ: dict[str, str] | os._Environ[str] = os.environ,
+    environ: Mapping[str, str] = os.environ,
 ) -> WorkerPlan:
     """Build the registration from the start-phase ``EngineConfig`` (sidecar.md §11, dynamo-worker.md §7).
 
@@ -155,8 +157,55 @@ def plan_registration(
         kv_cache_block_size=engine.kv_cache_block_size,
         runtime_config=runtime,
         custom_template_path=options.custom_jinja_template,
+        health_check_payload=health_check_payload(engine.model, environ),
         local_indexer=local_indexer,
     )
+
+
+HEALTH_CHECK_KEY = "_HEALTH_CHECK"
+
+
+def health_check_payload(model_path: str, environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """The canary request Dynamo sends when its health checks are enabled (``DYN_HEALTH_CHECK_ENABLED``).
+
+    Dynamo's token-input backends use one BOS token, ``max_tokens`` 1, ``ignore_eos``, temperature 0, and
+    the ``_HEALTH_CHECK`` marker; ``DYN_HEALTH_CHECK_PAYLOAD`` (JSON, or ``@file``) overrides it. The BOS id
+    comes from the model directory's ``generation_config.json``/``config.json`` when readable, else 1.
+    Canaries are served like any other request (clarification #23).
+    """
+    payload: dict[str, Any] = {
+        "token_ids": [_bos_token_id(model_path)],
+        "stop_conditions": {"max_tokens": 1, "ignore_eos": True},
+        "sampling_options": {"temperature": 0.0},
+    }
+    override = environ.get("DYN_HEALTH_CHECK_PAYLOAD", "").strip()
+    if override:
+        try:
+            if override.startswith("@"):
+                with open(override[1:], encoding="utf-8") as f:
+                    parsed = json.load(f)
+            else:
+                parsed = json.loads(override)
+        except (OSError, ValueError) as exc:
+            LOGGER.warning("ignoring DYN_HEALTH_CHECK_PAYLOAD: %s", exc)
+        else:
+            if isinstance(parsed, dict):
+                payload = parsed
+            else:
+                LOGGER.warning("ignoring DYN_HEALTH_CHECK_PAYLOAD: not a JSON object")
+    return {**payload, HEALTH_CHECK_KEY: True}
+
+
+def _bos_token_id(model_path: str) -> int:
+    for name in ("generation_config.json", "config.json"):
+        try:
+            with open(os.path.join(model_path, name), encoding="utf-8") as f:
+                value = json.load(f).get("bos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return 1
 
 
 # --- the asyncio side ---------------------------------------------------------------------------------------
@@ -187,7 +236,9 @@ class DynamoSide:
         from dynamo.llm import ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
 
         # serve_endpoint returns a Future, not a coroutine (dynamo-worker.md §16).
-        self.serve = asyncio.ensure_future(self.endpoint.serve_endpoint(handler))
+        self.serve = asyncio.ensure_future(
+            self.endpoint.serve_endpoint(handler, health_check_payload=plan.health_check_payload)
+        )
         rc = ModelRuntimeConfig()
         for name, value in plan.runtime_config.items():
             setattr(rc, name, value)
