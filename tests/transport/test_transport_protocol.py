@@ -13,7 +13,7 @@ import h2.events
 import h2.exceptions
 import pytest
 from hyperframe.frame import Frame, GoAwayFrame, RstStreamFrame, WindowUpdateFrame
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.grpclib.connection import GRPCConnection
@@ -199,6 +199,7 @@ _HEADER = st.tuples(st.sampled_from([":path", "content-type", "x-data-parallel-r
 _STEP = st.tuples(st.one_of(st.none(), st.sampled_from([64, 256, 4096])), st.lists(_HEADER, min_size=1, max_size=4))
 
 
+@settings(max_examples=300, deadline=None)
 @given(st.lists(_STEP, min_size=1, max_size=40))
 def test_hpack_caches_give_the_same_bytes_and_headers_as_plain_hpack(steps):
     import hpack

@@ -155,9 +155,9 @@ class _CachingEncoder(hpack.Encoder):
         hit = self._cache.get(key)
         if hit is not None and hit[0] == table.version and not table.resized:
             return hit[1]
-        version = table.version
+        version, resized = table.version, table.resized
         block = super().encode(headers, huffman)
-        if table.version == version:
+        if table.version == version and not resized:  # (a resize is signalled inside the block)
             if len(self._cache) >= _HPACK_CACHE_SIZE:
                 self._cache.clear()
             self._cache[key] = (version, block)
