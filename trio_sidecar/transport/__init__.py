@@ -12,7 +12,8 @@ Layers:
 * ``_protocol`` (pure): ``GrpcProtocol``, a ``GRPCConnection`` subclass that turns every per-stream failure
   (RST_STREAM from the peer, an oversize message, malformed headers) into an event for that stream instead
   of an exception that kills the connection, and ``_H2Connection``, which tolerates h2 3.2.0's
-  WINDOW_UPDATE-after-close race inside h2's own frame handling (findings §10).
+  WINDOW_UPDATE-after-close race inside h2's own frame handling (findings §10). It also caches HPACK
+  encodings/decodings while the dynamic table is unchanged (steady-state gRPC header blocks repeat).
 * ``_connection``: one socket = one ``Connection`` with exactly two tasks. The **reader** feeds received
   bytes to the protocol and dispatches the events to ``Call`` objects (one per HTTP/2 stream) without
   awaiting. The **writer** is the only task that awaits on the socket: everyone else queues frames in h2
