@@ -8,7 +8,8 @@
 * malformed response/request headers or trailers fail only their stream (``StreamFailed``);
 * DATA for a stream without a read buffer no longer raises ``KeyError``;
 * GOAWAY becomes a ``GoAway`` event and the peer's first SETTINGS a ``SettingsReceived`` event;
-* the h2 3.2.0 WINDOW_UPDATE-after-close race is handled inside h2 (``_H2Connection``).
+* the h2 3.2.0 WINDOW_UPDATE-after-close race is handled inside h2 (``_H2Connection``);
+* HPACK header blocks are encoded/decoded once per dynamic-table state (``_CachingEncoder``/``Decoder``).
 
 Flow control: received DATA is acknowledged when the application consumes the message (or drops the
 stream), so a slow reader pushes back on its sender. ``discard_stream`` hands back everything still
@@ -21,12 +22,12 @@ import math
 import urllib.parse
 
 import h2.config
-import hpack
-import hpack.table
 import h2.connection
 import h2.events
 import h2.exceptions
 import h2.settings
+import hpack
+import hpack.table
 from h2.errors import ErrorCodes
 from h2.settings import SettingCodes
 from purerpc.grpclib.buffers import MessageReadBuffer
