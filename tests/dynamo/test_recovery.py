@@ -38,9 +38,14 @@ def rec(deployment_factory):
     return dep, holder, proc
 
 
-def _system_health(dep) -> str:
-    status, body = local.get_json(dep.system_port, "/health")
-    return body["status"]
+def _system_health(dep, expected: str | None = None, timeout: float = 10.0) -> str:
+    """``/health`` of the sidecar's system server; with ``expected``, poll until it says so (or time out)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status, body = local.get_json(dep.system_port, "/health")
+        if expected is None or body["status"] == expected or time.monotonic() > deadline:
+            return body["status"]
+        time.sleep(0.05)
 
 
 def _complete(dep) -> tuple[int, object]:
@@ -82,14 +87,14 @@ def test_not_serving_takes_the_instance_out_of_rotation_and_recovery_puts_it_bac
     assert time.monotonic() - start >= GRACE * 0.9  # not before the grace period
     _wait_log(proc, "taking the instance out of rotation")
     assert proc.alive()
-    assert _system_health(dep) == "notready"
+    assert _system_health(dep, "notready") == "notready"
 
     mock.call(mock.mock.set_serving_status, None, SERVING)
     local.wait_for_models(dep.http_port, ["tiny"], timeout=30, watch=[proc])
     _wait_log(proc, "the instance is back in rotation")
     status, body = _complete(dep)
     assert status == 200, body
-    assert _system_health(dep) == "ready"
+    assert _system_health(dep, "ready") == "ready"
 
 
 def test_a_short_outage_within_the_grace_keeps_the_instance_registered(rec):

@@ -146,3 +146,10 @@ def test_health_check_payload_env_override(tmp_path):
     # Unreadable or non-object overrides fall back to the default.
     assert health_check_payload("m", {"DYN_HEALTH_CHECK_PAYLOAD": "[1, 2]"})["token_ids"] == [1]
     assert health_check_payload("m", {"DYN_HEALTH_CHECK_PAYLOAD": "{not json"})["token_ids"] == [1]
+
+
+def test_a_canary_payload_is_registered_only_when_dynamo_health_checks_are_enabled():
+    assert plan(environ={}).health_check_payload is None
+    assert plan(environ={"DYN_HEALTH_CHECK_ENABLED": "false"}).health_check_payload is None
+    enabled = plan(environ={"DYN_HEALTH_CHECK_ENABLED": "true"}).health_check_payload
+    assert enabled is not None and enabled["_HEALTH_CHECK"] is True

@@ -95,7 +95,9 @@ class WorkerPlan:
     kv_cache_block_size: int | None
     runtime_config: dict[str, Any]  # ModelRuntimeConfig attributes to set (None values already dropped)
     custom_template_path: str | None
-    health_check_payload: dict[str, Any]  # Dynamo's canary request (used only if canaries are enabled)
+    # Dynamo's canary request, only when canaries are enabled (DYN_HEALTH_CHECK_ENABLED): with a payload the
+    # runtime derives /health from endpoint health and ignores set_health_status (docs/dynamo.md).
+    health_check_payload: dict[str, Any] | None
     local_indexer: bool  # KvEventPublisher(enable_local_indexer=...): off for decode workers
 
 
@@ -157,12 +159,18 @@ def plan_registration(
         kv_cache_block_size=engine.kv_cache_block_size,
         runtime_config=runtime,
         custom_template_path=options.custom_jinja_template,
-        health_check_payload=health_check_payload(engine.model, environ),
+        health_check_payload=(
+            health_check_payload(engine.model, environ) if _truthy(environ.get("DYN_HEALTH_CHECK_ENABLED")) else None
+        ),
         local_indexer=local_indexer,
     )
 
 
 HEALTH_CHECK_KEY = "_HEALTH_CHECK"
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in {"1", "true", "yes", "on"}
 
 
 def health_check_payload(model_path: str, environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
