@@ -178,8 +178,9 @@ async def test_subprocess_port_in_use_exits_1():
 
 
 async def _open_unread_stream(port: int) -> trio.SocketStream:
-    """A raw HTTP/2 client that starts a GenerateStream and never reads or grants window: the server's
-    handler parks on flow control after 64 KiB, so a graceful drain cannot finish."""
+    """A raw HTTP/2 client that starts a GenerateStream and never grants window: once the server has
+    sent the default 64 KiB its handler parks on flow control, so a graceful drain cannot finish.
+    Returns when the whole window has been used."""
     import h2.config
     import h2.connection
 
@@ -205,6 +206,16 @@ async def _open_unread_stream(port: int) -> trio.SocketStream:
     conn.send_data(1, b"\x00" + len(request).to_bytes(4, "big") + request, end_stream=True)
     stream = await trio.open_tcp_stream("127.0.0.1", port)
     await stream.send_all(conn.data_to_send())
+    import h2.events
+
+    received = 0
+    with trio.fail_after(30):
+        while received < 65535:  # h2's default initial window, never replenished
+            data = await stream.receive_some(65536)
+            assert data, "server closed the connection"
+            for event in conn.receive_data(data):
+                if isinstance(event, h2.events.DataReceived):
+                    received += event.flow_controlled_length
     return stream
 
 
@@ -218,7 +229,6 @@ async def test_a_second_signal_during_shutdown_exits_1_at_once():
                 assert await updates.__anext__() == health_pb2.HealthCheckResponse.SERVING
                 raw = await _open_unread_stream(port)
                 try:
-                    await trio.sleep(0.5)  # the server fills the stream's 64 KiB window and parks
                     process.send_signal(signal.SIGTERM)
                     with trio.fail_after(10):
                         assert await updates.__anext__() == health_pb2.HealthCheckResponse.NOT_SERVING
