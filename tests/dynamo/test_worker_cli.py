@@ -39,8 +39,12 @@ def test_an_unreachable_vllm_fails_startup_with_exit_1_and_the_typed_error(workd
     assert code == 1
     log = _collapsed(proc)
     assert f"Discovering vLLM model metadata from http://127.0.0.1:{port}; startup deadline: 1s" in log
+    # sidecar.md §7.2: the slot's own deadline check or, on a loaded machine, the phase deadline around
+    # the whole pool construction fires first; both are typed startup errors.
     assert (f"error: failed to establish the vLLM gRPC connection pool to http://127.0.0.1:{port} "
-            "for pool slot 1 within 1s") in log
+            "for pool slot 1 within 1s" in log
+            or f"error: vLLM gRPC connection pool to http://127.0.0.1:{port} exceeded the total startup deadline"
+            in log), log[-2000:]
 
 
 def test_sigterm_during_startup_exits_0_with_the_init_shutdown_line(workdir):
