@@ -7,7 +7,7 @@ import sys
 import uuid
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trio_sidecar._proto.vllm import inference_pb2 as pb
@@ -50,6 +50,7 @@ def test_preparation_is_deterministic_and_seed_dependent():
     assert request_uuid(43, "x") != request_uuid(42, "x")
 
 
+@settings(deadline=None)  # a loaded 2-core CI machine can stall one example past the default 200 ms
 @given(st.integers(0, 2**64 - 1), st.text(max_size=40))
 def test_uuid_is_version_4_rfc_variant_and_tokens_in_range(seed, request_id):
     u = uuid.UUID(request_uuid(seed, request_id))
