@@ -258,3 +258,30 @@ async def test_abandoned_streams_hand_back_memory_and_window(target):
         assert produced < 20 * 10_000
         response = await channel.unary_unary(GENERATE, request("echo", text="alive"), R, timeout=5)
         assert response.outputs.text == "alive"
+
+
+async def test_graceful_goaway_lets_open_calls_finish_and_refuses_new_ones(aio, recorder):
+    server = AioServer(aio, recorder)
+    await server.start()
+    try:
+        async with open_channel("127.0.0.1", server.port) as channel:
+            async with channel.unary_stream(GENERATE_STREAM, request("stream", n=10, interval_ms=50), R) as stream:
+                first = await stream.__anext__()
+                grpc_server, server.server = server.server, None
+                stopping = trio.Event()
+
+                async def stop() -> None:
+                    await aio.call(lambda: grpc_server.stop(5))  # GOAWAY, then let in-flight calls finish
+                    stopping.set()
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(stop)
+                    with trio.fail_after(5):
+                        while not channel.broken:
+                            await trio.sleep(0.005)
+                    rest = [m.outputs.index async for m in stream]
+            assert [first.outputs.index, *rest] == list(range(10))
+            with pytest.raises(ConnectionLostError):
+                await channel.unary_unary(GENERATE, request("echo"), R)
+    finally:
+        await server.stop()

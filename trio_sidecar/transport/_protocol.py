@@ -208,6 +208,22 @@ class _H2Connection(h2.connection.H2Connection):
         decoder.max_header_list_size = self.decoder.max_header_list_size
         self.decoder = decoder
 
+    def _receive_goaway_frame(self, frame):  # type: ignore[no-untyped-def]
+        """A graceful GOAWAY (NO_ERROR) leaves the connection usable for the streams already open.
+
+        RFC 9113 §6.8: streams up to ``last_stream_id`` still complete. h2 3.2.0 instead moves its state
+        machine to CLOSED, so every later frame of those streams (DATA, trailers, the PING grpcio sends
+        right after its GOAWAY) raises a connection-level ProtocolError, and it drops our queued output.
+        The transport refuses new calls itself after a GOAWAY (``GoAway`` event).
+        """
+        if frame.error_code:
+            return super()._receive_goaway_frame(frame)
+        event = h2.events.ConnectionTerminated()
+        event.error_code = h2.connection._error_code_from_int(frame.error_code)
+        event.last_stream_id = frame.last_stream_id
+        event.additional_data = frame.additional_data or None
+        return [], [event]
+
     def _receive_window_update_frame(self, frame):  # type: ignore[no-untyped-def]
         try:
             return super()._receive_window_update_frame(frame)
