@@ -180,7 +180,7 @@ class ProberHarness:
 
 
 def prober_config(port: int, **overrides) -> SidecarConfig:
-    fields = dict(grpc_endpoint=f"127.0.0.1:{port}", connect_attempt_timeout=5.0, retry_interval=0.05)
+    fields = dict(grpc_endpoint=f"127.0.0.1:{port}", connect_attempt_timeout=15.0, retry_interval=0.05)
     fields.update(overrides)
     return SidecarConfig(**fields)
 

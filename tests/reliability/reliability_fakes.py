@@ -410,7 +410,7 @@ def sidecar_config(address: str, **overrides):
     fields = dict(
         grpc_endpoint=address,
         grpc_connections=2,
-        connect_attempt_timeout=5.0,
+        connect_attempt_timeout=15.0,  # generous: a first Watch status may be slow on a loaded machine
         retry_interval=0.05,
         startup_deadline=30.0,
     )

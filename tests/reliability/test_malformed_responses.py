@@ -20,7 +20,7 @@ def config_for(port: int, **overrides) -> SidecarConfig:
     fields = dict(
         grpc_endpoint=f"127.0.0.1:{port}",
         grpc_connections=2,
-        connect_attempt_timeout=5.0,
+        connect_attempt_timeout=15.0,
         retry_interval=0.05,
         startup_deadline=30.0,
     )
