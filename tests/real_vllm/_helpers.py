@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 import uuid
 
 import attrs
@@ -17,6 +18,22 @@ GENERATE = "/vllm.Inference/Generate"
 ABORT = "/vllm.Control/Abort"
 PROMPT = (5, 6, 7, 8)
 CALL_TIMEOUT_S = 120.0
+
+
+# Cancellation races (§8.4): a 252-token stream takes 0.3-0.8 s, and under CPU contention vLLM sometimes
+# sends a stream's first message only together with most of its tokens (seen with grpcio clients too), so a
+# cancel sent "right after the first message" can land after the end. Such attempts are retried with a
+# fresh request id until this deadline; the losing streaks are correlated, hence a deadline, not a count.
+RACE_DEADLINE_S = 90.0
+
+
+def race_attempts(deadline_s: float = RACE_DEADLINE_S, min_attempts: int = 5):
+    """Attempt numbers for a ``for ... else: pytest.fail(...)`` retry loop (sleep 0.2 s between attempts)."""
+    start = time.monotonic()
+    n = 0
+    while n < min_attempts or time.monotonic() - start < deadline_s:
+        yield n
+        n += 1
 
 
 def unique_id(prefix: str) -> str:

@@ -290,6 +290,18 @@ class RealVllmServer:
         finally:
             self._log.close()
 
+    def leftovers(self) -> list[int]:
+        """PIDs of the process tree still alive (not zombies) after stop(); should be empty."""
+        alive = []
+        for proc in self.descendants():
+            if not process_exited(proc.pid):
+                try:
+                    if proc.is_running():
+                        alive.append(proc.pid)
+                except psutil.NoSuchProcess:
+                    pass
+        return alive
+
     def cleanup_files(self) -> None:
         shutil.rmtree(self.workdir, ignore_errors=True)
 

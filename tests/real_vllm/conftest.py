@@ -6,8 +6,8 @@ and its two variables are exported (``TRIO_SIDECAR_REAL_VLLM_PYTHON``, ``TRIO_SI
 Server lifetimes: starting vLLM costs 25-45 s on an idle 2-core machine (up to 3 minutes when other test
 suites share the cores), so one Python-supervised server is shared by the whole folder (``real_server``,
 session scope). Tests on it never break it, except the SIGTERM test, which uses it through
-``ending_real_server`` and is ordered last. The engine-death test needs the Rust-managed launch and gets a
-private server (``fresh_server``).
+``ending_real_server`` and is ordered last. ``test_variant_server.py`` starts its own Rust-managed server
+(LoRA and KV events on), whose last test kills its engine.
 """
 
 from __future__ import annotations
@@ -72,8 +72,7 @@ def _stop(server: RealVllmServer, label: str) -> None:
         took = server.stop()
         if not already_exited:
             TIMINGS.append((f"{label}: SIGTERM -> main process exited", took))
-        leftovers = [p.pid for p in server.descendants() if p.is_running() and p.status() != "zombie"]
-        assert not leftovers, f"vLLM descendants still running after stop: {leftovers}"
+        assert not server.leftovers(), f"vLLM processes still running after stop: {server.leftovers()}"
     finally:
         server.cleanup_files()
 
@@ -96,15 +95,3 @@ def ending_real_server(real_server):
     if isinstance(real_server, AttachedServer):
         pytest.skip("an attached server is never stopped by the tests")
     return real_server
-
-
-@pytest.fixture
-def fresh_server(request):
-    """A private server for tests that stop it; ``launch`` via indirect parametrization (default python).
-
-    Not warmed up: these tests only watch health and never time a generation.
-    """
-    launch = getattr(request, "param", "python")
-    server = _start(launch, warm_up=False)
-    yield server
-    _stop(server, f"fresh {launch} server")

@@ -21,6 +21,7 @@ from ._helpers import (
     collect,
     drop_outcome,
     generate_request,
+    race_attempts,
     unique_id,
 )
 from ._server import MAX_MODEL_LEN, SERVED_MODEL_NAME
@@ -221,7 +222,8 @@ async def test_abort_without_ids_and_with_unknown_ids_is_a_no_op(direct):
 
 
 async def test_abort_ends_an_open_stream_with_an_aborted_terminal_and_status_ok(direct):
-    for _attempt in range(5):  # a 252-token stream can finish before the Abort lands (§8.4)
+    for attempt in race_attempts():  # a 252-token stream can finish before the Abort lands (§8.4)
+        await trio.sleep(0.2 if attempt else 0)
         request_id = unique_id("abort-me")
         out_messages = []
         with trio.fail_after(60):
@@ -247,7 +249,8 @@ async def test_abort_ends_an_open_stream_with_an_aborted_terminal_and_status_ok(
 
 
 async def test_dropping_a_stream_auto_aborts_the_request(direct, real_server):
-    for _attempt in range(5):
+    for attempt in race_attempts():
+        await trio.sleep(0.2 if attempt else 0)
         request_id = unique_id("drop-me")
         offset = real_server.log_size()
         with trio.fail_after(60):

@@ -19,7 +19,7 @@ from trio_sidecar.mock import MockConfig, open_mock_server
 from trio_sidecar.status import StatusCode
 
 from ._client import open_direct_channel, rpc_error_types
-from ._helpers import collect, generate_request, unique_id
+from ._helpers import collect, generate_request, race_attempts, unique_id
 from ._server import MAX_MODEL_LEN, MAX_NUM_SEQS, SERVED_MODEL_NAME
 
 FINISH = inference_pb2.FinishInfo
@@ -224,7 +224,8 @@ async def test_same_control_and_health_answers(channels):
 
 async def test_same_abort_semantics(channels):
     for side, channel in channels.items():
-        for _attempt in range(10):
+        for attempt in race_attempts():
+            await trio.sleep(0.2 if attempt else 0)
             request_id = unique_id(f"abort-{side}")
             messages = []
             with trio.fail_after(60):

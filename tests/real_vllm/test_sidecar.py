@@ -27,7 +27,7 @@ from trio_sidecar.errors import ErrorKind, status_to_error
 from trio_sidecar.model import EngineConfig
 
 from ._client import open_direct_channel
-from ._helpers import collect, drop_outcome, unique_id
+from ._helpers import collect, drop_outcome, race_attempts, unique_id
 from ._server import MAX_MODEL_LEN, SERVED_MODEL_NAME
 
 PROMPT = [5, 6, 7, 8]
@@ -239,17 +239,18 @@ async def test_stop_token_through_the_sidecar_matches_a_direct_call(sidecar, dir
 # -- item 3: cancellation ------------------------------------------------------------------------------------
 #
 # On a loaded 2-core machine the server can produce a whole 252-token stream before a cancellation lands
-# (§8.4), so each test retries with a fresh request id when the server logged a normal completion.
+# (§8.4), so each test retries with a fresh request id when the server logged a normal completion
+# (``race_attempts``).
 # The sidecar's follow-up Control.Abort (abort_on_cancel) can also win the race against the reset and end
 # the request silently, so the tests that prove the reset path by the auto-abort log line turn it off.
-ATTEMPTS = 10
 
 
 async def test_stopping_a_request_aborts_it_on_the_server_and_spares_a_concurrent_one(direct, real_server):
     reference = (await collect(direct, direct_request(unique_id("ref"), max_tokens=LONG))).tokens()
     assert len(reference) == LONG
     async with open_sidecar(sidecar_config(real_server, abort_on_cancel=False)) as sidecar:
-        for _attempt in range(ATTEMPTS):
+        for attempt in race_attempts():
+            await trio.sleep(0.2 if attempt else 0)
             victim_id, bystander_id = unique_id("victim"), unique_id("bystander")
             offset = real_server.log_size()
             bystander_chunks: list = []
@@ -294,7 +295,8 @@ async def test_stopping_a_request_aborts_it_on_the_server_and_spares_a_concurren
 
 async def test_leaving_the_generate_block_early_aborts_the_request(real_server):
     async with open_sidecar(sidecar_config(real_server, abort_on_cancel=False)) as sidecar:
-        for _attempt in range(ATTEMPTS):
+        for attempt in race_attempts():
+            await trio.sleep(0.2 if attempt else 0)
             request_id = unique_id("leave")
             offset = real_server.log_size()
             with trio.fail_after(60):
@@ -308,7 +310,8 @@ async def test_leaving_the_generate_block_early_aborts_the_request(real_server):
 
 async def test_the_follow_up_abort_reaches_the_server_and_is_harmless(sidecar, real_server):
     """With abort_on_cancel (default) a cancelled request is also sent Control.Abort (sidecar.md §17.4)."""
-    for _attempt in range(ATTEMPTS):
+    for attempt in race_attempts():
+        await trio.sleep(0.2 if attempt else 0)
         request_id = unique_id("abort-after-cancel")
         offset = real_server.log_size()
         sent_before = sidecar.engine.aborts_sent
@@ -334,7 +337,8 @@ async def test_the_follow_up_abort_reaches_the_server_and_is_harmless(sidecar, r
 
 
 async def test_control_abort_ends_a_sidecar_stream_with_a_cancelled_chunk(sidecar, direct):
-    for _attempt in range(ATTEMPTS):
+    for attempt in race_attempts():
+        await trio.sleep(0.2 if attempt else 0)
         request_id = unique_id("abort-via-control")
         chunks = []
         with trio.fail_after(60):

@@ -1,0 +1,131 @@
+"""The Rust-managed launch (``vllm-rs serve``) with LoRA and KV events on (real-vllm-on-cpu.md §5, §8.2, §8.7).
+
+One private server for the module: the LoRA and KV-event variants of Control, the sidecar's KV-event
+source discovery against it (sidecar.md §18.2), and finally engine death (the EngineCore killed with
+SIGKILL), which ends the server, so that test is the last one in this file.
+
+KV-event endpoints are concrete loopback addresses. vLLM 0.32 *binds* its PUB socket only for wildcard or
+ipc endpoints and *connects* it otherwise (``vllm/distributed/kv_events.py``), so with these settings
+nothing listens on the PUB port; the replay ROUTER binds 127.0.0.1. Only discovery is tested here.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import pytest
+import trio
+
+from trio_sidecar import HealthKind, KvEventSource, SidecarConfig, WorkerOptions, discover, open_sidecar
+from trio_sidecar.status import StatusCode
+
+from ._client import open_direct_channel
+from ._health import assert_left_serving, observe_shutdown
+from ._helpers import collect, generate_request, unique_id
+from ._server import TIMINGS, env_from_environ, free_ports, process_exited, start_ready_server
+from ._wire import RawMessage, decode, scalar_fields
+
+MAX_LORAS = 2
+
+
+@pytest.fixture(scope="module")
+def variant_server():
+    env = env_from_environ()
+    assert env is not None
+    kv_port, replay_port = free_ports(2)
+    kv_config = {
+        "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
+        "endpoint": f"tcp://127.0.0.1:{kv_port}", "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+    }
+    server = start_ready_server(
+        env, launch="rust", warm_up=False,
+        extra_args=("--enable-lora", "--max-loras", str(MAX_LORAS), "--kv-events-config", json.dumps(kv_config)),
+    )
+    TIMINGS.append(("rust launch (LoRA, KV events): start -> SERVING", server.ready_after_s or 0.0))
+    server.kv_endpoints = (kv_config["endpoint"], kv_config["replay_endpoint"])
+    try:
+        yield server
+    finally:
+        try:
+            server.stop()
+            assert not server.leftovers(), f"vLLM processes still running after stop: {server.leftovers()}"
+        finally:
+            server.cleanup_files()
+
+
+@pytest.fixture
+async def direct(variant_server):
+    async with open_direct_channel(variant_server.host, variant_server.grpc_port) as channel:
+        yield channel
+
+
+async def test_lora_and_kv_event_variants_of_control(direct, variant_server):
+    server_info = scalar_fields(
+        (await direct.unary_unary("/vllm.Control/GetServerInfo", RawMessage(), RawMessage, timeout=30)).data
+    )
+    assert server_info[10] == MAX_LORAS  # max_loras, field 10 (the fork's bool collided here, §8.6)
+    assert (server_info[11], server_info[14]) == (b"", 128)
+    model_info = scalar_fields(
+        (await direct.unary_unary("/vllm.Control/GetModelInfo", RawMessage(), RawMessage, timeout=30)).data
+    )
+    assert model_info[22] == 1  # supports_lora
+    sources = decode(
+        (await direct.unary_unary("/vllm.Control/GetKvEventSources", RawMessage(), RawMessage, timeout=30)).data
+    )
+    endpoint, replay = variant_server.kv_endpoints
+    assert [decode(s) for s in sources[1]] == [{
+        1: [b"zmq"], 2: [endpoint.encode()], 3: [b"kv"], 4: [replay.encode()],
+        5: [0],  # data_parallel_rank is `optional`: rank 0 is on the wire
+        6: [b"msgpack"], 7: [1], 8: [10000], 9: [100000], 10: [100000],
+    }]
+
+
+async def test_unknown_lora_adapter_on_a_lora_engine_is_not_found(direct):
+    out = await collect(direct, generate_request(unique_id("lora"), lora_name="adapter"))
+    assert (out.phase, out.code, out.message) == ("open", StatusCode.NOT_FOUND, "LoRA adapter `adapter` is not loaded")
+
+
+async def test_rl_and_lora_rpcs_answer_on_the_real_server(direct):
+    # The mock answers UNIMPLEMENTED for these by design (mock-server.md §18 item 7).
+    assert (await direct.unary_unary("/vllm.Control/ListLoras", RawMessage(), RawMessage, timeout=30)).data == b""
+    assert (await direct.unary_unary("/vllm.Control/IsPaused", RawMessage(), RawMessage, timeout=30)).data == b""
+    version = await direct.unary_unary("/vllm.Control/GetWeightVersion", RawMessage(), RawMessage, timeout=30)
+    assert decode(version.data) == {1: [b"default"]}
+
+
+async def test_sidecar_discovers_the_kv_event_source_and_registers_kv_publishing(variant_server):
+    from trio_sidecar.dynamo.worker import plan_registration
+
+    config = SidecarConfig(grpc_endpoint=variant_server.endpoint, grpc_connections=1, startup_deadline=60.0,
+                           connect_attempt_timeout=10.0, retry_interval=0.5)
+    with trio.fail_after(60):
+        model = await discover(config)
+        async with open_sidecar(config, expected=model) as sidecar:
+            assert sidecar.health.value.kind is HealthKind.SERVING
+            sources = sidecar.kv_event_sources
+            engine_config = sidecar.engine_config
+    assert model.model_info.supports_lora and model.server_info.max_loras == MAX_LORAS
+    endpoint, _replay = variant_server.kv_endpoints
+    assert sources == (KvEventSource(endpoint=endpoint, topic="kv", dp_rank=0),)
+    plan = plan_registration(config, WorkerOptions(), engine_config, sources, environ={})
+    assert plan.runtime_config["kv_event_publishing_enabled"] is True
+    assert plan.local_indexer is True
+
+
+# Last in this module: it ends the server.
+async def test_engine_death_under_vllm_rs_serve_leaves_serving(variant_server):
+    engines = [p for p in variant_server.descendants() if p.name() == "VLLM::EngineCore"]
+    assert len(engines) == 1, [(p.pid, p.name()) for p in variant_server.descendants()]
+
+    def kill_engine():
+        engines[0].send_signal(signal.SIGKILL)  # psutil checks PID *and* create time: still our descendant
+
+    seen = await observe_shutdown(variant_server, kill_engine)
+    assert_left_serving(seen)
+    # §8.7 (grpcio client): NOT_SERVING on all three about 2-3.5 s after the kill, then the Watch ends OK and
+    # the process exits. Through our transport the final OK trailers (and sometimes the NOT_SERVING update)
+    # are lost in the connection failure (docs/conformance.md), so either path is accepted.
+    assert variant_server.exited() and process_exited(engines[0].pid)
+    TIMINGS.append(("EngineCore SIGKILL -> vllm-rs serve exited", seen["process_exited_s"]))
+    print(f"\nEngineCore SIGKILL (exit status {variant_server.popen.returncode}): {seen}")
