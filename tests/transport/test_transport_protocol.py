@@ -215,3 +215,84 @@ def test_hpack_caches_give_the_same_bytes_and_headers_as_plain_hpack(steps):
         assert block == plain_encoder.encode(list(step))
         decoded = cached_decoder.decode(block)
         assert decoded == plain_decoder.decode(block) == list(step)
+
+
+def _server_bound_bytes(body_size: int) -> tuple[GrpcProtocol, bytes]:
+    server, client = connected_pair(max_message_length=1024)
+    client.send_headers(1, REQUEST_HEADERS)
+    client.send_data(1, grpc_frame(b"x" * body_size), end_stream=True)
+    return server, client.data_to_send()
+
+
+def _client_bound_bytes(body_size: int, http_status: str, grpc_status: str) -> tuple[GrpcProtocol, bytes]:
+    client = GrpcProtocol(GRPCConfiguration(client_side=True, max_message_length=1024))
+    server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding="utf-8"))
+    client.initiate_connection()
+    server.initiate_connection()
+    server.receive_data(client.data_to_send())
+    client.receive_data(server.data_to_send())
+    client.h2_connection.send_headers(1, REQUEST_HEADERS)
+    client.h2_connection.send_data(1, grpc_frame(b"q"), end_stream=True)
+    server.receive_data(client.data_to_send())
+    server.send_headers(1, [(":status", http_status), ("content-type", "application/grpc")])
+    server.send_data(1, grpc_frame(b"y" * body_size))
+    server.send_headers(1, [("grpc-status", grpc_status)], end_stream=True)
+    return client, server.data_to_send()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    side=st.sampled_from(["server", "client"]),
+    body_size=st.integers(0, 2000),
+    http_status=st.sampled_from(["200", "503", "x"]),
+    grpc_status=st.sampled_from(["0", "5", "abc", ""]),
+    corruption=st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)), max_size=4),
+)
+def test_corrupted_input_fails_the_stream_or_the_connection_never_with_another_exception(
+    side, body_size, http_status, grpc_status, corruption
+):
+    from trio_sidecar.transport._protocol import CONNECTION_ERRORS
+
+    if side == "server":
+        protocol, data = _server_bound_bytes(body_size)
+    else:
+        protocol, data = _client_bound_bytes(body_size, http_status, grpc_status)
+    data = bytearray(data)
+    for where, value in corruption:
+        data[int(where * len(data))] = value
+    try:
+        events = protocol.receive_data(bytes(data))
+    except CONNECTION_ERRORS:
+        return
+    assert isinstance(events, list)
+
+
+def test_repeated_grpc_status_in_trailers_fails_only_the_stream():
+    client = GrpcProtocol(GRPCConfiguration(client_side=True, max_message_length=1024))
+    server = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False, header_encoding="utf-8"))
+    client.initiate_connection()
+    server.initiate_connection()
+    server.receive_data(client.data_to_send())
+    client.receive_data(server.data_to_send())
+    client.h2_connection.send_headers(1, REQUEST_HEADERS)
+    client.h2_connection.send_data(1, grpc_frame(b"q"), end_stream=True)
+    server.receive_data(client.data_to_send())
+    server.send_headers(1, [(":status", "200"), ("content-type", "application/grpc")])
+    server.send_headers(1, [("grpc-status", "0"), ("grpc-status", "5")], end_stream=True)
+    events = client.receive_data(server.data_to_send())
+    assert [(type(e), e.stream_id) for e in events][-1] == (StreamFailed, 1)
+    assert events[-1].code is StatusCode.UNKNOWN
+
+
+def test_undecodable_header_bytes_are_a_connection_error():
+    from trio_sidecar.transport._protocol import CONNECTION_ERRORS
+
+    server = GrpcProtocol(GRPCConfiguration(client_side=False, max_message_length=1024))
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding=None))
+    client.initiate_connection()
+    server.initiate_connection()
+    server.receive_data(client.data_to_send())
+    client.receive_data(server.data_to_send())
+    client.send_headers(1, [(k.encode(), v.encode()) for k, v in REQUEST_HEADERS] + [(b"x-bad", b"\xff\xfe")])
+    with pytest.raises(CONNECTION_ERRORS):
+        server.receive_data(client.data_to_send())

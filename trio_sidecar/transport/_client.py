@@ -15,6 +15,7 @@ from purerpc.grpclib.config import GRPCConfiguration
 from ._connection import Call, Connection, _copy_error, deadline_after, encode_metadata, frame_message
 from ._errors import DEFAULT_MAX_MESSAGE_LENGTH, ConnectionLostError, RpcError
 from ._protocol import (
+    CONNECTION_ERRORS,
     ErrorCodes,
     GoAway,
     GrpcProtocol,
@@ -466,7 +467,7 @@ async def connect_channel(
                 raise ConnectionLostError(f"connection to {host}:{port} closed during the HTTP/2 handshake")
             try:
                 events = conn.protocol.receive_data(data)
-            except h2.exceptions.ProtocolError as exc:
+            except CONNECTION_ERRORS as exc:
                 raise ConnectionLostError(f"HTTP/2 handshake with {host}:{port} failed: {exc}") from exc
             for event in events:
                 if type(event) is SettingsReceived:

@@ -20,7 +20,7 @@ import trio
 from trio.lowlevel import Abort, current_task, reschedule, wait_task_rescheduled
 
 from ._errors import ConnectionLostError, RpcError
-from ._protocol import GrpcProtocol
+from ._protocol import CONNECTION_ERRORS, GrpcProtocol
 from trio_sidecar.status import StatusCode
 
 LOGGER = logging.getLogger("trio_sidecar.transport")
@@ -328,7 +328,7 @@ class Connection:
                 return
             try:
                 events = receive_data(data)
-            except h2.exceptions.ProtocolError as exc:
+            except CONNECTION_ERRORS as exc:
                 self.lose(f"HTTP/2 protocol error on the connection to {self.description}: {exc}")
                 return
             if events:

@@ -48,6 +48,7 @@ from purerpc.grpclib.headers import HeaderDict
 from trio_sidecar.status import StatusCode
 
 __all__ = [
+    "CONNECTION_ERRORS",
     "GoAway",
     "GrpcProtocol",
     "MessageReceived",
@@ -68,7 +69,11 @@ __all__ = [
 _MAX_WINDOW = 2**31 - 1
 
 # Errors that parsing a header block can raise (purerpc's parsers index dicts and call int()).
-_HEADER_ERRORS = (GrpcProtocolError, ValueError, KeyError, IndexError, AttributeError)
+_HEADER_ERRORS = (GrpcProtocolError, ValueError, TypeError, KeyError, IndexError, AttributeError)
+
+#: What ``receive_data`` raises for input that breaks the whole connection: h2's ProtocolError (GOAWAY is
+#: queued) and undecodable header bytes (h2 decodes header blocks as UTF-8 after HPACK).
+CONNECTION_ERRORS = (h2.exceptions.ProtocolError, UnicodeDecodeError)
 
 
 class StreamReset:
@@ -361,7 +366,7 @@ class GrpcProtocol(GRPCConnection):
         headers = HeaderDict(event.headers)
         try:
             http_status = int(headers.get(":status", "0"))
-        except ValueError:
+        except (ValueError, TypeError):  # not a number, or repeated
             http_status = 0
         if http_status != 200:
             code = _HTTP_TO_GRPC.get(http_status, StatusCode.UNKNOWN)
