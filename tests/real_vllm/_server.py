@@ -29,6 +29,8 @@ from trio_sidecar._proto.vllm import inference_pb2
 
 ENV_PYTHON = "TRIO_SIDECAR_REAL_VLLM_PYTHON"
 ENV_MODEL = "TRIO_SIDECAR_REAL_VLLM_MODEL"
+# Optional: copy every server log here before the private directory is removed.
+ENV_LOG_DIR = "TRIO_SIDECAR_REAL_VLLM_LOG_DIR"
 HOST = "127.0.0.1"
 SERVED_MODEL_NAME = "tiny-llama"
 MAX_MODEL_LEN = 256
@@ -303,6 +305,11 @@ class RealVllmServer:
         return alive
 
     def cleanup_files(self) -> None:
+        """Remove the server's private directory (log and TMPDIR); keep the log if asked (CI artifacts)."""
+        keep = os.environ.get(ENV_LOG_DIR)
+        if keep and self.log_path.exists():
+            Path(keep).mkdir(parents=True, exist_ok=True)
+            shutil.copy(self.log_path, Path(keep) / f"vllm-{self.launch}-{self.pid}.log")
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 

@@ -284,11 +284,13 @@ ERROR_CASES = [
     ("missing-prompt", lambda: inference_pb2.GenerateRequest(request_id=unique_id("err")), (),
      StatusCode.INVALID_ARGUMENT, "prompt is required", None),
     ("min-over-max", lambda: _with_stopping(_request(max_new_tokens=2), min_new_tokens=5), (),
-     StatusCode.INVALID_ARGUMENT, None, "min_tokens=5, max_tokens=2"),
+     StatusCode.INVALID_ARGUMENT,
+     "`min_tokens` must be less than or equal to `max_tokens`, got min_tokens=5, max_tokens=2", None),
     ("top-p-2", lambda: _request(sampling=inference_pb2.RandomSampling(top_p=2.0)), (),
      StatusCode.INVALID_ARGUMENT, "top_p must be in (0, 1], got 2", None),
+    # Says "text request" although the prompt is token ids; the external request id is quoted.
     ("empty-stop-string", lambda: _with_stopping(_request(), stop_strings=[""]), (),
-     StatusCode.INVALID_ARGUMENT, None, "stop strings cannot be empty"),
+     StatusCode.INVALID_ARGUMENT, "text request `{request_id}` stop strings cannot be empty", None),
     ("prompt-300", lambda: _request(prompt=[5] * 300), (), StatusCode.INVALID_ARGUMENT,
      "this model's maximum context length is 256 tokens, but the prompt contains 300 input tokens", None),
     ("prompt-256", lambda: _request(prompt=[5] * 256), (), StatusCode.INVALID_ARGUMENT,
@@ -321,11 +323,12 @@ def _with_stopping(request, **stopping):
     ids=[case[0] for case in ERROR_CASES],
 )
 async def test_error_texts(direct, make, metadata, code, exact, substring):
-    out = await collect(direct, make(), metadata=metadata)
+    request = make()
+    out = await collect(direct, request, metadata=metadata)
     assert out.error is not None, f"expected {code.name}, got {len(out.messages)} messages and OK"
     assert out.code == code, out.error
     if exact is not None:
-        assert out.message == exact
+        assert out.message == exact.format(request_id=getattr(request, "request_id", ""))
     else:
         assert substring in out.message
     # Every one of these is rejected as a trailers-only response: the open of the stream fails (what the
