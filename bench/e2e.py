@@ -14,6 +14,10 @@ the same mock. Per sidecar:
 * sidecar CPU seconds per 1,000 tokens (user + system of the sidecar process, during the load only);
 * sidecar peak RSS during the load.
 
+With ``--ceiling`` a third worker is measured the same way: a plain asyncio Dynamo worker (no Trio, no gRPC,
+no vLLM) that yields ``max_tokens`` synthetic chunks per request. It is the throughput ceiling of *any*
+worker whose handler is Python code under Dynamo's bindings, which the native Rust sidecar does not pay.
+
 Prints the values and trio/native ratios with the targets (throughput ≥ 1.0× native, CPU per token ≤ 2×
 native). The mock runs with ``speedup_ratio 0`` (no modelled time) so the sidecar path dominates; on the
 2-core reference machine the mock, the frontend, the client and the sidecar share both cores, so treat
@@ -128,11 +132,44 @@ class _RssSampler:
         self._thread.join()
 
 
+ECHO_WORKER = """
+import asyncio, os, sys
+from dynamo.llm import ModelInput, ModelType, WorkerType, register_model
+from dynamo.runtime import DistributedRuntime
+
+async def handler(request, context):
+    n = (request.get("stop_conditions") or {}).get("max_tokens") or 16
+    for i in range(n):
+        chunk = {"token_ids": [1000 + i], "index": 0}
+        if i == n - 1:
+            p = len(request["token_ids"])
+            chunk.update(finish_reason="length",
+                         completion_usage={"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n})
+        yield chunk
+
+async def main():
+    runtime = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp")
+    endpoint = runtime.endpoint(sys.argv[2] + ".backend.generate")
+    serve = asyncio.ensure_future(endpoint.serve_endpoint(handler))
+    await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, endpoint, sys.argv[1],
+                         "tiny", worker_type=WorkerType.Aggregated)
+    loop = asyncio.get_running_loop()
+    import signal
+    loop.add_signal_handler(signal.SIGTERM, runtime.shutdown)
+    await serve
+
+asyncio.run(main())
+"""
+
+
 def _measure(kind: str, workdir: Path, env: dict, address: str, port: int, args) -> dict:
     namespace = f"bench-{kind}"
     start = time.monotonic()
     if kind == "native":
         proc = local.start_native_sidecar(workdir, env, address, namespace=namespace, name=f"{kind}-sidecar")
+    elif kind == "ceiling":
+        proc = local.Process(f"{kind}-worker", [sys.executable, "-c", ECHO_WORKER, args.model_dir, namespace],
+                             env=env, log_path=workdir / "ceiling-worker.log")
     else:
         proc = local.start_trio_sidecar(workdir, env, address, namespace=namespace, name=f"{kind}-sidecar",
                                         extra=["--log-level", "warning"])
@@ -172,6 +209,11 @@ METRICS = [
 
 def _report(results: dict[str, list[dict]], args) -> dict:
     med = {kind: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for kind, runs in results.items()}
+    if "ceiling" in med:
+        c = med["ceiling"]
+        print(f"\nceiling (plain asyncio Python worker, no vLLM): {c['completions_per_s']:.1f} completions/s, "
+              f"{c['tokens_per_s']:.0f} tokens/s, {c['cpu_s_per_1k_tokens']:.3f} CPU s / 1k tokens; "
+              f"trio-sidecar reaches {med['trio']['tokens_per_s'] / c['tokens_per_s']:.2f}x of it")
     print(f"\nE2E: {args.requests} streaming completions x {args.max_tokens} tokens at concurrency "
           f"{args.concurrency}, median of {args.rounds} round(s), same frontend and mock\n")
     print(f"| metric | native | trio-sidecar | ratio (trio/native) | target |")
@@ -200,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=1, help="alternating native/trio rounds (median)")
     parser.add_argument("--json", type=Path, help="also write the results as JSON")
+    parser.add_argument("--ceiling", action="store_true",
+                        help="also measure a plain asyncio Python worker (the Python-handler ceiling)")
     args = parser.parse_args(argv)
     if importlib.util.find_spec("dynamo") is None:
         print("error: Dynamo 1.6.1 is not installed (scripts/install-dynamo.sh .venv/bin/python)", file=sys.stderr)
@@ -208,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="trio-sidecar-bench-"))
     env = local.dynamo_env(workdir / "file-kv", DYN_LOG="warn")
     model = _make_tiny_model(workdir / "tiny-model")
+    args.model_dir = str(model)
     procs = []
     try:
         mock, address = local.start_mock(workdir, env, model=str(model), served_model_name=MODEL,
@@ -215,9 +260,10 @@ def main(argv: list[str] | None = None) -> int:
         procs.append(mock)
         frontend, port = local.start_frontend(workdir, env)
         procs.append(frontend)
-        results: dict[str, list[dict]] = {"native": [], "trio": []}
+        kinds = ("native", "trio", "ceiling") if args.ceiling else ("native", "trio")
+        results: dict[str, list[dict]] = {kind: [] for kind in kinds}
         for round_ in range(args.rounds):
-            for kind in ("native", "trio"):
+            for kind in kinds:
                 print(f"round {round_ + 1}/{args.rounds}: {kind} ...", flush=True)
                 results[kind].append(_measure(kind, workdir, env, address, port, args))
         summary = _report(results, args)
