@@ -296,3 +296,56 @@ async def test_by_design_differences(channels, real_server):
                                      control_pb2.ServerInfo, timeout=30) for s, ch in channels.items()}
     assert infos["real"].HasField("rl_capabilities") and not infos["mock"].HasField("rl_capabilities")
     assert infos["real"].engine_version == "0.32.0" and infos["mock"].engine_version != "0.32.0"
+
+
+# -- through the sidecar ---------------------------------------------------------------------------------------
+
+
+def chunk_shape(chunks) -> list[dict]:
+    """The sidecar's chunks without values: keys, token counts, top-logprob widths, usage and finish.
+
+    ``text`` is left out: the real model's byte-level tokens often end inside a UTF-8 sequence, so vLLM
+    sends an empty text delta and the sidecar omits the key, while the mock's text is never empty.
+    """
+    out = []
+    for chunk in chunks:
+        d = chunk.to_dict()
+        entry = {"keys": sorted(set(d) - {"text"}), "tokens": len(d["token_ids"])}
+        if "top_logprobs" in d:
+            entry["top"] = [len(position) for position in d["top_logprobs"]]
+        if "engine_data" in d:
+            prompt = d["engine_data"]["prompt_logprobs"]
+            entry["prompt_logprobs"] = (len(prompt), prompt[0], all(isinstance(p, dict) for p in prompt[1:]))
+        for key in ("finish_reason", "completion_usage"):
+            if key in d:
+                entry[key] = d[key]
+        out.append(entry)
+    return out
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"logprobs": 2}, {"logprobs": 0}, {"logprobs": 1, "prompt_logprobs": 1}],
+    ids=["plain", "logprobs-2", "logprobs-0", "both"],
+)
+async def test_same_sidecar_output_shape(real_server, mock, options):
+    from trio_sidecar import GenerateContext, SidecarConfig, open_sidecar
+
+    request = {
+        "token_ids": [5, 6, 7, 8],
+        "stop_conditions": {"max_tokens": 8, "ignore_eos": True},
+        "sampling_options": {"temperature": 0.0},
+        "output_options": options,
+    }
+    shapes = {}
+    for side, endpoint in (("real", real_server.endpoint), ("mock", mock.address)):
+        config = SidecarConfig(grpc_endpoint=endpoint, grpc_connections=1, startup_deadline=60.0,
+                               connect_attempt_timeout=10.0, retry_interval=0.5)
+        chunks = []
+        with trio.fail_after(120):
+            async with open_sidecar(config) as sidecar:
+                async with sidecar.generate(request, GenerateContext(unique_id(f"shape-{side}"))) as stream:
+                    async for chunk in stream:
+                        chunks.append(chunk)
+        shapes[side] = chunk_shape(chunks)
+    assert shapes["mock"] == shapes["real"]
+    assert shapes["real"][-1]["finish_reason"] == "length"
