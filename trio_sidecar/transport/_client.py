@@ -478,6 +478,10 @@ async def connect_channel(
         if pending:
             await stream.send_all(pending)
         await nursery.start(conn.run)
+    except trio.BrokenResourceError as exc:
+        # A send of the preface or of our SETTINGS ACK hit a reset connection.
+        stream.socket.close()
+        raise ConnectionLostError(f"connection to {host}:{port} lost during the HTTP/2 handshake: {exc}") from exc
     except BaseException:
         stream.socket.close()
         raise
