@@ -15,7 +15,6 @@ request) lives in the nursery of :func:`open_sidecar`; nothing outlives its ``as
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
@@ -35,7 +34,6 @@ from .protocol import LLMEngineOutput, PreprocessedRequest
 
 __all__ = ["open_sidecar", "discover", "Sidecar", "GenerateContext"]
 
-LOGGER = logging.getLogger("trio_sidecar.api")
 
 
 @attrs.define(eq=False)
@@ -82,8 +80,7 @@ class Sidecar:
             raise CannotConnect(f"vLLM is not serving: {reason}")
 
     def _on_recovered(self, model: DiscoveredModel, kv_sources: tuple[Any, ...]) -> None:
-        if kv_sources != self.kv_event_sources:
-            LOGGER.warning("vLLM KV-event sources changed after recovery: %s", kv_sources)
+        # The prober already logged a changed source list (clarification #5); this only swaps the state.
         self.model = model
         self.engine.model = model
         self.kv_event_sources = kv_sources
