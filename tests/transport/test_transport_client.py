@@ -130,6 +130,15 @@ async def _leave_stream(channel, how: str, key: str, interval_ms: int, after: in
                         left = time.monotonic()
                         raise Boom
         return left
+    if how == "aclose":
+        async with channel.unary_stream(GENERATE_STREAM, req, R) as stream:
+            for _ in range(after):
+                await stream.__anext__()
+            await stream.aclose()
+            left = time.monotonic()
+            with pytest.raises(RuntimeError):
+                await stream.__anext__()
+        return left
     async with channel.unary_stream(GENERATE_STREAM, req, R) as stream:
         seen = 0
         async for _ in stream:
@@ -139,7 +148,7 @@ async def _leave_stream(channel, how: str, key: str, interval_ms: int, after: in
     return time.monotonic()
 
 
-@pytest.mark.parametrize("how", ["break", "cancel", "exception"])
+@pytest.mark.parametrize("how", ["break", "cancel", "exception", "aclose"])
 async def test_leaving_a_stream_resets_it_and_the_server_stops_within_100ms(channel, target, how):
     recorder = target.recorder
     async with channel.unary_stream(GENERATE_STREAM, request("stream", n=50, interval_ms=5, key="other"), R) as other:

@@ -391,6 +391,10 @@ class ResponseStream:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Stop the call now: if the server has not ended it, RST_STREAM(CANCEL) is sent at once."""
         if self._call is not None:
             self._call.close()
 
