@@ -144,6 +144,8 @@ class RealVllmServer:
         )
         self.pid = self.popen.pid
         self.ready_after_s: float | None = None
+        # Distinct health-check outcomes seen by wait_ready(), in order ("connection refused", "UNAVAILABLE", ...).
+        self.startup_outcomes: list[str] = []
         self._descendants: dict[int, psutil.Process] = {}
 
     @property
@@ -192,6 +194,10 @@ class RealVllmServer:
 
     # -- readiness -------------------------------------------------------------------------------------
 
+    def _observe(self, outcome: str) -> None:
+        if not self.startup_outcomes or self.startup_outcomes[-1] != outcome:
+            self.startup_outcomes.append(outcome)
+
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> float:
         """Block until health ``Check`` reports SERVING on both services (§6); returns the seconds taken."""
         import grpc
@@ -217,8 +223,11 @@ class RealVllmServer:
                     status = check(health_pb2.HealthCheckRequest(service=pending[0]), timeout=5).status
                 except grpc.RpcError as e:  # UNAVAILABLE / DEADLINE_EXCEEDED until the engine is up
                     last = f"{pending[0]}: {e.code().name} {e.details()}"
+                    refused = "refused" in (e.details() or "").lower()
+                    self._observe("connection refused" if refused else e.code().name)
                     time.sleep(0.5)
                     continue
+                self._observe(health_pb2.HealthCheckResponse.ServingStatus.Name(status))
                 if status == health_pb2.HealthCheckResponse.SERVING:
                     pending.pop(0)
                 else:
@@ -325,6 +334,7 @@ class AttachedServer(RealVllmServer):
         self.log_path = Path(log)
         self.pid = -1
         self.ready_after_s = 0.0
+        self.startup_outcomes = []
         self.started_at = time.monotonic()
         self._descendants = {}
 

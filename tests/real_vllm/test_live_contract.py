@@ -50,6 +50,16 @@ async def health_check(channel, service: str):
 # -- §8.1 health ---------------------------------------------------------------------------------------
 
 
+def test_no_not_serving_phase_during_startup(real_server):
+    """§6: until the engine is ready, Check fails (UNAVAILABLE / refused); it never reports NOT_SERVING."""
+    outcomes = real_server.startup_outcomes
+    if not outcomes:
+        pytest.skip("attached server: startup not observed")
+    assert outcomes[-1] == "SERVING", outcomes
+    assert "NOT_SERVING" not in outcomes, outcomes
+    assert set(outcomes[:-1]) <= {"connection refused", "UNAVAILABLE", "DEADLINE_EXCEEDED"}, outcomes
+
+
 @pytest.mark.parametrize("service", ["", "vllm.Inference", "vllm.Control"])
 async def test_health_check_reports_serving(direct, service):
     assert (await health_check(direct, service)).status == SERVING

@@ -1,8 +1,9 @@
 """The Rust-managed launch (``vllm-rs serve``) with LoRA and KV events on (real-vllm-on-cpu.md §5, §8.2, §8.7).
 
-One private server for the module: the LoRA and KV-event variants of Control, the sidecar's KV-event
-source discovery against it (sidecar.md §18.2), and finally engine death (the EngineCore killed with
-SIGKILL), which ends the server, so that test is the last one in this file.
+One private server for the module: first the sidecar's readiness wait while it boots (§6), then the LoRA
+and KV-event variants of Control, the sidecar's KV-event source discovery against it (sidecar.md §18.2),
+and finally engine death (the EngineCore killed with SIGKILL), which ends the server, so that test is the
+last one in this file.
 
 KV-event endpoints are concrete loopback addresses. vLLM 0.32 *binds* its PUB socket only for wildcard or
 ipc endpoints and *connects* it otherwise (``vllm/distributed/kv_events.py``), so with these settings
@@ -13,36 +14,48 @@ from __future__ import annotations
 
 import json
 import signal
+import sys
+import time
 
 import pytest
 import trio
 
 from trio_sidecar import HealthKind, KvEventSource, SidecarConfig, WorkerOptions, discover, open_sidecar
+from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar.status import StatusCode
 
-from ._client import open_direct_channel
+from ._client import open_direct_channel, rpc_error_types
 from ._health import assert_left_serving, observe_shutdown
 from ._helpers import collect, generate_request, unique_id
-from ._server import TIMINGS, env_from_environ, free_ports, process_exited, start_ready_server
+from ._server import (
+    SERVED_MODEL_NAME,
+    TIMINGS,
+    RealVllmServer,
+    check_env,
+    env_from_environ,
+    free_ports,
+    process_exited,
+)
 from ._wire import RawMessage, decode, scalar_fields
 
 MAX_LORAS = 2
 
 
 @pytest.fixture(scope="module")
-def variant_server():
+def variant_process():
+    """The ``vllm-rs serve`` process, just started (not yet ready)."""
     env = env_from_environ()
     assert env is not None
+    check_env(env)
     kv_port, replay_port = free_ports(2)
     kv_config = {
         "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
         "endpoint": f"tcp://127.0.0.1:{kv_port}", "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
     }
-    server = start_ready_server(
-        env, launch="rust", warm_up=False,
+    server = RealVllmServer(
+        env, launch="rust",
         extra_args=("--enable-lora", "--max-loras", str(MAX_LORAS), "--kv-events-config", json.dumps(kv_config)),
     )
-    TIMINGS.append(("rust launch (LoRA, KV events): start -> SERVING", server.ready_after_s or 0.0))
     server.kv_endpoints = (kv_config["endpoint"], kv_config["replay_endpoint"])
     try:
         yield server
@@ -54,10 +67,77 @@ def variant_server():
             server.cleanup_files()
 
 
+@pytest.fixture(scope="module")
+def variant_server(variant_process):
+    """The same server once both services report SERVING."""
+    try:
+        variant_process.wait_ready()
+    except BaseException:
+        sys.stderr.write(f"real vLLM log:\n{variant_process.log_tail(80)}\n")
+        raise
+    TIMINGS.append(("rust launch (LoRA, KV events): start -> SERVING", variant_process.ready_after_s or 0.0))
+    return variant_process
+
+
 @pytest.fixture
 async def direct(variant_server):
     async with open_direct_channel(variant_server.host, variant_server.grpc_port) as channel:
         yield channel
+
+
+async def observe_startup(server) -> list[str]:
+    """Poll ``Check("vllm.Inference")`` on fresh connections until SERVING; distinct outcomes in order."""
+    seen: list[str] = []
+    while True:
+        try:
+            with trio.fail_after(10):
+                async with open_direct_channel(server.host, server.grpc_port) as channel:
+                    status = (await channel.unary_unary(
+                        "/grpc.health.v1.Health/Check", health_pb2.HealthCheckRequest(service="vllm.Inference"),
+                        health_pb2.HealthCheckResponse, timeout=5)).status
+                    outcome = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+        except OSError:
+            outcome = "connection refused"
+        except rpc_error_types() as e:
+            outcome = e.code.name
+        except trio.TooSlowError:
+            outcome = "timeout"
+        if not seen or seen[-1] != outcome:
+            seen.append(outcome)
+        if outcome == "SERVING":
+            break
+        await trio.sleep(0.2)
+    return seen
+
+
+# First in this module: it needs the server while it is still starting.
+async def test_the_sidecar_waits_for_a_starting_server(variant_process):
+    """The sidecar's start phase (sidecar.md §8) waits through vLLM's boot; Check never says NOT_SERVING.
+
+    Under ``vllm-rs serve`` the gRPC port is refused until the engine is ready (the Python-supervised launch
+    binds it early and answers UNAVAILABLE, §6); either way the sidecar's retries cover it.
+    """
+    config = SidecarConfig(grpc_endpoint=variant_process.endpoint, grpc_connections=2, startup_deadline=300.0,
+                           connect_attempt_timeout=5.0, retry_interval=0.5)
+    if variant_process.ready_after_s is not None:
+        pytest.skip("the server is already ready (this test must run first in the module)")
+    observed: list[str] = []
+
+    async def observe():
+        observed.extend(await observe_startup(variant_process))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(observe)
+        with trio.fail_after(330):
+            async with open_sidecar(config) as sidecar:
+                waited = time.monotonic() - variant_process.started_at
+                assert sidecar.health.value.kind is HealthKind.SERVING
+                assert sidecar.model.served_model_name == SERVED_MODEL_NAME
+    assert observed[-1] == "SERVING", observed
+    assert set(observed[:-1]) <= {"connection refused", "UNAVAILABLE", "DEADLINE_EXCEEDED", "timeout"}, observed
+    assert len(observed) >= 2, observed  # the test did see the server before it was ready
+    TIMINGS.append(("rust launch: start -> sidecar started", waited))
+    print(f"\nstartup health outcomes (vllm-rs serve): {observed}")
 
 
 async def test_lora_and_kv_event_variants_of_control(direct, variant_server):
