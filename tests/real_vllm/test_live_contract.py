@@ -353,6 +353,29 @@ async def test_dp_rank_metadata_zero_and_whitespace_are_accepted(direct):
         assert len(out.tokens()) == 8
 
 
+async def test_skip_special_tokens_field_8_is_honoured(direct):
+    # The contract marks the release that introduced ResponseOptions.skip_special_tokens as unverified:
+    # 0.32 honours it. allowed_token_ids forces the special token <pad> (id 3).
+    texts = {}
+    for skip in (None, True, False):
+        request = generate_request(unique_id("skip"), max_new_tokens=3)
+        request.decoding.allowed_token_ids.append(3)
+        if skip is not None:
+            request.response.skip_special_tokens = skip
+        out = await collect(direct, request)
+        assert out.error is None and out.tokens() == [3, 3, 3], (skip, out.error)
+        texts[skip] = "".join(m.outputs.text for m in out.messages)
+    assert texts == {None: "", True: "", False: "<pad><pad><pad>"}
+
+
+async def test_dp_rank_metadata_is_logged_by_the_server(direct, real_server):
+    request_id = unique_id("rank-logged")
+    offset = real_server.log_size()
+    out = await collect(direct, generate_request(request_id), metadata=(("x-data-parallel-rank", "0"),))
+    assert out.error is None
+    assert real_server.find_in_log(rf"request_id={request_id} [^\n]*data_parallel_rank=Some\(0\)", offset)
+
+
 async def test_empty_model_name_is_accepted(direct):
     out = await collect(direct, generate_request(unique_id("nomodel"), model=""))
     assert out.error is None and len(out.tokens()) == 8

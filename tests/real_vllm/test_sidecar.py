@@ -236,6 +236,39 @@ async def test_stop_token_through_the_sidecar_matches_a_direct_call(sidecar, dir
     assert final["completion_usage"]["completion_tokens"] == k + 1
 
 
+async def test_dp_rank_routing_reaches_the_server_as_metadata(sidecar, real_server):
+    # sidecar.md §18.1: routing.dp_rank travels as x-data-parallel-rank; vLLM logs what it received.
+    offset = real_server.log_size()
+    with_rank, without = unique_id("with-rank"), unique_id("without-rank")
+    a = await run(sidecar, dict(greedy(), routing={"dp_rank": 0}), with_rank)
+    b = await run(sidecar, greedy(), without)
+    assert [t for c in a for t in c.token_ids] == [t for c in b for t in c.token_ids]
+    assert real_server.find_in_log(rf"request_id={with_rank} [^\n]*data_parallel_rank=Some\(0\)", offset)
+    assert real_server.find_in_log(rf"request_id={without} [^\n]*data_parallel_rank=None", offset)
+
+
+# Prompts whose greedy continuation contains special tokens (<s>, </s>, <unk>, <pad>) on the tiny model.
+SPECIAL_PROMPTS = ([253, 18, 203, 225], [350, 116, 239, 152], [343, 264, 59, 87], [50, 286, 134, 20])
+
+
+async def test_skip_special_tokens_is_forwarded(sidecar, direct):
+    for prompt in SPECIAL_PROMPTS:
+        texts = {}
+        for skip in (True, False):
+            request = direct_request(unique_id("special-direct"), max_tokens=16)
+            request.token_ids.ids[:] = prompt
+            request.response.skip_special_tokens = skip
+            texts[skip] = "".join(m.outputs.text for m in (await collect(direct, request)).messages)
+        if texts[True] != texts[False]:
+            break
+    else:
+        pytest.fail("no prompt produced a special token; pick new SPECIAL_PROMPTS for this model")
+    for options, expected in (({"skip_special_tokens": False}, texts[False]), ({}, texts[True])):
+        request = dict(greedy(16, output_options=options), token_ids=list(prompt))
+        chunks = await run(sidecar, request, unique_id("special"))
+        assert "".join(c.text or "" for c in chunks) == expected, options
+
+
 # -- item 3: cancellation ------------------------------------------------------------------------------------
 #
 # On a loaded 2-core machine the server can produce a whole 252-token stream before a cancellation lands
