@@ -7,6 +7,7 @@ the mapping of the server's errors to the sidecar's typed errors.
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -238,6 +239,42 @@ async def test_seeded_sampling_through_the_sidecar_matches_a_direct_call(sidecar
     # The seed matters (so the comparison above is not trivially true): another seed, other tokens.
     request.request_id, request.sampling.seed = unique_id("other-seed"), 124
     assert (await collect(direct, request)).tokens() != tokens
+
+
+JSON_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(
+    ("guided", "field", "value"),
+    [
+        ({"regex": "(yes|no)[0-9]{3}"}, "regex", "(yes|no)[0-9]{3}"),
+        ({"choice": ["alpha", "beta"]}, "choice", ["alpha", "beta"]),
+        ({"json": JSON_SCHEMA}, "json", json.dumps(JSON_SCHEMA, separators=(",", ":"))),
+    ],
+    ids=["regex", "choice", "json"],
+)
+async def test_guided_decoding_through_the_sidecar_matches_a_direct_call(sidecar, direct, guided, field, value):
+    # Without ignore_eos: once the grammar is complete only EOS is allowed, and vLLM stops (STOP). With
+    # ignore_eos the model keeps going *unconstrained* after the grammar has ended (seen live).
+    request_ = greedy(24, sampling_options={"guided_decoding": guided}, stop_conditions={"ignore_eos": False})
+    chunks = await run(sidecar, request_, unique_id("guided"))
+    request = direct_request(unique_id("guided-direct"), max_tokens=24)
+    request.stopping.ignore_eos = False
+    if field == "choice":
+        request.decoding.choice.choices.extend(value)
+    else:
+        setattr(request.decoding, field, value)
+    reference = await collect(direct, request)
+    assert reference.error is None, reference.error
+    text = "".join(c.text or "" for c in chunks)
+    assert [t for c in chunks for t in c.token_ids] == reference.tokens()
+    assert text == "".join(m.outputs.text for m in reference.messages)
+    if field == "regex":
+        assert re.fullmatch(value, text) and chunks[-1].finish_reason == "stop"
+    elif field == "choice":
+        assert text in value and chunks[-1].finish_reason == "stop"
+    else:
+        assert text.startswith("{")
 
 
 async def test_stop_token_through_the_sidecar_matches_a_direct_call(sidecar, direct):
