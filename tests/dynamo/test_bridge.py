@@ -15,12 +15,23 @@ from functools import partial
 import pytest
 import trio
 
-from trio_sidecar.dynamo.bridge import QUEUE_WARN_THRESHOLD, SHUTTING_DOWN, AsyncioThread, RequestBridge
+from trio_sidecar.dynamo.bridge import (
+    QUEUE_WARN_THRESHOLD,
+    SHUTTING_DOWN,
+    AsyncioThread,
+    RequestBridge,
+    merge_deltas,
+)
 from trio_sidecar.errors import EngineShutdown, InvalidArgument
 
 pytestmark = pytest.mark.dynamo
 
 CANCELLED = {"token_ids": [], "index": 0, "finish_reason": "cancelled"}
+
+
+def tokens_of(chunks: list) -> list[int]:
+    """All token ids of a handler's output (chunks may be coalesced under back-pressure)."""
+    return [t for c in chunks for t in c["token_ids"]]
 
 
 class Chunk:
@@ -161,7 +172,8 @@ async def test_chunks_flow_from_trio_to_the_dynamo_handler_in_order(loop_thread,
         ctx = FakeDynamoContext("req-1")
         out = await loop_thread.run(consume, bridge, {"token_ids": [100]}, ctx)
         await bridge.wait_idle()
-    assert out == [{"token_ids": [100 + i], "index": 0} for i in range(plan)]
+    assert tokens_of(out) == [100 + i for i in range(plan)]
+    assert all(c == {"token_ids": c["token_ids"], "index": 0} for c in out)
     assert sidecar.finished == ["req-1"]
     assert sidecar.contexts["req-1"].stop_calls == 0
     assert bridge.completed == 1
@@ -276,7 +288,8 @@ async def test_a_stalled_consumer_is_reported_once(loop_thread, caplog):
                 partial(consume, pause_first=0.5), bridge, {"token_ids": [0]}, FakeDynamoContext("slow")
             )
             await bridge.wait_idle()
-    assert len(out) == QUEUE_WARN_THRESHOLD + 50
+    assert tokens_of(out) == list(range(QUEUE_WARN_THRESHOLD + 50))
+    assert len(out) < QUEUE_WARN_THRESHOLD  # the backlog was coalesced into multi-token deltas
     stalled = [r for r in caplog.records if "consumer is stalled" in r.getMessage()]
     assert len(stalled) == 1
 
@@ -324,5 +337,47 @@ async def test_many_concurrent_streams_lose_no_chunk_and_keep_order(loop_thread)
             outs = await loop_thread.run(consume_all)
             await bridge.wait_idle()
     for i, out in enumerate(outs):
-        assert out == [{"token_ids": [i * 1000 + k], "index": 0} for k in range(300)]
+        assert tokens_of(out) == [i * 1000 + k for k in range(300)]
+        assert all(c["index"] == 0 for c in out)
     assert bridge.completed == 40
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "merged"),
+    [
+        ({"token_ids": [1], "index": 0}, {"token_ids": [2], "index": 0}, {"token_ids": [1, 2], "index": 0}),
+        # text and per-token logprob arrays are concatenated, aligned with the tokens
+        ({"token_ids": [1], "index": 0, "text": "a", "log_probs": [-0.1],
+          "top_logprobs": [[{"rank": 1, "token_id": 1, "token": None, "logprob": -0.1}]]},
+         {"token_ids": [2, 3], "index": 0, "text": "bc", "log_probs": [-0.2, -0.3],
+          "top_logprobs": [[{"rank": 1, "token_id": 2, "token": None, "logprob": -0.2}],
+                           [{"rank": 1, "token_id": 3, "token": None, "logprob": -0.3}]]},
+         {"token_ids": [1, 2, 3], "index": 0, "text": "abc", "log_probs": [-0.1, -0.2, -0.3],
+          "top_logprobs": [[{"rank": 1, "token_id": 1, "token": None, "logprob": -0.1}],
+                           [{"rank": 1, "token_id": 2, "token": None, "logprob": -0.2}],
+                           [{"rank": 1, "token_id": 3, "token": None, "logprob": -0.3}]]}),
+        # a delta absorbs the terminal chunk; the terminal's keys are kept
+        ({"token_ids": [1], "index": 0}, {"token_ids": [2], "index": 0, "finish_reason": "length",
+                                           "completion_usage": {"prompt_tokens": 3, "completion_tokens": 2,
+                                                                "total_tokens": 5}},
+         {"token_ids": [1, 2], "index": 0, "finish_reason": "length",
+          "completion_usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}),
+    ],
+)
+def test_plain_token_deltas_are_coalesced(first, second, merged):
+    assert merge_deltas(first, second) == merged
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        ({"token_ids": [1], "index": 0, "finish_reason": "stop"}, {"token_ids": [2], "index": 0}),  # terminal first
+        ({"token_ids": [1], "index": 0}, CANCELLED),  # never fold into or across an empty delta
+        ({"token_ids": [], "index": 0}, {"token_ids": [2], "index": 0}),
+        ({"token_ids": [1], "index": 0, "log_probs": [-0.1]}, {"token_ids": [2], "index": 0}),  # misaligned
+        ({"token_ids": [1], "index": 0}, {"token_ids": [2], "index": 1}),
+        ({"token_ids": [1], "index": 0, "disaggregated_params": {}}, {"token_ids": [2], "index": 0}),
+    ],
+)
+def test_chunks_that_are_not_plain_deltas_are_never_coalesced(first, second):
+    assert merge_deltas(first, second) is None

@@ -44,6 +44,10 @@ no lock under the GIL: the handler publishes its waiter *then* re-checks the deq
 reads the waiter, so at least one of them sees the other. A stale wake-up of an already-resumed waiter is
 harmless (``done()`` is checked).
 
+Coalescing: when several plain token chunks of one request are already queued when the handler resumes,
+they are yielded as one multi-token delta (:func:`merge_deltas`), so a lagging consumer pays Dynamo's
+per-item cost once per batch instead of once per token. Without back-pressure every chunk is yielded as is.
+
 Back-pressure: the per-request outbox is unbounded (chunks are small and vLLM's output rate is bounded);
 a queue that grows past :data:`QUEUE_WARN_THRESHOLD` items means the consumer stalled, and is logged once
 per request.
@@ -354,6 +358,12 @@ class RequestBridge:
                 if isinstance(out, BaseException):
                     ended = True
                     raise out
+                while items and type(items[0]) is dict:
+                    merged = merge_deltas(out, items[0])
+                    if merged is None:
+                        break
+                    items.popleft()
+                    out = merged
                 yield out
         finally:
             outbox.waiter = None
@@ -417,6 +427,37 @@ class RequestBridge:
             f"<RequestBridge [{'admitting' if self.admitting else 'draining'} | "
             f"{len(self.in_flight)} in flight, {self.completed} completed]>"
         )
+
+
+# Keys a chunk may carry and still be merged with its successor (a plain token delta, sidecar.md §14.4).
+_DELTA_KEYS = frozenset({"token_ids", "index", "text", "log_probs", "top_logprobs"})
+_LIST_KEYS = ("token_ids", "log_probs", "top_logprobs")
+
+
+def merge_deltas(first: dict, second: dict) -> dict | None:
+    """Merge two consecutive output chunks of one request into one delta, or return None if they cannot be.
+
+    Coalescing under back-pressure: when Dynamo's consumer lags, the chunks already queued are yielded as
+    one multi-token delta, so Dynamo's per-item cost (the Python handler path) is paid once per batch. Only
+    a plain token delta (``token_ids``, ``text``, logprobs) can absorb its successor; the successor may be
+    the terminal chunk (its ``finish_reason``, usage and other keys are kept). Per-token arrays stay aligned:
+    both chunks must agree on which of ``log_probs``/``top_logprobs`` they carry.
+    """
+    if not first.keys() <= _DELTA_KEYS or first.get("index", 0) != second.get("index", 0):
+        return None
+    if not first.get("token_ids") or not second.get("token_ids"):
+        return None  # never fold into or across an empty delta (cancelled chunks, prefill terminals)
+    for key in ("log_probs", "top_logprobs"):
+        if (key in first) != (key in second):
+            return None
+    merged = dict(second)
+    for key in _LIST_KEYS:
+        if key in first:
+            merged[key] = [*first[key], *second[key]]
+    text = (first.get("text") or "") + (second.get("text") or "")
+    if text:
+        merged["text"] = text
+    return merged
 
 
 def _notify_first_token(context: Any) -> None:
