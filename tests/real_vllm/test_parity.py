@@ -151,7 +151,14 @@ ERRORS = [
     ("lora-name", dict(lora_name="adapter"), (), StatusCode.FAILED_PRECONDITION, True),
     ("dp-rank-3", dict(), (("x-data-parallel-rank", "3"),), StatusCode.INVALID_ARGUMENT, True),
     ("dp-rank-abc", dict(), (("x-data-parallel-rank", "abc"),), StatusCode.INVALID_ARGUMENT, True),
+    # A text-only model (real) / a mock without --supports-multimodal: both reject media, in their own words.
+    ("media-on-text-model", dict(media=True), (), StatusCode.INVALID_ARGUMENT, False),
 ]
+
+PNG_1X1 = (
+    "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5E"
+    "rkJggg=="
+)
 
 
 def build_error_request(changes) -> inference_pb2.GenerateRequest:
@@ -160,7 +167,10 @@ def build_error_request(changes) -> inference_pb2.GenerateRequest:
     changes = dict(changes)
     stopping = {k: changes.pop(k) for k in ("min_new_tokens", "stop_strings") if k in changes}
     top_p = changes.pop("top_p", None)
+    media = changes.pop("media", False)
     request = generate_request(unique_id("err"), **changes)
+    if media:
+        request.media.append(inference_pb2.MediaItem(modality=inference_pb2.MODALITY_IMAGE, data_uri=PNG_1X1))
     if top_p is not None:
         request.sampling.top_p = top_p
     if "min_new_tokens" in stopping:
@@ -291,7 +301,16 @@ async def test_by_design_differences(channels, real_server):
                     break
         assert second is not None and second.code == expected, (side, second.error)
 
-    # 4. ServerInfo extras: vLLM reports rl_capabilities (empty) and effective_attention_block_size.
+    # 4. KV transfer parameters on an aggregated server: vLLM without a KV connector ignores them (no
+    #    kv_transfer_params in the terminal); the mock checks them against its wire role (mock §15.2).
+    kv_request = generate_request(unique_id("kv-params"))
+    kv_request.kv.kv_transfer_params.update({"do_remote_decode": True})
+    real_kv = await collect(channels["real"], kv_request)
+    assert real_kv.error is None and not real_kv.terminal().HasField("kv_transfer_params")
+    mock_kv = await collect(channels["mock"], kv_request)
+    assert mock_kv.code == StatusCode.FAILED_PRECONDITION
+
+    # 5. ServerInfo extras: vLLM reports rl_capabilities (empty) and effective_attention_block_size.
     infos = {s: await ch.unary_unary("/vllm.Control/GetServerInfo", control_pb2.GetServerInfoRequest(),
                                      control_pb2.ServerInfo, timeout=30) for s, ch in channels.items()}
     assert infos["real"].HasField("rl_capabilities") and not infos["mock"].HasField("rl_capabilities")

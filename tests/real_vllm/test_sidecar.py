@@ -18,6 +18,7 @@ from trio_sidecar import (
     HealthKind,
     InvalidArgument,
     ModelIdentity,
+    ProtocolError,
     SidecarConfig,
     WorkerOptions,
     discover,
@@ -492,6 +493,17 @@ async def test_wrong_model_from_a_direct_client_maps_to_invalid_argument(direct)
     error = status_to_error("GenerateStream", out.error.code, out.error.message)
     assert isinstance(error, InvalidArgument)
     assert str(error) == "GenerateStream: model `not-tiny` not found (NotFound)"
+
+
+async def test_prefill_mode_against_an_engine_without_a_kv_connector_is_a_protocol_error(real_server):
+    # vLLM without --kv-transfer-config ignores do_remote_decode and returns no kv_transfer_params; the
+    # sidecar must say so instead of handing an empty handoff to the decode worker (sidecar.md §14.2 item 8).
+    config = sidecar_config(real_server, disaggregation_mode="prefill")
+    with trio.fail_after(60):
+        async with open_sidecar(config) as sidecar:
+            with pytest.raises(ProtocolError) as info:
+                await run(sidecar, greedy(), unique_id("prefill"))
+    assert str(info.value) == "invalid vLLM gRPC response: prefill terminal is missing kv_transfer_params"
 
 
 async def test_lora_selection_is_rejected_locally_and_never_reaches_the_server(sidecar, real_server):
