@@ -135,17 +135,40 @@ class Process:
 
 
 def start_frontend(workdir: Path, env: Mapping[str, str], *, namespace: str | None = None,
-                   router_mode: str | None = None, extra: Sequence[str] = (), port: int | None = None) -> tuple[Process, int]:
-    """``python -m dynamo.frontend`` on 127.0.0.1; returns the process and its HTTP port."""
-    port = port or free_port()
-    argv = [sys.executable, "-m", "dynamo.frontend", "--http-host", LOOPBACK, "--http-port", str(port),
-            "--discovery-backend", "file", "--request-plane", "tcp"]
-    if namespace:
-        argv += ["--namespace", namespace]
-    if router_mode:
-        argv += ["--router-mode", router_mode]
-    argv += list(extra)
-    return Process("frontend", argv, env=env, log_path=workdir / f"frontend-{port}.log"), port
+                   router_mode: str | None = None, extra: Sequence[str] = (), port: int | None = None,
+                   timeout: float = 120.0, attempts: int = 3) -> tuple[Process, int]:
+    """``python -m dynamo.frontend`` on 127.0.0.1; returns the process and its HTTP port once it accepts.
+
+    Without an explicit ``port`` a free one is picked; if another process takes it first (the frontend then
+    exits), a new port is tried, up to ``attempts`` times.
+    """
+    for attempt in range(1 if port else attempts):
+        http_port = port or free_port()
+        argv = [sys.executable, "-m", "dynamo.frontend", "--http-host", LOOPBACK, "--http-port", str(http_port),
+                "--discovery-backend", "file", "--request-plane", "tcp"]
+        if namespace:
+            argv += ["--namespace", namespace]
+        if router_mode:
+            argv += ["--router-mode", router_mode]
+        argv += list(extra)
+        proc = Process("frontend", argv, env=env, log_path=workdir / f"frontend-{http_port}.log")
+        if _wait_accepting(http_port, proc, timeout):
+            return proc, http_port
+        proc.stop()
+    raise RuntimeError(f"the Dynamo frontend did not start: {proc.log()[-3000:]}")
+
+
+def _wait_accepting(port: int, proc: Process, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            return False
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.settimeout(1.0)
+            if sock.connect_ex((LOOPBACK, port)) == 0:
+                return True
+        time.sleep(0.05)
+    return False
 
 
 def start_mock(workdir: Path, env: Mapping[str, str], *, model: str, served_model_name: str | None = None,
