@@ -8,6 +8,7 @@ The expected cards were checked against the model-card records the native 1.6.1 
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
 from trio_sidecar.config import DisaggregationMode, SidecarConfig, WorkerOptions
@@ -153,3 +154,10 @@ def test_a_canary_payload_is_registered_only_when_dynamo_health_checks_are_enabl
     assert plan(environ={"DYN_HEALTH_CHECK_ENABLED": "false"}).health_check_payload is None
     enabled = plan(environ={"DYN_HEALTH_CHECK_ENABLED": "true"}).health_check_payload
     assert enabled is not None and enabled["_HEALTH_CHECK"] is True
+
+
+def test_kv_publishing_is_advertised_only_with_sources_and_a_block_size():
+    assert plan(sources=SOURCES).runtime_config["kv_event_publishing_enabled"] is True
+    assert plan(sources=()).runtime_config["kv_event_publishing_enabled"] is False
+    no_block = attrs.evolve(ENGINE, kv_cache_block_size=None)
+    assert plan(engine=no_block, sources=SOURCES).runtime_config["kv_event_publishing_enabled"] is False

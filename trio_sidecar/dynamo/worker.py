@@ -142,7 +142,8 @@ def plan_registration(
         "data_parallel_start_rank": engine.data_parallel_start_rank,
     }
     runtime = {k: v for k, v in runtime.items() if v is not None}
-    runtime["kv_event_publishing_enabled"] = bool(sources)
+    # Publishers need a block size (KvEventPublisher rejects 0); without one no events are relayed.
+    runtime["kv_event_publishing_enabled"] = bool(sources) and engine.kv_cache_block_size is not None
     runtime["exclude_tools_when_tool_choice_none"] = bool(options.exclude_tools_when_tool_choice_none)
     # The native 1.6.1 sidecar's model card says enable_local_indexer=true in every mode; decode workers
     # get no KV publishers anyway (vLLM reports no KV-event sources in decode mode).
