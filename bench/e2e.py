@@ -216,7 +216,7 @@ def _report(results: dict[str, list[dict]], args) -> dict:
               f"trio-sidecar reaches {med['trio']['tokens_per_s'] / c['tokens_per_s']:.2f}x of it")
     print(f"\nE2E: {args.requests} streaming completions x {args.max_tokens} tokens at concurrency "
           f"{args.concurrency}, median of {args.rounds} round(s), same frontend and mock\n")
-    print(f"| metric | native | trio-sidecar | ratio (trio/native) | target |")
+    print("| metric | native | trio-sidecar | ratio (trio/native) | target |")
     print("|---|---:|---:|---:|---|")
     ratios = {}
     for label, key, fmt, target in METRICS:

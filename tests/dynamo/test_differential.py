@@ -58,13 +58,13 @@ def _start_pair(dep, mode_args: dict[str, tuple[str, ...]], mocks) -> Pair:
         namespace = f"{dep.namespace}-{side}"
         dep.frontend(namespace=namespace)
         pair.ports[side] = dep.http_port
-        for mock, args in zip(mocks, mode_args[side]):
+        for mock, args in zip(mocks, mode_args[side], strict=True):
             if side == "native":
                 dep.native_sidecar(mock, *args, namespace=namespace, name=f"native-{len(dep.processes)}")
             else:
                 dep.trio_sidecar(mock, "--no-abort-on-cancel", *args, namespace=namespace,
                                  name=f"trio-{len(dep.processes)}")
-    for side, port in pair.ports.items():
+    for port in pair.ports.values():
         local.wait_for_models(port, ["tiny"], timeout=180, watch=dep.processes)
     return pair
 
@@ -248,8 +248,6 @@ def test_prefill_decode_same_responses_and_requests_as_the_native_sidecar(pd_pai
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_a_request_is_prefilled_on_one_worker_and_decoded_on_the_other(pd_pair, path):
     """Issue 6 test 3, on the trio-sidecar side of the P/D deployment."""
-    from trio_sidecar.mock import planned_tokens
-
     prefill, decode = pd_pair.mocks
     before_p, before_d = len(prefill.recorded()), len(decode.recorded())
     payload = {"model": "tiny", "max_tokens": 5, "ignore_eos": True, "nvext": {"extra_fields": ["worker_id"]}}

@@ -142,7 +142,7 @@ def start_frontend(workdir: Path, env: Mapping[str, str], *, namespace: str | No
     Without an explicit ``port`` a free one is picked; if another process takes it first (the frontend then
     exits), a new port is tried, up to ``attempts`` times.
     """
-    for attempt in range(1 if port else attempts):
+    for _ in range(1 if port else attempts):
         http_port = port or free_port()
         argv = [sys.executable, "-m", "dynamo.frontend", "--http-host", LOOPBACK, "--http-port", str(http_port),
                 "--discovery-backend", "file", "--request-plane", "tcp"]
