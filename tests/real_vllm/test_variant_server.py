@@ -5,17 +5,20 @@ and KV-event variants of Control, the sidecar's KV-event source discovery agains
 and finally engine death (the EngineCore killed with SIGKILL), which ends the server, so that test is the
 last one in this file.
 
-KV-event endpoints are concrete loopback addresses. vLLM 0.32 *binds* its PUB socket only for wildcard or
-ipc endpoints and *connects* it otherwise (``vllm/distributed/kv_events.py``), so with these settings
-nothing listens on the PUB port; the replay ROUTER binds 127.0.0.1. Only discovery is tested here.
+The KV-event PUB endpoint is an ipc socket in a private directory: vLLM 0.32 *binds* its PUB only for
+wildcard or ipc endpoints and *connects* it for a concrete tcp address (``vllm/distributed/kv_events.py``),
+and a wildcard would listen on every interface. The replay ROUTER binds 127.0.0.1.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import trio
@@ -47,10 +50,12 @@ def variant_process():
     env = env_from_environ()
     assert env is not None
     check_env(env)
-    kv_port, replay_port = free_ports(2)
+    (replay_port,) = free_ports(1)
+    # ipc: vLLM binds a Unix socket (no TCP listener); a concrete tcp address would make its PUB *connect*.
+    ipc_dir = Path(tempfile.mkdtemp(prefix="real-vllm-kv-"))
     kv_config = {
         "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
-        "endpoint": f"tcp://127.0.0.1:{kv_port}", "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+        "endpoint": f"ipc://{ipc_dir}/kv-events.ipc", "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
     }
     server = RealVllmServer(
         env, launch="rust",
@@ -65,6 +70,7 @@ def variant_process():
             assert not server.leftovers(), f"vLLM processes still running after stop: {server.leftovers()}"
         finally:
             server.cleanup_files()
+            shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +197,85 @@ async def test_sidecar_discovers_the_kv_event_source_and_registers_kv_publishing
     plan = plan_registration(config, WorkerOptions(), engine_config, sources, environ={})
     assert plan.runtime_config["kv_event_publishing_enabled"] is True
     assert plan.local_indexer is True
+
+
+async def receive_kv_batches(sub, count: int, timeout: float = 30.0) -> list[list[bytes]]:
+    """Up to ``count`` multipart messages from a SUB socket, polled without blocking Trio."""
+    import zmq
+
+    frames: list[list[bytes]] = []
+    with trio.move_on_after(timeout):
+        while len(frames) < count:
+            try:
+                frames.append(sub.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                await trio.sleep(0.05)
+    return frames
+
+
+def event_summary(frames: list[bytes]) -> dict:
+    import msgpack
+
+    payload = msgpack.unpackb(frames[-1], raw=False, strict_map_key=False)
+    return {
+        "frames": len(frames),
+        "seq_bytes": len(frames[1]),
+        "payload": [type(payload[0]).__name__, type(payload[1]).__name__, payload[2]],
+        "events": [e for e in payload[1]],
+    }
+
+
+async def test_kv_events_wire_format_matches_the_mock(direct, variant_server):
+    """mock-server.md §10.3/§10.4 against real vLLM 0.32: frames, payload layout and BlockStored fields."""
+    import zmq
+
+    from trio_sidecar.mock import MockConfig, open_mock_server
+
+    prompt = list(range(100, 300))  # 200 tokens: one full 128-token block
+    ctx = zmq.Context()
+    summaries = {}
+    try:
+        async with open_mock_server(MockConfig(listen="127.0.0.1:0", engine_args={
+            "block_size": 128, "speedup_ratio": 0.0, "enable_prefix_caching": True,
+        })) as mock:
+            host, port = mock.address.rsplit(":", 1)
+            for side, endpoint, channel_host, channel_port in (
+                ("real", variant_server.kv_endpoints[0], variant_server.host, variant_server.grpc_port),
+                ("mock", mock.kv_event_endpoints[0], host, int(port)),
+            ):
+                sub = ctx.socket(zmq.SUB)
+                sub.setsockopt(zmq.LINGER, 0)
+                sub.setsockopt(zmq.SUBSCRIBE, b"")
+                sub.connect(endpoint)
+                try:
+                    await trio.sleep(0.5)  # PUB/SUB join: events published before it are lost
+                    async with open_direct_channel(channel_host, channel_port) as channel:
+                        out = await collect(channel, generate_request(unique_id("kv"), prompt=prompt, max_new_tokens=4))
+                        assert out.error is None, (side, out.error)
+                    batches = await receive_kv_batches(sub, 1)
+                finally:
+                    sub.close()
+                assert batches, f"{side}: no KV-event message after a 200-token prompt"
+                summaries[side] = event_summary(batches[0])
+    finally:
+        ctx.term()
+    real, mock_summary = summaries["real"], summaries["mock"]
+    # Same framing: [topic, seq (u64 big-endian), payload]; payload [ts: float, [events], dp_rank 0].
+    assert {k: real[k] for k in ("frames", "seq_bytes", "payload")} == {
+        k: mock_summary[k] for k in ("frames", "seq_bytes", "payload")
+    } == {"frames": 3, "seq_bytes": 8, "payload": ["float", "list", 0]}
+    stored = {side: [e for e in summaries[side]["events"] if e["type"] == "BlockStored"] for side in summaries}
+    for side, events in stored.items():
+        assert events, side
+        first = events[0]
+        assert (first["block_size"], first["parent_block_hash"], first["group_idx"]) == (128, None, 0), side
+        assert first["token_ids"] == prompt[:128], side
+        assert len(first["token_ids"]) == len(first["block_hashes"]) * first["block_size"], side
+    # The mock sends a subset of vLLM's keys (by design: the fields the Dynamo consumer reads).
+    real_keys, mock_keys = set(stored["real"][0]), set(stored["mock"][0])
+    assert mock_keys <= real_keys, mock_keys - real_keys
+    assert real_keys - mock_keys == {"lora_id", "lora_name", "medium", "extra_keys", "kv_cache_spec_kind"}
+    assert stored["real"][0]["medium"] == "GPU"  # even on the CPU engine
 
 
 # Last in this module: it ends the server.
