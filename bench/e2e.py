@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import shutil
 import signal
 import statistics
 import sys
@@ -242,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=1, help="alternating native/trio rounds (median)")
     parser.add_argument("--json", type=Path, help="also write the results as JSON")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the temporary directory with all logs")
     parser.add_argument("--ceiling", action="store_true",
                         help="also measure a plain asyncio Python worker (the Python-handler ceiling)")
     args = parser.parse_args(argv)
@@ -272,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for proc in reversed(procs):
             proc.stop()
+        if args.keep_logs:
+            print(f"logs: {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
     return 0
 
 
