@@ -115,17 +115,6 @@ async def collect(channel, request, *, metadata=(), method=GENERATE_STREAM, resp
     return out
 
 
-async def wait_for_log(server, pattern: str, *, offset: int = 0, timeout: float = 20.0) -> re.Match[str]:
-    """Poll the server log (written with NO_COLOR=1) until ``pattern`` appears after ``offset``."""
-    with trio.move_on_after(timeout):
-        while True:
-            match = server.find_in_log(pattern, offset)
-            if match:
-                return match
-            await trio.sleep(0.1)
-    raise AssertionError(f"log line {pattern!r} did not appear within {timeout}s; tail:\n{server.log_tail(20)}")
-
-
 async def drop_outcome(server, request_id: str, *, offset: int = 0, timeout: float = 20.0) -> str:
     """After a stream was abandoned: "aborted" (the server's auto-abort line) or "finished" (it completed
     before the reset arrived, the §8.4 race; the caller retries)."""

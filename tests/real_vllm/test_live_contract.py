@@ -24,7 +24,7 @@ from ._helpers import (
     race_attempts,
     unique_id,
 )
-from ._server import MAX_MODEL_LEN, SERVED_MODEL_NAME
+from ._server import MAX_MODEL_LEN, READY_LOG_LINE, SERVED_MODEL_NAME
 from ._wire import RawMessage, decode, scalar_fields
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -48,6 +48,11 @@ async def health_check(channel, service: str):
 
 
 # -- §8.1 health ---------------------------------------------------------------------------------------
+
+
+def test_the_server_logs_readiness(real_server):
+    # §6: logged after the engine handshake, by the Rust frontend, with the gRPC address.
+    assert real_server.find_in_log(rf"{READY_LOG_LINE} addr={real_server.host}:{real_server.grpc_port} ")
 
 
 def test_no_not_serving_phase_during_startup(real_server):
