@@ -16,13 +16,22 @@ import pytest
 import trio
 
 from trio_sidecar.dynamo.bridge import (
+    dynamo_exception,
     QUEUE_WARN_THRESHOLD,
     SHUTTING_DOWN,
     AsyncioThread,
     RequestBridge,
     merge_deltas,
 )
-from trio_sidecar.errors import EngineShutdown, InvalidArgument
+from trio_sidecar.errors import (
+    CannotConnect,
+    ConnectionTimeout,
+    EngineShutdown,
+    InvalidArgument,
+    ProtocolError,
+    RequestCancelled,
+    SidecarError,
+)
 
 pytestmark = pytest.mark.dynamo
 
@@ -223,13 +232,44 @@ async def test_runtime_closing_the_generator_stops_the_trio_request(loop_thread)
     assert sidecar.finished == ["closed"]
 
 
+def _sidecar_error(raised: BaseException) -> BaseException:
+    """The SidecarError behind what the handler raised (Dynamo's typed exception chains to it)."""
+    return raised if isinstance(raised, SidecarError) else raised.__cause__
+
+
+@pytest.mark.parametrize(
+    ("error", "dynamo_class"),
+    [
+        (InvalidArgument("bad"), "InvalidArgument"),
+        (CannotConnect("vLLM is not serving: down"), "CannotConnect"),
+        (ConnectionTimeout("GetModelInfo exceeded the total vLLM startup deadline"), "ConnectionTimeout"),
+        (EngineShutdown(SHUTTING_DOWN), "EngineShutdown"),
+        (RequestCancelled("GenerateStream: gone (Cancelled)"), "Cancelled"),
+        (ProtocolError("GenerateStream ended before a terminal response"), "Unknown"),
+    ],
+)
+def test_sidecar_errors_cross_into_dynamo_as_the_typed_exception_of_their_kind(error, dynamo_class):
+    # The 1.6.1 frontend migrates CannotConnect/ConnectionTimeout/EngineShutdown to another worker, answers
+    # InvalidArgument with HTTP 400 and Cancelled with 499; the text stays the sidecar's.
+    exceptions = pytest.importorskip("dynamo.llm.exceptions")
+    translated = dynamo_exception(error)
+    assert type(translated) is getattr(exceptions, dynamo_class)
+    assert str(translated) == str(error)
+    assert translated.__cause__ is error
+
+
+def test_other_exceptions_cross_unchanged():
+    boom = RuntimeError("boom")
+    assert dynamo_exception(boom) is boom
+
+
 async def test_sidecar_error_is_raised_from_the_handler_with_its_text(loop_thread):
     sidecar = FakeSidecar(error=InvalidArgument("max_tokens must be at least 1"))
     async with running_bridge(loop_thread, sidecar) as (bridge, _):
         out = await loop_thread.run(consume, bridge, {"token_ids": [1]}, FakeDynamoContext("bad"))
         await bridge.wait_idle()
     assert len(out) == 1
-    assert isinstance(out[0], InvalidArgument)
+    assert isinstance(_sidecar_error(out[0]), InvalidArgument)
     assert str(out[0]) == "max_tokens must be at least 1"
 
 
@@ -238,7 +278,7 @@ async def test_requests_after_stop_admitting_are_rejected(loop_thread):
     async with running_bridge(loop_thread, sidecar) as (bridge, _):
         bridge.stop_admitting()
         out = await loop_thread.run(consume, bridge, {"token_ids": [1]}, FakeDynamoContext("late"))
-    assert len(out) == 1 and isinstance(out[0], EngineShutdown)
+    assert len(out) == 1 and isinstance(_sidecar_error(out[0]), EngineShutdown)
     assert str(out[0]) == SHUTTING_DOWN
     assert sidecar.contexts == {}
 

@@ -66,7 +66,7 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from ..errors import EngineShutdown, SidecarError
+from ..errors import EngineShutdown, ErrorKind, SidecarError
 
 __all__ = [
     "AsyncioThread",
@@ -75,9 +75,38 @@ __all__ = [
     "RequestItem",
     "QUEUE_WARN_THRESHOLD",
     "SHUTTING_DOWN",
+    "dynamo_exception",
 ]
 
 LOGGER = logging.getLogger("trio_sidecar.dynamo.bridge")
+
+# Dynamo 1.6.1's frontend decides from the exception *class* a worker raises what to do with a failed
+# request: CannotConnect, ConnectionTimeout and EngineShutdown are migrated to another worker (with
+# `--migration-limit`), InvalidArgument becomes HTTP 400, Cancelled 499, anything else HTTP 500. So a
+# SidecarError crosses into Dynamo as the class of its kind, with its message unchanged.
+_DYNAMO_CLASS_BY_KIND = {
+    ErrorKind.INVALID_ARGUMENT: "InvalidArgument",
+    ErrorKind.CANNOT_CONNECT: "CannotConnect",
+    ErrorKind.CONNECTION_TIMEOUT: "ConnectionTimeout",
+    ErrorKind.ENGINE_SHUTDOWN: "EngineShutdown",
+    ErrorKind.CANCELLED: "Cancelled",
+    ErrorKind.UNKNOWN: "Unknown",
+}
+
+
+def dynamo_exception(exc: BaseException) -> BaseException:
+    """The exception to raise into Dynamo for ``exc``: a SidecarError becomes Dynamo's typed exception of
+    the same kind and text (chained to the original); anything else, or no Dynamo installed, is unchanged.
+    """
+    if not isinstance(exc, SidecarError):
+        return exc
+    try:
+        from dynamo.llm import exceptions as dynamo_errors
+    except ImportError:
+        return exc
+    translated = getattr(dynamo_errors, _DYNAMO_CLASS_BY_KIND[exc.kind])(str(exc))
+    translated.__cause__ = exc
+    return translated
 
 QUEUE_WARN_THRESHOLD = 1024
 SHUTTING_DOWN = "trio-sidecar is shutting down"
@@ -328,7 +357,7 @@ class RequestBridge:
         try:
             token.run_sync_soon(self._spawn_send.send_nowait, item)
         except (trio.RunFinishedError, trio.ClosedResourceError):
-            raise EngineShutdown(SHUTTING_DOWN) from None
+            raise dynamo_exception(EngineShutdown(SHUTTING_DOWN)) from None
 
         watcher = asyncio.ensure_future(context.async_killed_or_stopped())
         watcher.add_done_callback(lambda f: None if f.cancelled() else request_stop())
@@ -357,7 +386,7 @@ class RequestBridge:
                     return
                 if isinstance(out, BaseException):
                     ended = True
-                    raise out
+                    raise dynamo_exception(out)
                 while items and type(items[0]) is dict:
                     merged = merge_deltas(out, items[0])
                     if merged is None:
