@@ -6,7 +6,7 @@ and its two variables are exported (``TRIO_SIDECAR_REAL_VLLM_PYTHON``, ``TRIO_SI
 Server lifetimes: starting vLLM costs 25-45 s on an idle 2-core machine (up to 3 minutes when other test
 suites share the cores), so one Python-supervised server is shared by the whole folder (``real_server``,
 session scope). Tests on it never break it, except the SIGTERM test, which uses it through
-``ending_real_server`` and is ordered last. ``test_variant_server.py`` starts its own Rust-managed server
+``ending_real_server`` and is ordered last. ``test_real_variant_server.py`` starts its own Rust-managed server
 (LoRA and KV events on), whose last test kills its engine.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ._server import (
+from real_vllm_server import (
     ENV_MODEL,
     ENV_PYTHON,
     TIMINGS,

@@ -27,10 +27,10 @@ from trio_sidecar import HealthKind, KvEventSource, SidecarConfig, WorkerOptions
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar.status import StatusCode
 
-from ._client import open_direct_channel, rpc_error_types
-from ._health import assert_left_serving, observe_shutdown
-from ._helpers import collect, generate_request, unique_id
-from ._server import (
+from real_vllm_client import open_direct_channel, rpc_error_types
+from real_vllm_health import assert_left_serving, observe_shutdown
+from real_vllm_helpers import collect, generate_request, unique_id
+from real_vllm_server import (
     SERVED_MODEL_NAME,
     TIMINGS,
     RealVllmServer,
@@ -39,7 +39,7 @@ from ._server import (
     free_ports,
     process_exited,
 )
-from ._wire import RawMessage, decode, scalar_fields
+from real_vllm_wire import RawMessage, decode, scalar_fields
 
 MAX_LORAS = 2
 

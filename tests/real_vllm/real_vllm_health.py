@@ -10,8 +10,8 @@ import trio
 from trio_sidecar import CannotConnect, GenerateContext, HealthKind, SidecarConfig, open_sidecar
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
 
-from ._client import open_direct_channel, rpc_error_types
-from ._helpers import unique_id
+from real_vllm_client import open_direct_channel, rpc_error_types
+from real_vllm_helpers import unique_id
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

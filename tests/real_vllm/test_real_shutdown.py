@@ -1,7 +1,7 @@
 """Health when the real server goes away (issue 8 item 5; real-vllm-on-cpu.md §8.7; clarification #8).
 
 SIGTERM goes to the shared Python-supervised ``vllm serve`` (graceful shutdown; this test runs last; the
-engine-death case is in ``test_variant_server.py``). Watch streams may end OK after NOT_SERVING *or* with an
+engine-death case is in ``test_real_variant_server.py``). Watch streams may end OK after NOT_SERVING *or* with an
 error and no NOT_SERVING first (4 of 9 live runs in the spec; every run on this machine, for grpcio too),
 so the test accepts either path; what it requires is that every watcher and the sidecar's prober leave
 SERVING, that new requests are refused with the typed error, and that the process exits.
@@ -9,8 +9,8 @@ SERVING, that new requests are refused with the typed error, and that the proces
 
 from __future__ import annotations
 
-from ._health import assert_left_serving, observe_shutdown
-from ._server import TIMINGS
+from real_vllm_health import assert_left_serving, observe_shutdown
+from real_vllm_server import TIMINGS
 
 
 async def test_sigterm_takes_every_service_out_of_serving_and_the_prober_reacts(ending_real_server):

@@ -18,9 +18,9 @@ from trio_sidecar._proto.vllm import control_pb2, inference_pb2
 from trio_sidecar.mock import MockConfig, open_mock_server
 from trio_sidecar.status import StatusCode
 
-from ._client import open_direct_channel, rpc_error_types
-from ._helpers import collect, generate_request, race_attempts, unique_id
-from ._server import MAX_MODEL_LEN, MAX_NUM_SEQS, SERVED_MODEL_NAME
+from real_vllm_client import open_direct_channel, rpc_error_types
+from real_vllm_helpers import collect, generate_request, race_attempts, unique_id
+from real_vllm_server import MAX_MODEL_LEN, MAX_NUM_SEQS, SERVED_MODEL_NAME
 
 FINISH = inference_pb2.FinishInfo
 

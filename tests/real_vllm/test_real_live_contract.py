@@ -1,7 +1,7 @@
 """Pins of the live vLLM 0.32.0 behaviours of real-vllm-on-cpu.md §8, through the project's transport.
 
 These are the facts the mock and the sidecar are built on; if a vLLM upgrade changes one, this file says
-which. Control values are checked on the raw wire (field numbers decoded by hand, ``_wire``) so they do not
+which. Control values are checked on the raw wire (field numbers decoded by hand, ``real_vllm_wire``) so they do not
 depend on our generated schema.
 """
 
@@ -14,8 +14,8 @@ from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar._proto.vllm import control_pb2, inference_pb2
 from trio_sidecar.status import StatusCode
 
-from ._client import open_direct_channel, rpc_error_types
-from ._helpers import (
+from real_vllm_client import open_direct_channel, rpc_error_types
+from real_vllm_helpers import (
     ABORT,
     GENERATE,
     collect,
@@ -24,8 +24,8 @@ from ._helpers import (
     race_attempts,
     unique_id,
 )
-from ._server import MAX_MODEL_LEN, READY_LOG_LINE, SERVED_MODEL_NAME
-from ._wire import RawMessage, decode, scalar_fields
+from real_vllm_server import MAX_MODEL_LEN, READY_LOG_LINE, SERVED_MODEL_NAME
+from real_vllm_wire import RawMessage, decode, scalar_fields
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 LENGTH = inference_pb2.FinishInfo.LENGTH

@@ -11,7 +11,7 @@ import trio
 
 from trio_sidecar._proto.vllm import inference_pb2
 
-from ._client import rpc_error_types
+from real_vllm_client import rpc_error_types
 
 GENERATE_STREAM = "/vllm.Inference/GenerateStream"
 GENERATE = "/vllm.Inference/Generate"
