@@ -33,7 +33,7 @@ for arg in "$@"; do
   case "$arg" in
     --force) FORCE=1 ;;
     --env) ENV_ONLY=1 ;;
-    -h|--help) sed -n '2,14p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
     *) fail "unknown argument: $arg (usage: scripts/real-vllm.sh [--force] [--env])" ;;
   esac
 done
