@@ -12,7 +12,6 @@ whatever the worker returns (1 for failures after startup began).
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -277,13 +276,9 @@ def _print_error(message: str) -> None:
 
 
 def _setup_logging(level: str) -> None:
-    from rich.logging import RichHandler
+    from ._logging import configure_logging
 
-    handler = RichHandler(console=None, show_path=False, rich_tracebacks=False)
-    root = logging.getLogger("trio_sidecar")
-    root.setLevel(getattr(logging, level.upper(), logging.INFO))
-    if not any(isinstance(h, RichHandler) for h in root.handlers):
-        root.addHandler(handler)
+    configure_logging(level)
 
 
 def _run(argv: Sequence[str], environ: Mapping[str, str] | None) -> int:

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from trio_sidecar._logging import configure_logging
+
 from trio_sidecar.mock.engine_args import EngineArgsError, parse_engine_args
 
 if TYPE_CHECKING:
@@ -142,9 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (EngineArgsError, MockConfigError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(level)
     return trio.run(_serve, config)
 
 
