@@ -35,13 +35,10 @@ test-fast: deps
 	$(PY) -m pytest -x -q -m "not slow and not dynamo" $(PYTEST_ARGS)
 
 # The real vLLM 0.32 CPU server as a conformance peer: provisioned once into a cache directory outside the
-# tree (${TRIO_SIDECAR_CACHE:-~/.cache/trio-sidecar}/real-vllm), then the `real_vllm` tests run against it.
-REAL_VLLM_DIR ?= $(or $(TRIO_SIDECAR_CACHE),$(HOME)/.cache/trio-sidecar)/real-vllm
+# tree (${TRIO_SIDECAR_CACHE:-~/.cache/trio-sidecar}/real-vllm, ~500 MB of registry downloads, ~2.5 min),
+# then the `real_vllm` tests run against it (~1.5-4 min on 2 cores).
 test-real: deps
-	bash scripts/real-vllm.sh
-	TRIO_SIDECAR_REAL_VLLM_PYTHON=$(REAL_VLLM_DIR)/venv/bin/python \
-	TRIO_SIDECAR_REAL_VLLM_MODEL=$(REAL_VLLM_DIR)/model/tiny-llama \
-	$(PY) -m pytest -m real_vllm tests/real_vllm $(PYTEST_ARGS)
+	eval "$$(bash scripts/real-vllm.sh --env)" && $(PY) -m pytest -m real_vllm tests/real_vllm $(PYTEST_ARGS)
 
 demo: deps dynamo
 	$(PY) examples/demo.py
