@@ -28,7 +28,7 @@ from .discovery import discover
 from .engine import GenerateContext, SidecarEngine
 from .errors import CannotConnect
 from .model import DiscoveredModel, EngineConfig
-from .pool import collapse_exception_group
+from .transport import collapse_single_exception
 from .prober import HealthKind, HealthState, run_health_prober
 from .protocol import LLMEngineOutput, PreprocessedRequest
 
@@ -107,7 +107,7 @@ async def open_sidecar(config: SidecarConfig, *, expected: DiscoveredModel | Non
     """
     endpoint = validate_sidecar_config(config)
     engine = SidecarEngine(config, endpoint=endpoint)
-    async with collapse_exception_group():
+    with collapse_single_exception():
         async with trio.open_nursery() as nursery:
             try:
                 engine_config = await engine.start(nursery, expected=expected)

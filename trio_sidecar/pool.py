@@ -42,7 +42,6 @@ __all__ = [
     "connect_with_retry",
     "MAX_MESSAGE_LENGTH",
     "cause_chain",
-    "collapse_exception_group",
 ]
 
 LOGGER = logging.getLogger("trio_sidecar.pool")
@@ -79,21 +78,6 @@ def cause_chain(exc: BaseException) -> str:
             parts.append(text)
         current = current.__cause__ or current.__context__
     return ": ".join(parts)
-
-
-@asynccontextmanager
-async def collapse_exception_group() -> AsyncIterator[None]:
-    """Re-raise a group holding exactly one exception as that exception (house rule: a single failure
-    never surfaces as an ``ExceptionGroup``). Nested single-member groups are unwrapped too."""
-    try:
-        yield
-    except BaseExceptionGroup as group:
-        leaf: BaseException = group
-        while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
-            leaf = leaf.exceptions[0]
-        if leaf is group:
-            raise
-        raise leaf from leaf.__cause__
 
 
 class _RateLimitedLog:
@@ -366,7 +350,7 @@ async def open_channel_pool(
     name: str = "vLLM",
 ) -> AsyncIterator[ChannelPool]:
     """A :class:`ChannelPool` owning its nursery; closed (and its tasks ended) on exit."""
-    async with collapse_exception_group():
+    with _transport().collapse_single_exception():
         async with trio.open_nursery() as nursery:
             pool = await ChannelPool.connect(nursery, endpoint, config, deadline=deadline, size=size, name=name)
             try:

@@ -198,14 +198,14 @@ def test_cause_chain_joins_causes_and_contexts():
     assert cause_chain(TimeoutError()) == "TimeoutError"
 
 
-async def test_collapse_exception_group_unwraps_a_single_failure_only():
-    from trio_sidecar.pool import collapse_exception_group
+def test_collapse_single_exception_unwraps_a_single_failure_only():
+    from trio_sidecar.transport import collapse_single_exception
 
     with pytest.raises(KeyError):
-        async with collapse_exception_group():
+        with collapse_single_exception():
             raise ExceptionGroup("one", [ExceptionGroup("nested", [KeyError("k")])])
     with pytest.raises(ExceptionGroup):
-        async with collapse_exception_group():
+        with collapse_single_exception():
             raise ExceptionGroup("two", [KeyError("a"), ValueError("b")])
 
 

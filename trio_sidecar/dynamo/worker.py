@@ -36,8 +36,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -45,6 +44,7 @@ import trio
 
 from ..config import DisaggregationMode, SidecarConfig, WorkerOptions
 from ..errors import InvalidArgument, SidecarError, format_duration
+from ..transport import collapse_single_exception
 from .bridge import AsyncioThread, RequestBridge
 
 if TYPE_CHECKING:
@@ -536,7 +536,7 @@ async def _run_with_runtime(
     with state.startup() as scope:
         reporter.phase("start phase", config.startup_deadline)
         try:
-            async with _single_errors():
+            with collapse_single_exception():
                 async with open_sidecar(config, expected=bootstrap) as sidecar:
                     reporter.phase_done("start phase")
                     async with trio.open_nursery() as requests:
@@ -592,24 +592,6 @@ async def _register_and_serve(
         return 1
     await _drain(options, thread, dynamo, bridge)
     return 0
-
-
-@asynccontextmanager
-async def _single_errors() -> AsyncIterator[None]:
-    """Re-raise a (nested) exception group holding exactly one exception as that exception.
-
-    Trio's strict nurseries wrap even a single failure (say, ``register_model`` rejecting the card); the
-    CLI must print that failure's own message, never "Exceptions from Trio nursery".
-    """
-    try:
-        yield
-    except BaseExceptionGroup as group:
-        leaf: BaseException = group
-        while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
-            leaf = leaf.exceptions[0]
-        if leaf is group:
-            raise
-        raise leaf from leaf.__cause__
 
 
 async def _set_when(event: trio.Event, scope: trio.CancelScope) -> None:
