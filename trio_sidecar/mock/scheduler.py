@@ -17,7 +17,9 @@ Its :meth:`RankEngine.run` task repeats *passes*; each pass is three steps:
    head does not fit it waits and nothing overtakes it. Without chunked prefill the head must also fit the
    remaining budget in one go.
 2. **Model time.** The pass's duration comes from the polynomial model (timing.py) and is slept only when
-   ``speedup_ratio > 0``; with 0 the loop just checkpoints, so consumers run between passes.
+   ``speedup_ratio > 0``. With 0 nothing is modelled: passes run back to back and the loop checkpoints
+   once about every ``_BURST_SIGNALS`` output signals (each pass counts one more), so a reader wakes to
+   a run of buffered tokens instead of once per token. Submissions and cancels land between bursts.
 3. **Apply** (synchronous). Each scheduled request that was not cancelled meanwhile adds its computed
    tokens; full blocks are committed (stored in the prefix cache, events queued); a request whose sequence
    is fully computed emits its next planned token into its output channel (``completed`` on the last one),
@@ -66,6 +68,10 @@ __all__ = [
 LOGGER = logging.getLogger("trio_sidecar.mock.scheduler")
 
 CAPACITY_MESSAGE = "request exceeds the simulated KV-cache capacity"
+# speedup 0: passes run back to back until they emitted about this many output signals (each pass counts
+# one more), then the loop checkpoints once. Readers wake to several buffered tokens at a time instead of
+# once per token, and the transport writes them together.
+_BURST_SIGNALS = 1024
 
 
 class SchedulerError(Exception):
@@ -262,15 +268,18 @@ class RankEngine:
         Cancellation: cancelling it stops the engine; requests still queued see their channel closed.
         """
         task_status.started()
+        burst = 0  # signals emitted since the loop last let other tasks run (speedup 0)
         try:
             while True:
                 if not self._running and not self._waiting:
                     await self._idle()
+                    burst = 0
                     continue
                 batch, prefill_tokens, decode_tokens, has_decode = self._schedule()
                 if not batch:
                     self._flush()
                     await self._idle()
+                    burst = 0
                     continue
                 seconds = pass_seconds(
                     prefill_tokens=prefill_tokens,
@@ -282,9 +291,11 @@ class RankEngine:
                 )
                 if seconds > 0:
                     await trio.sleep(seconds)
-                else:
+                    burst = 0
+                elif burst >= _BURST_SIGNALS:
                     await trio.lowlevel.checkpoint()
-                self._apply(batch)
+                    burst = 0
+                burst += 1 + self._apply(batch)
                 self._passes += 1
                 self._flush()
         finally:
@@ -381,9 +392,11 @@ class RankEngine:
         self._waiting.appendleft(r)
         self._preemptions += 1
 
-    def _apply(self, batch: list[_Req]) -> None:
+    def _apply(self, batch: list[_Req]) -> int:
+        """Apply a pass; returns the number of output signals emitted."""
         kv = self.kv_pool
         finished = False
+        emitted = 0
         for r in batch:
             n, r.sched = r.sched, 0
             if r.state is not _State.RUNNING:
@@ -398,6 +411,7 @@ class RankEngine:
             r.generated += 1
             r.num_tokens += 1
             completed = r.generated == len(plan)
+            emitted += 1
             try:
                 r.send.send_nowait(OutputSignal(token, completed))
             except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
@@ -411,6 +425,7 @@ class RankEngine:
                 finished = True
         if finished:
             self._running = [r for r in self._running if r.state is _State.RUNNING]
+        return emitted
 
     def _drop(self, r: _Req) -> None:
         if r.state is _State.WAITING:
