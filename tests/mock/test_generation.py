@@ -23,6 +23,7 @@ from trio_sidecar.mock.generation import (
     request_uuid,
     token_at,
     token_logprob,
+    token_response_encoder,
     token_seed,
     TokenPlan,
 )
@@ -126,6 +127,25 @@ def test_sequence_output_shapes():
     out = build_sequence_output([31728], with_cands)
     assert list(out.logprobs) == []  # candidates alone do not add logprobs
     assert [t.id for t in out.candidate_tokens[0].tokens] == [31728, 31729]
+
+
+@pytest.mark.parametrize("text", [True, False])
+@pytest.mark.parametrize("token_ids", [True, False])
+@pytest.mark.parametrize("extra", ["none", "logprobs", "candidates"])
+def test_token_response_encoder_matches_protobuf_bytes(text, token_ids, extra):
+    options = OutputOptions(
+        text=text,
+        token_ids=token_ids,
+        logprobs=extra == "logprobs",
+        candidates=CandidateSpec("top_n", top_n=3) if extra == "candidates" else None,
+        candidates_requested=extra == "candidates",
+    )
+    encode = token_response_encoder(options)
+    edges = [0, 1, 127, 128, 999, 1000, 16383, 16384, 31999, 2**21 - 1, 2**21, 2**28, 2**32 - 21]
+    tokens = edges + list(range(1000, 32000, 7 if extra == "none" else 997))
+    for token in tokens:
+        message = pb.GenerateResponse(outputs=build_sequence_output([token], options))
+        assert encode(token) == message.SerializeToString(), token
 
 
 def test_prompt_info():

@@ -9,11 +9,12 @@ import time
 import grpc
 import pytest
 import trio
-from transport_peers import GENERATE, MIB, aio_options, aio_stream, aio_unary, request, status_of
+from transport_peers import GENERATE, GENERATE_STREAM, MIB, aio_options, aio_stream, aio_unary, request, status_of
 
+from trio_sidecar._proto.vllm import inference_grpc
 from trio_sidecar._proto.vllm import inference_pb2 as pb
 from trio_sidecar.status import StatusCode
-from trio_sidecar.transport import RpcError, open_channel, serve_grpc
+from trio_sidecar.transport import FramedMessages, RpcError, open_channel, serve_grpc
 from trio_sidecar.transport._connection import frame_message
 
 
@@ -233,3 +234,52 @@ async def test_our_client_gets_the_servers_resource_exhausted_for_an_oversize_re
         assert info.value.code is StatusCode.RESOURCE_EXHAUSTED
         assert "huge" not in recorder.started
         assert (await channel.unary_unary(GENERATE, request("echo", text="ok"), pb.GenerateResponse)).outputs.text == "ok"
+
+
+class _FramedStreamer(inference_grpc.InferenceServicer):
+    """Streams ``truncate_prompt_tokens`` messages (``outputs.index`` 0..n-1) in ``FramedMessages`` batches
+    of ``priority`` messages; ``text`` pads every message (its length in bytes); ``top_k`` = index of an
+    oversize message."""
+
+    async def GenerateStream(self, request, context):  # noqa: N802
+        batch: list[bytes] = []
+        for i in range(request.truncate_prompt_tokens):
+            pad = "x" * (2 * MIB if i == request.sampling.top_k and request.sampling.top_k else int(request.text or 0))
+            batch.append(pb.GenerateResponse(outputs=pb.SequenceOutput(index=i, text=pad)).SerializeToString())
+            if len(batch) == request.priority:
+                yield FramedMessages.of(batch)
+                batch = []
+        yield FramedMessages.of(batch)  # possibly empty: sends nothing
+
+
+def _framed_request(n: int, per_batch: int, pad: int = 0, oversize_at: int = 0) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(truncate_prompt_tokens=n, priority=per_batch, text=str(pad))
+    req.sampling.top_k = oversize_at
+    return req
+
+
+async def test_framed_message_batches_reach_our_client_and_grpc_aio(aio, nursery):
+    server = await nursery.start(lambda task_status: serve_grpc([_FramedStreamer()], max_message_length=MIB, task_status=task_status))
+    cases = [(1, 1, 0), (50, 7, 0), (50, 50, 10), (40, 40, 100_000)]  # the last batch exceeds the 64 KiB window
+    async with open_channel("127.0.0.1", server.port) as channel:
+        for n, per_batch, pad in cases:
+            with trio.fail_after(10):
+                async with channel.unary_stream(GENERATE_STREAM, _framed_request(n, per_batch, pad), pb.GenerateResponse) as stream:
+                    got = [(m.outputs.index, len(m.outputs.text)) async for m in stream]
+            assert got == [(i, pad) for i in range(n)]
+    async with AioClient(aio, server.port) as client:
+        for n, per_batch, pad in cases:
+            assert await client.collect(_framed_request(n, per_batch, pad)) == list(range(n))
+
+
+async def test_an_oversize_message_in_a_framed_batch_fails_after_the_ones_before_it(nursery):
+    server = await nursery.start(lambda task_status: serve_grpc([_FramedStreamer()], max_message_length=MIB, task_status=task_status))
+    async with open_channel("127.0.0.1", server.port) as channel:
+        got = []
+        with trio.fail_after(10), pytest.raises(RpcError) as info:
+            async with channel.unary_stream(GENERATE_STREAM, _framed_request(10, 10, 0, oversize_at=4), pb.GenerateResponse) as stream:
+                async for message in stream:
+                    got.append(message.outputs.index)
+    assert got == [0, 1, 2, 3]
+    assert info.value.code is StatusCode.RESOURCE_EXHAUSTED
+    assert info.value.message.startswith("trying to send message larger than max (")

@@ -48,11 +48,12 @@ from trio_sidecar.mock.generation import (
     build_sequence_output,
     fill_sequence_output,
     request_uuid,
+    token_response_encoder,
 )
 from trio_sidecar.mock.handoff import Role, prefill_terminal_params
 from trio_sidecar.mock.validation import PreparedRequest, RequestPolicy, parse_dp_rank, prepare_request
 from trio_sidecar.status import StatusCode
-from trio_sidecar.transport import HealthServicer, RpcError, serve_grpc
+from trio_sidecar.transport import FramedMessages, HealthServicer, RpcError, serve_grpc
 
 __all__ = [
     "HEALTH_SERVICES",
@@ -487,7 +488,7 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
         finally:
             call.release()
 
-    async def GenerateStream(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse]:  # noqa: N802
+    async def GenerateStream(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse | FramedMessages]:  # noqa: N802
         call = self._server._begin("GenerateStream", request, context)
         try:
             rejection = self._server._submit(call)
@@ -495,26 +496,27 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
             if rejection is not None:
                 raise rejection
             options = call.prepared.output
+            encode = token_response_encoder(options)
             while True:
                 tokens, terminal = await call.next_output()
                 if terminal is None or terminal.finish_reason == FinishReason.ABORTED:
                     plain, last_token = tokens, None
                 else:
                     plain, last_token = tokens[:-1], tokens[-1]
-                for token in plain:
+                # One message per token, all that are ready written in one send (§9 items 2-3).
+                messages = [encode(token) for token in plain]
+                if terminal is not None:
                     message = pb.GenerateResponse()
-                    fill_sequence_output(message.outputs, (token,), options)
-                    yield message
-                if terminal is None:
-                    continue
-                message = pb.GenerateResponse()
-                if last_token is None:
-                    message.outputs.SetInParent()  # the ABORTED terminal carries no token
-                else:
-                    fill_sequence_output(message.outputs, (last_token,), options)
-                message.outputs.finish_info.CopyFrom(terminal)
-                yield message
-                return
+                    if last_token is None:
+                        message.outputs.SetInParent()  # the ABORTED terminal carries no token
+                    else:
+                        fill_sequence_output(message.outputs, (last_token,), options)
+                    message.outputs.finish_info.CopyFrom(terminal)
+                    messages.append(message.SerializeToString())
+                if messages:
+                    yield FramedMessages.of(messages)
+                if terminal is not None:
+                    return
         finally:
             call.release()
 

@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from ._client import Channel, ResponseStream, connect_channel, open_channel
 from ._errors import DEFAULT_MAX_MESSAGE_LENGTH, ConnectionLostError, RpcError
-from ._server import CallContext, GrpcServer, serve_grpc
+from ._server import CallContext, FramedMessages, GrpcServer, serve_grpc
 from ._util import collapse_single_exception
 from .health import HealthServicer, check_health, watch_health
 
@@ -61,6 +61,7 @@ __all__ = [
     "CallContext",
     "Channel",
     "ConnectionLostError",
+    "FramedMessages",
     "GrpcServer",
     "HealthServicer",
     "ResponseStream",

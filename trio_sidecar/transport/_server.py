@@ -16,7 +16,7 @@ from google.protobuf.message import DecodeError
 from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.rpc import Cardinality
 
-from ._connection import Call, Connection, encode_metadata, frame_message
+from ._connection import Call, Connection, _pack_prefix, encode_metadata, frame_message
 from ._errors import DEFAULT_MAX_MESSAGE_LENGTH, RpcError
 from ._protocol import (
     ErrorCodes,
@@ -34,7 +34,7 @@ from ._protocol import (
 from ._util import collapse_single_exception
 from trio_sidecar.status import StatusCode
 
-__all__ = ["CallContext", "GrpcServer", "serve_grpc"]
+__all__ = ["CallContext", "FramedMessages", "GrpcServer", "serve_grpc"]
 
 LOGGER = logging.getLogger("trio_sidecar.transport.server")
 
@@ -43,6 +43,41 @@ _RESPONSE_HEADERS = ((":status", "200"), ("content-type", "application/grpc"))
 _OK_TRAILERS = (("grpc-status", "0"),)
 # accept() failures that mean "out of resources right now": wait and retry (as trio.serve_listeners does).
 _ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+
+
+class FramedMessages(bytes):
+    """One or more responses already serialized *and* gRPC-framed (5-byte prefix each), back to back.
+
+    A streaming handler may yield one instead of a message: it is queued as is, in one HTTP/2 send, so a
+    producer with several responses ready pays the per-send cost once. Build it with :meth:`of`. Each
+    message still obeys the server's ``max_message_length`` (checked when the whole exceeds it: the
+    messages before an oversize one are sent, then the call fails with RESOURCE_EXHAUSTED, as if they
+    had been yielded one by one).
+    """
+
+    __slots__ = ()
+
+    @classmethod
+    def of(cls, messages: Iterable[bytes]) -> FramedMessages:
+        """Frame serialized messages (``message.SerializeToString()`` results) into one payload."""
+        parts: list[bytes] = []
+        append = parts.append
+        for data in messages:
+            append(_pack_prefix(0, len(data)))
+            append(data)
+        return cls(b"".join(parts))
+
+
+def _oversize_split(payload: bytes, limit: int) -> tuple[int, int] | None:
+    """``(offset, length)`` of the first framed message in ``payload`` longer than ``limit``, if any."""
+    offset = 0
+    total = len(payload)
+    while offset + 5 <= total:
+        length = int.from_bytes(payload[offset + 1 : offset + 5], "big")
+        if length > limit:
+            return offset, length
+        offset += 5 + length
+    return None
 
 
 class CallContext:
@@ -141,16 +176,32 @@ class _ServerCall(Call):
             # Reset (or connection lost): the scope is cancelled; raise Cancelled here rather than let a
             # producer that never awaits keep feeding a closed stream.
             await trio.lowlevel.checkpoint()
-        data = response.SerializeToString()
         limit = self.conn.protocol.config.max_message_length
+        if type(response) is FramedMessages:
+            payload: bytes = response
+            oversize = _oversize_split(payload, limit) if len(payload) > limit else None
+            if oversize is not None:
+                offset, length = oversize
+                if offset:
+                    await self._send_payload(payload[:offset])
+                raise RpcError(
+                    StatusCode.RESOURCE_EXHAUSTED, f"trying to send message larger than max ({length} vs. {limit})"
+                )
+            if payload:
+                await self._send_payload(payload)
+            return
+        data = response.SerializeToString()
         if len(data) > limit:
             raise RpcError(
                 StatusCode.RESOURCE_EXHAUSTED, f"trying to send message larger than max ({len(data)} vs. {limit})"
             )
+        await self._send_payload(frame_message(data))
+
+    async def _send_payload(self, payload: bytes) -> None:
         if not self.response_started:
             self.response_started = True
             self.conn.h2.send_headers(self.stream_id, _RESPONSE_HEADERS)
-        await self.conn.send_message(self, frame_message(data), False)
+        await self.conn.send_message(self, payload, False)
 
     def finish(self, code: StatusCode, message: str = "", metadata: Iterable[tuple[str, str]] = ()) -> None:
         """Send the status (trailers, or a trailers-only response) and end the stream."""
