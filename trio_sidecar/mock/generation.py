@@ -144,6 +144,11 @@ class TokenPlan(Sequence[int]):
         self._seed = seed_value
         self._length = length
 
+    @property
+    def seed(self) -> int:
+        """The token seed: token ``p`` is ``token_at(seed, p)``."""
+        return self._seed
+
     def __len__(self) -> int:
         return self._length
 

@@ -40,13 +40,14 @@ from __future__ import annotations
 import collections
 import enum
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import attrs
 import trio
 import trio_util
 
 from trio_sidecar.mock.engine_args import EngineArgs, PreemptionMode
+from trio_sidecar.mock.generation import TokenPlan, token_at
 from trio_sidecar.mock.kvcache import KvPool, SeqKv
 from trio_sidecar.mock.timing import pass_seconds
 from trio_sidecar.status import StatusCode
@@ -132,9 +133,12 @@ class SimRequest:
     priority: int = 0  # recorded, not used for ordering (as upstream)
 
 
-@attrs.frozen
-class OutputSignal:
-    """One generated token; ``completed`` is set on the last planned token."""
+class OutputSignal(NamedTuple):
+    """One generated token; ``completed`` is set on the last planned token.
+
+    A named tuple (immutable, compared by value): one is built per generated token, and a tuple costs
+    a fraction of a frozen attrs instance.
+    """
 
     token: int
     completed: bool
@@ -166,6 +170,8 @@ class _Req:
         "num_computed",
         "num_tokens",
         "prefilled",
+        "plan",
+        "plan_seed",
         "sched",
         "send",
         "sim",
@@ -175,6 +181,9 @@ class _Req:
     def __init__(self, sim: SimRequest, send: trio.MemorySendChannel[OutputSignal]) -> None:
         self.sim = sim
         self.send = send
+        self.plan = sim.plan
+        # A TokenPlan's tokens are computed directly from its seed (no bounds checks per token).
+        self.plan_seed = sim.plan.seed if isinstance(sim.plan, TokenPlan) else None
         self.kv = SeqKv(
             sim.prompt, sim.plan, salt=sim.cache_salt, bypass_prefix_cache=sim.bypass_prefix_cache
         )
@@ -406,11 +415,13 @@ class RankEngine:
             if r.num_computed < r.num_tokens:
                 continue  # a prompt chunk
             r.prefilled = True
-            plan = r.sim.plan
-            token = plan[r.generated]
-            r.generated += 1
+            plan = r.plan
+            generated = r.generated
+            seed = r.plan_seed
+            token = token_at(seed, generated) if seed is not None else plan[generated]
+            r.generated = generated = generated + 1
             r.num_tokens += 1
-            completed = r.generated == len(plan)
+            completed = generated == len(plan)
             emitted += 1
             try:
                 r.send.send_nowait(OutputSignal(token, completed))

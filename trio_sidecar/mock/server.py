@@ -28,7 +28,7 @@ from __future__ import annotations
 import enum
 import ipaddress
 import logging
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any, NoReturn
@@ -43,6 +43,9 @@ from trio_sidecar._proto.vllm import control_grpc, control_pb2, inference_grpc
 from trio_sidecar._proto.vllm import inference_pb2 as pb
 from trio_sidecar.mock import engine_args as _engine_args
 from trio_sidecar.mock.generation import (
+    TOKEN_BASE,
+    TOKEN_SPAN,
+    OutputOptions,
     RequestRejected,
     build_prompt_info,
     build_sequence_output,
@@ -496,7 +499,7 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
             if rejection is not None:
                 raise rejection
             options = call.prepared.output
-            encode = token_response_encoder(options)
+            encode = _framed_token_encoder(options)
             while True:
                 tokens, terminal = await call.next_output()
                 if terminal is None or terminal.finish_reason == FinishReason.ABORTED:
@@ -504,7 +507,7 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
                 else:
                     plain, last_token = tokens[:-1], tokens[-1]
                 # One message per token, all that are ready written in one send (§9 items 2-3).
-                messages = [encode(token) for token in plain]
+                framed = [encode(token) for token in plain]
                 if terminal is not None:
                     message = pb.GenerateResponse()
                     if last_token is None:
@@ -512,13 +515,41 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
                     else:
                         fill_sequence_output(message.outputs, (last_token,), options)
                     message.outputs.finish_info.CopyFrom(terminal)
-                    messages.append(message.SerializeToString())
-                if messages:
-                    yield FramedMessages.of(messages)
+                    framed.append(FramedMessages.frame(message.SerializeToString()))
+                if framed:
+                    yield FramedMessages(b"".join(framed))
                 if terminal is not None:
                     return
         finally:
             call.release()
+
+
+# Framed per-token messages by (text, token_ids) option pair, indexed by token - TOKEN_BASE: the mock's
+# tokens come from a fixed range of 31,000 ids, so a filled table costs a few MB at most.
+_FRAMED_TOKENS: dict[tuple[bool, bool], list[bytes | None]] = {}
+
+
+def _framed_token_encoder(options: OutputOptions) -> Callable[[int], bytes]:
+    """``token -> framed GenerateResponse`` for one streamed token (no ``finish_info``), cached for the
+    plain text / token-id shapes."""
+    encode = token_response_encoder(options)
+    frame = FramedMessages.frame
+    if options.logprobs or options.candidates_requested:
+        return lambda token: frame(encode(token))
+    table = _FRAMED_TOKENS.get((options.text, options.token_ids))
+    if table is None:
+        table = _FRAMED_TOKENS[(options.text, options.token_ids)] = [None] * TOKEN_SPAN
+
+    def framed(token: int) -> bytes:
+        index = token - TOKEN_BASE
+        if 0 <= index < TOKEN_SPAN:
+            data = table[index]
+            if data is None:
+                data = table[index] = frame(encode(token))
+            return data
+        return frame(encode(token))
+
+    return framed
 
 
 class _ControlServicer(control_grpc.ControlServicer):

@@ -57,6 +57,11 @@ class FramedMessages(bytes):
 
     __slots__ = ()
 
+    @staticmethod
+    def frame(data: bytes) -> bytes:
+        """One serialized message with its gRPC prefix (``b"".join`` such pieces into a FramedMessages)."""
+        return _pack_prefix(0, len(data)) + data
+
     @classmethod
     def of(cls, messages: Iterable[bytes]) -> FramedMessages:
         """Frame serialized messages (``message.SerializeToString()`` results) into one payload."""
