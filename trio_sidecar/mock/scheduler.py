@@ -72,7 +72,7 @@ CAPACITY_MESSAGE = "request exceeds the simulated KV-cache capacity"
 # speedup 0: passes run back to back until they emitted about this many output signals (each pass counts
 # one more), then the loop checkpoints once. Readers wake to several buffered tokens at a time instead of
 # once per token, and the transport writes them together.
-_BURST_SIGNALS = 1024
+_BURST_SIGNALS = 4096
 
 
 class SchedulerError(Exception):
