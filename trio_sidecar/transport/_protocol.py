@@ -9,7 +9,10 @@
 * DATA for a stream without a read buffer no longer raises ``KeyError``;
 * GOAWAY becomes a ``GoAway`` event and the peer's first SETTINGS a ``SettingsReceived`` event;
 * the h2 3.2.0 WINDOW_UPDATE-after-close race is handled inside h2 (``_H2Connection``);
-* HPACK header blocks are encoded/decoded once per dynamic-table state (``_CachingEncoder``/``Decoder``).
+* HPACK header blocks are encoded/decoded once per dynamic-table state (``_CachingEncoder``/``Decoder``);
+* plain DATA frames of open streams skip h2's frame objects and per-frame buffer re-slicing, and whole
+  uncompressed messages skip purerpc's read buffer (``receive_data``; same bookkeeping and events, checked
+  against h2's path by ``tests/transport/test_transport_fastpath.py``).
 
 Flow control: received DATA is acknowledged when the application consumes the message (or drops the
 stream), so a slow reader pushes back on its sender. ``discard_stream`` hands back everything still
@@ -19,6 +22,7 @@ buffered for a stream, so abandoned streams never eat the connection window.
 from __future__ import annotations
 
 import math
+import struct
 import urllib.parse
 
 import h2.config
@@ -26,6 +30,7 @@ import h2.connection
 import h2.events
 import h2.exceptions
 import h2.settings
+import h2.stream
 import hpack
 import hpack.table
 from h2.errors import ErrorCodes
@@ -67,6 +72,11 @@ __all__ = [
 ]
 
 _MAX_WINDOW = 2**31 - 1
+
+_unpack_frame_header = struct.Struct(">BHBBL").unpack_from  # length (24 bits), type, flags, stream id
+_unpack_message_prefix = struct.Struct(">BL").unpack_from  # gRPC: compressed flag, message length
+_OPEN_CONNECTION_STATES = frozenset({h2.connection.ConnectionState.CLIENT_OPEN, h2.connection.ConnectionState.SERVER_OPEN})
+_DATA_STREAM_STATES = frozenset({h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL})
 
 # Errors that parsing a header block can raise (purerpc's parsers index dicts and call int()).
 _HEADER_ERRORS = (GrpcProtocolError, ValueError, TypeError, KeyError, IndexError, AttributeError)
@@ -306,7 +316,61 @@ class GrpcProtocol(GRPCConnection):
         self.h2_connection.max_inbound_frame_size = self.MAX_INBOUND_FRAME_SIZE
 
     def receive_data(self, data: bytes) -> list:
-        """Feed bytes from the socket; returns events. h2 ``ProtocolError`` means the connection is dead."""
+        """Feed bytes from the socket; returns events. h2 ``ProtocolError`` means the connection is dead.
+
+        Fast path: plain DATA frames (no flags) of an open stream with a read buffer are handled here, with
+        h2's own flow-control and content-length bookkeeping, without building hyperframe/h2 objects (h2
+        also re-slices its whole buffer once per frame). Every other frame, and any DATA frame the fast path
+        is not sure about (window overrun, oversize, unknown stream or state), goes through h2 unchanged, one
+        complete frame at a time and in order, so h2 raises and queues exactly what it did before.
+        """
+        h2conn = self.h2_connection
+        frames = h2conn.incoming_buffer
+        if frames._preamble_len:
+            return self._receive_via_h2(data)
+        if frames.data:
+            data = frames.data + data
+            frames.data = b""
+        events: list = []
+        total = len(data)
+        position = 0
+        streams = h2conn.streams
+        buffers = self.message_read_buffers
+        connection_window = h2conn._inbound_flow_control_window_manager
+        open_connection = h2conn.state_machine.state in _OPEN_CONNECTION_STATES
+        max_frame_size = h2conn.max_inbound_frame_size
+        while total - position >= 9:
+            length_high, length_low, frame_type, flags, stream_id = _unpack_frame_header(data, position)
+            length = (length_high << 16) | length_low
+            end = position + 9 + length
+            if end > total:
+                break  # an incomplete frame: kept for the next read
+            if frame_type == 0 and flags == 0 and open_connection and length <= max_frame_size and not frames._headers_buffer:
+                stream_id &= 0x7FFFFFFF
+                buffer = buffers.get(stream_id)
+                stream = streams.get(stream_id)
+                if (
+                    buffer is not None
+                    and stream is not None
+                    and stream.state_machine.state in _DATA_STREAM_STATES
+                    and stream._expected_content_length is None
+                    and length <= connection_window.current_window_size
+                    and length <= stream._inbound_window_manager.current_window_size
+                ):
+                    connection_window.current_window_size -= length
+                    stream._inbound_window_manager.current_window_size -= length
+                    stream._actual_content_length += length
+                    events.extend(self._data_payload(stream_id, buffer, data[position + 9:end], length))
+                    position = end
+                    continue
+            events.extend(self._receive_via_h2(data[position:end]))
+            position = end
+            open_connection = h2conn.state_machine.state in _OPEN_CONNECTION_STATES
+        if position < total:
+            frames.data = data[position:]
+        return events
+
+    def _receive_via_h2(self, data: bytes) -> list:
         events = []
         dispatch = self._dispatch
         for event in self.h2_connection.receive_data(data):
@@ -403,8 +467,32 @@ class GrpcProtocol(GRPCConnection):
             if self.config.client_side:
                 return self._fail(stream_id, StatusCode.INTERNAL, "DATA received before response headers")
             return []
+        return self._data_payload(stream_id, buffer, event.data, event.flow_controlled_length)
+
+    def _data_payload(self, stream_id: int, buffer: MessageReadBuffer, data: bytes, flow_controlled_length: int) -> list:
+        """The messages a DATA payload completes (purerpc's framing rules)."""
+        if flow_controlled_length == len(data) and not buffer._buffer._size and buffer._message_length is None:
+            # Nothing buffered and the payload is whole uncompressed messages within the limit (the usual
+            # case): cut them straight out of it. Anything else (a partial message, a compressed or oversize
+            # one) goes through the read buffer as before, whole.
+            total = len(data)
+            position = 0
+            out = []
+            limit = buffer._max_message_length
+            while total - position >= 5:
+                compressed, length = _unpack_message_prefix(data, position)
+                end = position + 5 + length
+                if compressed or length > limit or end > total:
+                    break
+                out.append(MessageReceived(stream_id, data[position + 5:end], 5 + length))
+                position = end
+            if position == total:
+                return out
+        return self._buffer_payload(stream_id, buffer, data, flow_controlled_length)
+
+    def _buffer_payload(self, stream_id: int, buffer: MessageReadBuffer, data: bytes, flow_controlled_length: int) -> list:
         try:
-            buffer.data_received(event.data, event.flow_controlled_length)
+            buffer.data_received(data, flow_controlled_length)
         except MessageTooLargeError:
             length = buffer._message_length
             return self._fail(
