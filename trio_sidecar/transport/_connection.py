@@ -17,6 +17,7 @@ from typing import Any
 
 import h2.exceptions
 import trio
+from h2.stream import STREAM_OPEN
 from trio.lowlevel import Abort, current_task, reschedule, wait_task_rescheduled
 
 from ._errors import ConnectionLostError, RpcError
@@ -163,10 +164,40 @@ class Connection:
             self.kick()
 
     def acknowledge(self, stream_id: int, length: int) -> None:
-        """The application consumed ``length`` flow-controlled bytes of a stream."""
+        """The application consumed ``length`` flow-controlled bytes of a stream.
+
+        h2's ``acknowledge_received_data`` only counts the bytes until half a window is processed (or the
+        window is empty), then queues WINDOW_UPDATE. While neither window is near that point the counting is
+        done here (once per message on the streaming path); otherwise h2 does it all, as before.
+        """
         if length and self.lost is None:
-            self.h2.acknowledge_received_data(length, stream_id)
-            if self.h2._data_to_send:
+            h2conn = self.h2
+            connection_window = h2conn._inbound_flow_control_window_manager
+            stream = h2conn.streams.get(stream_id)
+            if (
+                stream is not None
+                and connection_window.current_window_size
+                and connection_window._bytes_processed + length < connection_window.max_window_size // 2
+            ):
+                counted = False
+                if not STREAM_OPEN[stream.state_machine.state]:
+                    connection_window._bytes_processed += length  # (h2 ignores a closed stream's window)
+                    counted = True
+                else:
+                    stream_window = stream._inbound_window_manager
+                    if (
+                        stream_window.current_window_size
+                        and stream_window._bytes_processed + length < stream_window.max_window_size // 2
+                    ):
+                        connection_window._bytes_processed += length
+                        stream_window._bytes_processed += length
+                        counted = True
+                if counted:
+                    if h2conn._data_to_send:
+                        self.kick()
+                    return
+            h2conn.acknowledge_received_data(length, stream_id)
+            if h2conn._data_to_send:
                 self.kick()
 
     async def _write_loop(self) -> None:
