@@ -7,6 +7,7 @@ import inspect
 import logging
 import math
 import socket as stdlib_socket
+import struct
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
@@ -16,7 +17,7 @@ from google.protobuf.message import DecodeError
 from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.rpc import Cardinality
 
-from ._connection import Call, Connection, _pack_prefix, encode_metadata, frame_message
+from ._connection import Call, Connection, encode_metadata, frame_message
 from ._errors import DEFAULT_MAX_MESSAGE_LENGTH, RpcError
 from ._protocol import (
     ErrorCodes,
@@ -41,6 +42,8 @@ LOGGER = logging.getLogger("trio_sidecar.transport.server")
 UNEXPECTED_ERROR_MESSAGE = "unexpected server error"
 _RESPONSE_HEADERS = ((":status", "200"), ("content-type", "application/grpc"))
 _OK_TRAILERS = (("grpc-status", "0"),)
+# The gRPC message prefix (uncompressed flag, big-endian length), for FramedMessages.
+_pack_prefix = struct.Struct(">BI").pack
 # accept() failures that mean "out of resources right now": wait and retry (as trio.serve_listeners does).
 _ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 
