@@ -6,8 +6,9 @@ Theory of operation
 Every in-flight request is a *request task* in the sidecar's nursery (clarification #3), never in the
 caller's scope. The caller talks to it through:
 
-* a rendezvous memory channel carrying the ordinary chunks (so the task is never more than one chunk ahead
-  of the caller, and backpressure reaches HTTP/2 flow control);
+* a rendezvous hand-off carrying the ordinary chunks (``_Handoff``: a zero-size memory channel for one
+  sender and one receiver), so the task is never more than one chunk ahead of the caller, and backpressure
+  reaches HTTP/2 flow control;
 * a *final slot* (``_Request.final`` / ``_Request.error``) read after the channel closes: the terminal
   chunk, the cancelled chunk, or the stream error. Final items never block the task, so engine shutdown
   cannot hang on a caller that stopped reading.
@@ -41,6 +42,14 @@ from typing import Any
 
 import attrs
 import trio
+from outcome import Error as _Error
+from outcome import Value as _Value
+from trio.lowlevel import Abort as _Abort
+from trio.lowlevel import cancel_shielded_checkpoint as _cancel_shielded_checkpoint
+from trio.lowlevel import checkpoint_if_cancelled as _checkpoint_if_cancelled
+from trio.lowlevel import current_task as _current_task
+from trio.lowlevel import reschedule as _reschedule
+from trio.lowlevel import wait_task_rescheduled as _wait_task_rescheduled
 
 from ._proto.vllm import control_pb2, inference_pb2
 from .config import DisaggregationMode, SidecarConfig, validate_sidecar_config
@@ -60,6 +69,8 @@ from .protocol import LLMEngineOutput, PreprocessedRequest, structure_request
 __all__ = ["GenerateContext", "SidecarEngine", "GENERATE_STREAM", "ABORT", "ABORT_FLUSH_GRACE"]
 
 LOGGER = logging.getLogger("trio_sidecar.engine")
+
+_ABORT_SUCCEEDED = _Abort.SUCCEEDED
 
 GENERATE_STREAM = "/vllm.Inference/GenerateStream"
 ABORT = "/vllm.Control/Abort"
@@ -125,6 +136,88 @@ class GenerateContext:
             pass
 
 
+class _Handoff:
+    """A rendezvous hand-off of chunks from one request task to one consumer (``open_memory_channel(0)``'s
+    semantics for one sender and one receiver, without its per-item bookkeeping).
+
+    ``send`` and ``receive`` are checkpoints; a sender parks until the consumer takes its item (a cancelled
+    sender's item is never delivered); ``close_send`` ends the consumer's iteration (``EndOfChannel``) and
+    ``close_receive`` fails a parked or later ``send`` with ``BrokenResourceError``.
+    """
+
+    __slots__ = ("_item", "_receive_closed", "_receiver", "_send_closed", "_sender")
+
+    def __init__(self) -> None:
+        self._item: Any = None
+        self._sender: Any = None  # the parked sender task
+        self._receiver: Any = None  # the parked receiver task
+        self._send_closed = False
+        self._receive_closed = False
+
+    async def send(self, item: LLMEngineOutput) -> None:
+        await _checkpoint_if_cancelled()
+        if self._send_closed:
+            raise trio.ClosedResourceError
+        if self._receive_closed:
+            raise trio.BrokenResourceError
+        receiver = self._receiver
+        if receiver is not None:
+            self._receiver = None
+            _reschedule(receiver, _Value(item))
+            await _cancel_shielded_checkpoint()
+            return
+        self._item = item
+        self._sender = _current_task()
+
+        def abort(_raise_cancel: Any) -> Any:
+            self._sender = None
+            self._item = None
+            return _ABORT_SUCCEEDED
+
+        await _wait_task_rescheduled(abort)
+
+    async def receive(self) -> LLMEngineOutput:
+        await _checkpoint_if_cancelled()
+        if self._receive_closed:
+            raise trio.ClosedResourceError
+        sender = self._sender
+        if sender is not None:
+            item = self._item
+            self._sender = None
+            self._item = None
+            _reschedule(sender)
+            await _cancel_shielded_checkpoint()
+            return item
+        if self._send_closed:
+            raise trio.EndOfChannel
+        self._receiver = _current_task()
+
+        def abort(_raise_cancel: Any) -> Any:
+            self._receiver = None
+            return _ABORT_SUCCEEDED
+
+        return await _wait_task_rescheduled(abort)  # type: ignore[no-any-return]
+
+    def close_send(self) -> None:
+        if self._send_closed:
+            return
+        self._send_closed = True
+        receiver = self._receiver
+        if receiver is not None:
+            self._receiver = None
+            _reschedule(receiver, _Error(trio.EndOfChannel()))
+
+    def close_receive(self) -> None:
+        if self._receive_closed:
+            return
+        self._receive_closed = True
+        sender = self._sender
+        if sender is not None:
+            self._sender = None
+            self._item = None
+            _reschedule(sender, _Error(trio.BrokenResourceError()))
+
+
 class _State(enum.Enum):
     CREATED = "created"
     STARTING = "starting"
@@ -140,7 +233,7 @@ class _Request:
     state: Any  # convert.response.ResponseState
     built: Any  # convert.request.BuiltRequest
     decode: bool
-    send: trio.MemorySendChannel[LLMEngineOutput]
+    send: _Handoff
     shutdown_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     client_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     opened: trio.Event = attrs.field(factory=trio.Event)  # the open finished (either way)
@@ -168,7 +261,7 @@ class _Request:
 class _ChunkStream:
     """The async iterator yielded by ``generate()``: channel chunks, then the final chunk or error."""
 
-    def __init__(self, request: _Request, receive: trio.MemoryReceiveChannel[LLMEngineOutput]) -> None:
+    def __init__(self, request: _Request, receive: _Handoff) -> None:
         self._request = request
         self._receive = receive
         self._finished = False
@@ -395,9 +488,9 @@ class SidecarEngine:
         if self.admission_check is not None:
             self.admission_check()
         state = ResponseState(preprocessed, built, self.mode)
-        send, receive = trio.open_memory_channel[LLMEngineOutput](0)
+        handoff = _Handoff()
         req = _Request(
-            request_id=request_id, ctx=ctx, state=state, built=built, decode=self.mode.is_decode, send=send
+            request_id=request_id, ctx=ctx, state=state, built=built, decode=self.mode.is_decode, send=handoff
         )
         ctx._subscribe(req.client_cancel)
         if not self._requests:
@@ -408,11 +501,11 @@ class SidecarEngine:
             await req.opened.wait()
             if req.open_error is not None:
                 raise req.open_error
-            yield _ChunkStream(req, receive)
+            yield _ChunkStream(req, handoff)
         finally:
             ctx._unsubscribe(req.client_cancel)
             req.client_cancel()
-            receive.close()
+            handoff.close_receive()
 
     async def _run_request(self, req: _Request) -> None:
         sent = False  # the request left for the server
@@ -453,7 +546,7 @@ class SidecarEngine:
             if sent and not server_ended:
                 self._queue_abort(req.request_id)
             req.opened.set()
-            req.send.close()
+            req.send.close_send()
             req.done.set()
             self._requests.discard(req)
             if not self._requests:
