@@ -140,7 +140,8 @@ class _Handoff:
     """A rendezvous hand-off of chunks from one request task to one consumer (``open_memory_channel(0)``'s
     semantics for one sender and one receiver, without its per-item bookkeeping).
 
-    ``send`` and ``receive`` are checkpoints; a sender parks until the consumer takes its item (a cancelled
+    ``send`` and ``receive`` are checkpoints, except that a ``send`` handing its item straight to a parked
+    receiver does not yield (see there); a sender parks until the consumer takes its item (a cancelled
     sender's item is never delivered); ``close_send`` ends the consumer's iteration (``EndOfChannel``) and
     ``close_receive`` fails a parked or later ``send`` with ``BrokenResourceError``.
     """
@@ -162,9 +163,12 @@ class _Handoff:
             raise trio.BrokenResourceError
         receiver = self._receiver
         if receiver is not None:
+            # Straight to the parked receiver. No schedule point here: the request task's next step either
+            # parks (no message yet, or this send's successor finds the receiver not back yet) or is a
+            # cancellation point, so it never runs more than one chunk ahead, and one task switch per chunk
+            # is saved.
             self._receiver = None
             _reschedule(receiver, _Value(item))
-            await _cancel_shielded_checkpoint()
             return
         self._item = item
         self._sender = _current_task()
