@@ -247,6 +247,9 @@ class _Request:
     error: BaseException | None = None
     request_cancelled: bool = False  # decode: client cancellation recorded, waiting for the transfer
     transfer_completed: bool = False
+    #: One of the scopes was cancelled (they have no deadlines, so only ``client_cancel``/``cancel_shutdown``
+    #: cancel them); a plain flag, read once per message (``CancelScope.cancel_called`` reads the clock).
+    cancelling: bool = False
 
     def client_cancel(self) -> None:
         """The client's cancellation signal (§17.1): immediate, or deferred in decode mode (§17.3)."""
@@ -255,11 +258,13 @@ class _Request:
         if self.decode and not self.transfer_completed:
             self.request_cancelled = True
         else:
+            self.cancelling = True
             self.client_scope.cancel()
 
-    @property
-    def cancelling(self) -> bool:
-        return self.client_scope.cancel_called or self.shutdown_scope.cancel_called
+    def cancel_shutdown(self) -> None:
+        """Engine shutdown: interrupts every phase in every mode."""
+        self.cancelling = True
+        self.shutdown_scope.cancel()
 
 
 class _ChunkStream:
@@ -458,7 +463,7 @@ class SidecarEngine:
     def cancel_in_flight(self) -> None:
         """Cancel every in-flight request as engine shutdown does: cancelled chunk, Abort queued."""
         for request in list(self._requests):
-            request.shutdown_scope.cancel()
+            request.cancel_shutdown()
 
     # ---------------------------------------------------------------- generate
 
