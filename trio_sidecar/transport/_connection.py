@@ -175,6 +175,19 @@ class Connection:
             connection_window = h2conn._inbound_flow_control_window_manager
             stream = h2conn.streams.get(stream_id)
             if (
+                stream is None
+                and stream_id
+                <= (h2conn.highest_outbound_stream_id if h2conn._stream_id_is_outbound(stream_id) else h2conn.highest_inbound_stream_id)
+                and connection_window.current_window_size
+                and connection_window._bytes_processed + length < connection_window.max_window_size // 2
+            ):
+                # A closed stream h2 already forgot (its last messages often come with the trailers): h2
+                # would only count the connection window.
+                connection_window._bytes_processed += length
+                if h2conn._data_to_send:
+                    self.kick()
+                return
+            if (
                 stream is not None
                 and connection_window.current_window_size
                 and connection_window._bytes_processed + length < connection_window.max_window_size // 2
