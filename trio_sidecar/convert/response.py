@@ -103,22 +103,23 @@ class ResponseState:
         outputs = response.outputs
         if outputs.index != 0:
             raise ProtocolError(f"received unsupported sequence index {outputs.index}")
-        n_ids = len(outputs.token_ids)
-        if outputs.num_tokens != n_ids:
-            raise ProtocolError(f"num_tokens {outputs.num_tokens} does not match {n_ids} token IDs")
+        token_ids = outputs.token_ids
+        num_tokens = outputs.num_tokens
+        if num_tokens != len(token_ids):
+            raise ProtocolError(f"num_tokens {num_tokens} does not match {len(token_ids)} token IDs")
 
-        chunk = LLMEngineOutput()
-        if self.output_logprobs is not None and not self.is_prefill:
-            self._output_logprobs(outputs, chunk)
+        if self.is_prefill:
+            chunk = LLMEngineOutput()
+        else:
+            # (built with its fields at once: cheaper than assigning them after construction)
+            chunk = LLMEngineOutput(token_ids=list(token_ids), text=outputs.text or None)
+            if self.output_logprobs is not None:
+                self._output_logprobs(outputs, chunk)
 
-        self.completion_tokens += outputs.num_tokens
-        if not self.is_prefill:
-            chunk.token_ids = list(outputs.token_ids)
-            if outputs.text:
-                chunk.text = outputs.text
+        self.completion_tokens += num_tokens
 
         if not outputs.HasField("finish_info"):
-            if self.is_prefill or outputs.num_tokens == 0:
+            if self.is_prefill or num_tokens == 0:
                 return None
             return chunk
         self._terminal(outputs.finish_info, chunk)
