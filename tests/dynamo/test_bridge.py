@@ -154,8 +154,12 @@ async def running_bridge(thread: AsyncioThread, sidecar: FakeSidecar, *, dispatc
 
 
 async def consume(bridge: RequestBridge, request: dict, context: FakeDynamoContext, *, close_after=None,
-                  stop_after=None, pause_first: float = 0.0):
-    """Runs on the asyncio thread, as Dynamo's runtime would drive the handler."""
+                  stop_after=None, pause_first: float = 0.0, stall_until=None):
+    """Runs on the asyncio thread, as Dynamo's runtime would drive the handler.
+
+    ``stall_until``: after the first item, stop reading until this predicate holds (a stalled consumer whose
+    stall is defined by the producer's progress, not by a wall-clock guess).
+    """
     out: list = []
     agen = bridge.handler(request, context)
     try:
@@ -163,6 +167,9 @@ async def consume(bridge: RequestBridge, request: dict, context: FakeDynamoConte
             out.append(item)
             if pause_first and len(out) == 1:
                 await asyncio.sleep(pause_first)  # a stalled consumer
+            if stall_until is not None and len(out) == 1:
+                while not stall_until():
+                    await asyncio.sleep(0.01)
             if stop_after is not None and len(out) == stop_after:
                 context.stop_generating()
             if close_after is not None and len(out) == close_after:
@@ -320,15 +327,23 @@ async def test_stop_all_cancels_every_in_flight_request(loop_thread):
 
 
 async def test_a_stalled_consumer_is_reported_once(loop_thread, caplog):
-    sidecar = FakeSidecar(plan=QUEUE_WARN_THRESHOLD + 50)
+    # The handler may coalesce up to the threshold into the first item before the stall begins; with more
+    # than twice the threshold the backlog still exceeds it at the first or the second read.
+    plan = 2 * QUEUE_WARN_THRESHOLD + 50
+    sidecar = FakeSidecar(plan=plan)
     caplog.set_level(logging.WARNING, logger="trio_sidecar.dynamo.bridge")
     async with running_bridge(loop_thread, sidecar) as (bridge, _):
         with trio.fail_after(30):
+            # Stall until the producer has emitted every chunk, so the backlog exceeds the threshold however
+            # slowly a loaded machine schedules the Trio side.
             out = await loop_thread.run(
-                partial(consume, pause_first=0.5), bridge, {"token_ids": [0]}, FakeDynamoContext("slow")
+                partial(consume, stall_until=lambda: "slow" in sidecar.finished),
+                bridge,
+                {"token_ids": [0]},
+                FakeDynamoContext("slow"),
             )
             await bridge.wait_idle()
-    assert tokens_of(out) == list(range(QUEUE_WARN_THRESHOLD + 50))
+    assert tokens_of(out) == list(range(plan))
     assert len(out) < QUEUE_WARN_THRESHOLD  # the backlog was coalesced into multi-token deltas
     stalled = [r for r in caplog.records if "consumer is stalled" in r.getMessage()]
     assert len(stalled) == 1
