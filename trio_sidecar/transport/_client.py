@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import NoReturn, Any
 
 import h2.exceptions
 import trio
@@ -45,6 +45,35 @@ _RESET_CODES = {
 
 def _deadline_exceeded() -> RpcError:
     return RpcError(StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+
+class _StreamRefused(RpcError):
+    """RST_STREAM(REFUSED_STREAM): the server did not process the stream (RFC 9113 §8.7), so the call can be
+    started again on a new stream. grpc-core does this transparently; a server at its
+    MAX_CONCURRENT_STREAMS may refuse a stream our count saw as free (it still counts a stream we already
+    saw end)."""
+
+
+#: Transparent retries of a refused stream per call (each after a short pause, within the call's deadline).
+REFUSED_STREAM_RETRIES = 5
+_REFUSED_STREAM_PAUSE = 0.005
+
+
+def _raise_call_error(error: RpcError) -> NoReturn:
+    if isinstance(error, _StreamRefused):
+        raise _StreamRefused(error.code, error.message)
+    raise _copy_error(error)
+
+
+async def _pause_before_retry(attempt: int, deadline: float, timeout: float | None) -> float | None:
+    """Sleep briefly before re-sending a refused call; returns the remaining ``timeout`` (``grpc-timeout``)."""
+    now = trio.current_time()
+    if now >= deadline:
+        raise _deadline_exceeded()
+    await trio.sleep(min(_REFUSED_STREAM_PAUSE * (attempt + 1), deadline - now))
+    if trio.current_time() >= deadline:
+        raise _deadline_exceeded()
+    return None if timeout is None else deadline - trio.current_time()
 
 
 class _ClientCall(Call):
@@ -152,7 +181,8 @@ class _ClientConnection(Connection):
                         event.error_code,
                         (StatusCode.INTERNAL, f"stream reset by the server (error code {event.error_code})"),
                     )
-                    call.fail(RpcError(code, message))
+                    error_type = _StreamRefused if event.error_code == ErrorCodes.REFUSED_STREAM else RpcError
+                    call.fail(error_type(code, message))
             elif kind is StreamFailed:
                 call = calls.pop(event.stream_id, None)
                 if call is not None:
@@ -278,14 +308,25 @@ class Channel:
         deadline = deadline_after(timeout)
         if timeout is not None and timeout <= 0:
             raise _deadline_exceeded()
-        call = await self._open_call(method, metadata, timeout, deadline)
+        for attempt in range(REFUSED_STREAM_RETRIES + 1):
+            call = await self._open_call(method, metadata, timeout, deadline)
+            try:
+                with trio.move_on_at(deadline) as scope:
+                    await self._conn.send_message(call, frame_message(data), True, flush=True)
+                    while call.end is None:
+                        if call.error is not None:
+                            _raise_call_error(call.error)
+                        await call.wait()
+                break
+            except _StreamRefused:
+                call.close()
+                if attempt == REFUSED_STREAM_RETRIES:
+                    raise
+                timeout = await _pause_before_retry(attempt, deadline, timeout)
+            except BaseException:
+                call.close()  # cancellation or failure: RST_STREAM(CANCEL) at once
+                raise
         try:
-            with trio.move_on_at(deadline) as scope:
-                await self._conn.send_message(call, frame_message(data), True, flush=True)
-                while call.end is None:
-                    if call.error is not None:
-                        raise _copy_error(call.error)
-                    await call.wait()
             if scope.cancelled_caught:
                 raise _deadline_exceeded()
             error = call.status_error()
@@ -368,14 +409,25 @@ class ResponseStream:
         if timeout is not None and timeout <= 0:
             raise _deadline_exceeded()
         self._deadline = deadline_after(timeout)
-        call = self._call = await channel._open_call(self._method, self._metadata, timeout, self._deadline)
+        for attempt in range(REFUSED_STREAM_RETRIES + 1):
+            call = self._call = await channel._open_call(self._method, self._metadata, timeout, self._deadline)
+            try:
+                with trio.move_on_at(self._deadline) as scope:
+                    await channel._conn.send_message(call, frame_message(data), True, flush=True)
+                    while call.headers is None and call.end is None:
+                        if call.error is not None:
+                            _raise_call_error(call.error)
+                        await call.wait()
+                break
+            except _StreamRefused:
+                call.close()
+                if attempt == REFUSED_STREAM_RETRIES:
+                    raise
+                timeout = await _pause_before_retry(attempt, self._deadline, timeout)
+            except BaseException:
+                call.close()
+                raise
         try:
-            with trio.move_on_at(self._deadline) as scope:
-                await channel._conn.send_message(call, frame_message(data), True, flush=True)
-                while call.headers is None and call.end is None:
-                    if call.error is not None:
-                        raise _copy_error(call.error)
-                    await call.wait()
             if scope.cancelled_caught:
                 raise _deadline_exceeded()
             if call.headers is not None:
