@@ -6,9 +6,13 @@ Theory of operation
 Every in-flight request is a *request task* in the sidecar's nursery (clarification #3), never in the
 caller's scope. The caller talks to it through:
 
-* a rendezvous hand-off carrying the ordinary chunks (``_Handoff``: a zero-size memory channel for one
-  sender and one receiver), so the task is never more than one chunk ahead of the caller, and backpressure
-  reaches HTTP/2 flow control;
+* a rendezvous hand-off carrying the ordinary chunks in batches (``_Handoff``: a zero-size memory channel
+  for one sender and one receiver). A batch holds the chunks of the messages the transport had already
+  received (converted without awaiting, ``ResponseStream.next_buffered``), so one hand-off — a task switch
+  each way — serves several tokens; ``_ChunkStream`` returns them one per ``__anext__``, and drops the rest
+  of a batch once the request is cancelled (the cancelled chunk's usage then counts only the chunks
+  returned). The task is never more than one batch of already-received messages ahead of the caller, and
+  backpressure reaches HTTP/2 flow control;
 * a *final slot* (``_Request.final`` / ``_Request.error``) read after the channel closes: the terminal
   chunk, the cancelled chunk, or the stream error. Final items never block the task, so engine shutdown
   cannot hang on a caller that stopped reading.
@@ -222,6 +226,10 @@ class _Handoff:
             _reschedule(sender, _Error(trio.BrokenResourceError()))
 
 
+def _batch_tokens(batch: list[LLMEngineOutput]) -> int:
+    return sum(len(chunk.token_ids) for chunk in batch)
+
+
 class _State(enum.Enum):
     CREATED = "created"
     STARTING = "starting"
@@ -268,12 +276,18 @@ class _Request:
 
 
 class _ChunkStream:
-    """The async iterator yielded by ``generate()``: channel chunks, then the final chunk or error."""
+    """The async iterator yielded by ``generate()``: channel chunks, then the final chunk or error.
+
+    The request task hands chunks over in batches; they are returned one per ``__anext__``. Once the
+    request is cancelled, the rest of a batch is dropped and the cancelled chunk's usage no longer counts it.
+    """
 
     def __init__(self, request: _Request, receive: _Handoff) -> None:
         self._request = request
         self._receive = receive
         self._finished = False
+        self._batch: list[LLMEngineOutput] = []
+        self._next = 0  # index in _batch of the next chunk to return
 
     def __repr__(self) -> str:
         return f"<generate stream {self._request.request_id!r}{' finished' if self._finished else ''}>"
@@ -285,13 +299,35 @@ class _ChunkStream:
     def __aiter__(self) -> _ChunkStream:
         return self
 
+    def _drop_batch(self) -> None:
+        request = self._request
+        rest = self._batch[self._next :]
+        self._batch = []
+        self._next = 0
+        state = request.state
+        state.completion_tokens -= _batch_tokens(rest)
+        if request.done.is_set() and request.final is not None:
+            request.final = state.cancelled_chunk()  # built before the drop
+
     async def __anext__(self) -> LLMEngineOutput:
         if self._finished:
             raise StopAsyncIteration
+        index = self._next
+        batch = self._batch
+        if index < len(batch):
+            if not self._request.cancelling:
+                await _checkpoint_if_cancelled()
+                self._next = index + 1
+                return batch[index]
+            self._drop_batch()
         try:
-            return await self._receive.receive()
+            batch = await self._receive.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError):
             pass
+        else:
+            self._batch = batch
+            self._next = 1
+            return batch[0]
         self._finished = True
         request = self._request
         if request.final is not None:
@@ -571,53 +607,117 @@ class SidecarEngine:
             req.error = exc
 
     async def _pump(self, req: _Request, stream: Any) -> bool:
-        """Read the stream until it ends; returns whether the *server* ended it."""
+        """Read the stream until it ends; returns whether the *server* ended it.
+
+        Messages the transport already received are converted without awaiting and their chunks handed
+        over as one batch (``_ChunkStream`` returns them one by one). A batch holds only *plain* chunks: a
+        message that completes the KV transfer, ends the stream, is to be replaced by the cancelled chunk or
+        fails conversion first hands the batch over, then is handled exactly as if read on its own.
+        """
         state = req.state
-        send = req.send
         completes_transfer = type(state).completes_transfer
+        next_buffered = getattr(stream, "next_buffered", None)
+        batch: list[LLMEngineOutput] = []
         async for response in stream:
             if req.cancelling:  # biased: a cancellation that raced with this message wins
                 await trio.lowlevel.checkpoint()
-            try:
-                chunk = state.convert(response)
-            except ProtocolError as exc:
-                if req.request_cancelled:
-                    LOGGER.warning(WARN_CONVERSION_AFTER_CANCEL)
+            while True:
+                tokens_before = state.completion_tokens
+                try:
+                    chunk = state.convert(response)
+                except ProtocolError as exc:
+                    if batch:
+                        await self._hand_over(req, batch, tokens_before, after=True)
+                        batch = []
+                    if req.request_cancelled:
+                        LOGGER.warning(WARN_CONVERSION_AFTER_CANCEL)
+                        req.final = state.cancelled_chunk()
+                    else:
+                        req.error = exc
+                    return False
+                completing = req.decode and not req.transfer_completed and completes_transfer(response)
+                if not completing and (
+                    chunk is None or not (state.finished or (req.request_cancelled and req.transfer_completed))
+                ):
+                    if chunk is not None:
+                        batch.append(chunk)
+                    if next_buffered is None or req.cancelling:
+                        break
+                    try:
+                        response = next_buffered()
+                    except BaseException:
+                        if batch:
+                            await self._hand_over(req, batch, state.completion_tokens)
+                            batch = []
+                        raise
+                    if response is None:
+                        break
+                    continue
+                # Anything but a plain chunk: hand the batch over first, then as one message at a time.
+                if batch:
+                    await self._hand_over(req, batch, tokens_before, after=True)
+                    batch = []
+                if completing:
+                    req.transfer_completed = True
+                if chunk is None:
+                    break
+                if req.request_cancelled and req.transfer_completed:
+                    # §17.3 step 3 and clarification #3: the chunk with the first token is replaced by the
+                    # cancelled chunk, whose usage counts it.
+                    if chunk.token_ids:
+                        req.ctx._notify_first_token()
                     req.final = state.cancelled_chunk()
-                else:
-                    req.error = exc
-                return False
-            if req.decode and not req.transfer_completed and completes_transfer(response):
-                req.transfer_completed = True
-            if chunk is None:
-                continue
-            if req.request_cancelled and req.transfer_completed:
-                # §17.3 step 3 and clarification #3: the chunk with the first token is replaced by the
-                # cancelled chunk, whose usage counts it.
-                if chunk.token_ids:
-                    req.ctx._notify_first_token()
-                req.final = state.cancelled_chunk()
-                return bool(state.finished)
-            if state.finished:
-                req.final = chunk
-                return True
-            try:
-                await send.send(chunk)
-            except trio.Cancelled:
-                # Never delivered: the cancelled chunk's usage counts what the caller received (upstream
-                # yields each chunk as it converts it, so there "converted" and "delivered" coincide).
-                state.completion_tokens -= len(chunk.token_ids)
-                raise
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
-                state.completion_tokens -= len(chunk.token_ids)
-                req.client_cancel()  # the caller left
-                await trio.lowlevel.checkpoint_if_cancelled()
+                    return bool(state.finished)
+                if state.finished:
+                    req.final = chunk
+                    return True
+                batch.append(chunk)
+                break
+            if batch:
+                await self._hand_over(req, batch, state.completion_tokens)
+                batch = []
         if req.request_cancelled:
             LOGGER.warning(WARN_EOF_AFTER_CANCEL)
             req.final = state.cancelled_chunk()
         else:
             req.error = ProtocolError("GenerateStream ended before a terminal response")
         return True
+
+    async def _hand_over(
+        self, req: _Request, batch: list[LLMEngineOutput], tokens: int, *, after: bool = False
+    ) -> None:
+        """Hand ``batch`` over to the caller; ``tokens`` is ``completion_tokens`` as of its last chunk.
+
+        With ``after`` a later message was already converted: if the hand-over or the biased check that
+        follows it is cancelled, the usage is put back to what the caller received, as if that message had
+        not been read.
+        """
+        # Adjustments are relative: the caller may drop an earlier batch's rest meanwhile (``_ChunkStream``).
+        state = req.state
+        batch_tokens = _batch_tokens(batch)
+        later = state.completion_tokens - tokens  # the already converted later message's tokens
+        try:
+            await req.send.send(batch)
+        except trio.Cancelled:
+            # Never delivered: the cancelled chunk's usage counts what the caller received (upstream
+            # yields each chunk as it converts it, so there "converted" and "delivered" coincide).
+            state.completion_tokens -= batch_tokens + later
+            raise
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            state.completion_tokens -= batch_tokens
+            req.client_cancel()  # the caller left
+            try:
+                await trio.lowlevel.checkpoint_if_cancelled()
+            except trio.Cancelled:
+                state.completion_tokens -= later
+                raise
+            return
+        if after and req.cancelling:  # biased, as before the next message's conversion
+            try:
+                await trio.lowlevel.checkpoint()
+            except trio.Cancelled:
+                state.completion_tokens -= later
+                raise
 
     # ---------------------------------------------------------------- abort sender (§17.4)
 

@@ -448,3 +448,31 @@ async def test_decode_cancel_after_the_first_token_is_immediate(fake):
             await fake.drop_event("dec-late").wait()
     assert [c.token_ids for c in chunks[:2]] == [[42], [42]]
     assert chunks[-1].finish_reason == "cancelled"
+
+
+@pytest.mark.parametrize("task_ends_first", [False, True])
+async def test_cancel_with_a_batch_half_returned_counts_only_the_returned_chunks(fake, task_ends_first):
+    # While the caller sleeps, several messages are received; the request task hands them over as one
+    # batch. Stopping after taking one of them drops the rest: the cancelled chunk comes next and its
+    # usage counts exactly the chunks the caller got.
+    fake.hang = True
+    async with open_sidecar(sidecar_config(fake.endpoint)) as sidecar:
+        ctx = GenerateContext("batch-cancel")
+        chunks = []
+        async with sidecar.generate(request(), ctx) as stream:
+            chunks.append(await stream.__anext__())
+            await trio.sleep(0.2)  # ~20 messages arrive meanwhile
+            chunks.append(await stream.__anext__())
+            chunks.append(await stream.__anext__())
+            assert not stream._finished and len(stream._batch) - stream._next > 0  # a batch is half returned
+            ctx.stop()
+            if task_ends_first:  # the request task builds its cancelled chunk before the caller drops the rest
+                with trio.fail_after(2):
+                    await fake.drop_event("batch-cancel").wait()
+                await trio.sleep(0.05)
+            async for chunk in stream:
+                chunks.append(chunk)
+    assert [c.token_ids for c in chunks[:-1]] == [[42]] * 3
+    final = chunks[-1]
+    assert final.finish_reason == "cancelled"
+    assert usage(final)[1] == 3
