@@ -27,14 +27,19 @@ FINISH = inference_pb2.FinishInfo
 
 @pytest.fixture
 async def mock(real_server):
-    """A mock configured like the real server (limits, names; tokens seeded by the prompt, clarification #9)."""
+    """A mock configured like the real server (limits, names; tokens seeded by the prompt, clarification #9).
+
+    Paced like it too (speedup 1.0, ~6 ms per decode pass): the Abort and duplicate-id cases need a stream
+    that is still generating when the next call arrives, and at speedup 0 the mock runs passes back to back,
+    so a 252-token stream is complete before its first message reaches the client.
+    """
     config = MockConfig(
         listen="127.0.0.1:0",
         model=str(real_server.env.model),
         served_model_name=SERVED_MODEL_NAME,
         engine_args={
             "block_size": 128, "num_gpu_blocks": 4096, "max_num_seqs": MAX_NUM_SEQS,
-            "max_num_batched_tokens": 2048, "max_model_len": MAX_MODEL_LEN, "speedup_ratio": 0.0,
+            "max_num_batched_tokens": 2048, "max_model_len": MAX_MODEL_LEN, "speedup_ratio": 1.0,
             "enable_prefix_caching": False, "token_seed_source": "prompt",
         },
     )
