@@ -358,6 +358,7 @@ class SidecarEngine:
         #: Called after conversion and before the RPC opens; raises to reject (the §20.3 admission gate).
         self.admission_check: Callable[[], None] | None = None
         self._state = _State.CREATED
+        self._closed = trio.Event()  # set once the state reaches CLOSED
         self._admitting = True
         self._nursery: trio.Nursery | None = None
         self._pool: ChannelPool | None = None
@@ -454,17 +455,14 @@ class SidecarEngine:
         connections close.
         """
         if self._state in (_State.CLOSING, _State.CLOSED):
-            await self._wait_closed()
+            with trio.CancelScope(shield=True):
+                await self._closed.wait()
             return
         if self._state is _State.CREATED:
             self._state = _State.CLOSED
+            self._closed.set()
             return
         await self._close()
-
-    async def _wait_closed(self) -> None:
-        with trio.CancelScope(shield=True):
-            while self._state is not _State.CLOSED:
-                await trio.sleep(0.01)
 
     async def _close(self) -> None:
         self._state = _State.CLOSING
@@ -480,6 +478,7 @@ class SidecarEngine:
             if self._pool is not None:
                 await self._pool.aclose()
         self._state = _State.CLOSED
+        self._closed.set()
 
     # ---------------------------------------------------------------- drain support (CLI)
 

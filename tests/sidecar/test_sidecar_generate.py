@@ -172,6 +172,29 @@ async def test_lifecycle_not_started_already_started_and_cleanup_twice(fake, nur
     assert engine.pool.closed
 
 
+async def test_a_concurrent_cleanup_returns_only_once_the_first_has_closed_everything(fake, nursery):
+    fake.hang = True  # endless chunks: the in-flight request keeps the first cleanup busy
+    engine = SidecarEngine(sidecar_config(fake.endpoint))
+    await engine.start(nursery)
+    returned: list[str] = []
+
+    async def cleanup(name: str) -> None:
+        await engine.cleanup()
+        assert engine.pool.closed and engine.in_flight == 0  # never returns while still closing
+        returned.append(name)
+
+    async with engine.generate(request()) as stream:
+        await stream.__anext__()
+        with trio.fail_after(10):
+            async with trio.open_nursery() as cleanups:
+                cleanups.start_soon(cleanup, "first")
+                await trio.sleep(0)
+                cleanups.start_soon(cleanup, "second")
+        chunks = [c async for c in stream]
+    assert chunks[-1].finish_reason == "cancelled"
+    assert sorted(returned) == ["first", "second"]
+
+
 async def test_conversion_error_is_raised_before_any_rpc(fake):
     async with open_sidecar(sidecar_config(fake.endpoint)) as sidecar:
         with pytest.raises(InvalidArgument, match="token_ids must not be empty"):
