@@ -91,6 +91,7 @@ class Process:
             stderr=self._log,
         )
         self.started = time.monotonic()
+        self.terminated = False  # SIGTERM already sent: stop() must not send a second one
 
     @property
     def pid(self) -> int:
@@ -110,6 +111,8 @@ class Process:
     def send_signal(self, signum: int) -> None:
         if self.alive():
             os.kill(self.pid, signum)
+            if signum == signal.SIGTERM:
+                self.terminated = True
 
     def wait(self, timeout: float) -> int | None:
         try:
@@ -118,9 +121,11 @@ class Process:
             return None
 
     def stop(self, grace: float = 15.0) -> int | None:
-        """SIGTERM, wait up to ``grace``, then SIGKILL. Returns the exit code (negative for a signal)."""
+        """SIGTERM (unless already sent: a second one means "exit now" to a worker), wait up to ``grace``,
+        then SIGKILL. Returns the exit code (negative for a signal)."""
         if self.alive():
-            self.send_signal(signal.SIGTERM)
+            if not self.terminated:
+                self.send_signal(signal.SIGTERM)
             if self.wait(grace) is None:
                 self.send_signal(signal.SIGKILL)
                 self.wait(10)
