@@ -29,6 +29,7 @@ __all__ = [
     "CompletionUsage",
     "LLMEngineOutput",
     "cancelled_chunk",
+    "token_chunk",
     "converter",
     "U32",
     "I32",
@@ -342,6 +343,28 @@ class LLMEngineOutput:
 
 _output_converter = cattrs.Converter()
 _output_converter.register_structure_hook(Union[int, str, None], lambda v, _t: v)
+
+_new_object = object.__new__
+
+
+def token_chunk(token_ids: list[int], text: str | None) -> LLMEngineOutput:
+    """``LLMEngineOutput(token_ids=token_ids, text=text)``, the streaming hot path (one per token).
+
+    Built field by field: calling the class with keywords costs twice as much. Every field is set here
+    (``tests/unit/test_batch.py`` compares the two, field by field).
+    """
+    chunk = _new_object(LLMEngineOutput)
+    chunk.token_ids = token_ids
+    chunk.index = 0
+    chunk.text = text
+    chunk.log_probs = None
+    chunk.top_logprobs = None
+    chunk.finish_reason = None
+    chunk.stop_reason = None
+    chunk.completion_usage = None
+    chunk.disaggregated_params = None
+    chunk.engine_data = None
+    return chunk
 
 
 def cancelled_chunk(prompt_tokens: int, completion_tokens: int) -> LLMEngineOutput:

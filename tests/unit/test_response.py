@@ -377,3 +377,47 @@ def test_repr_shows_live_state() -> None:
     st = state()
     st.convert(out([1]))
     assert "completion_tokens=1" in repr(st) and "finished=False" in repr(st)
+
+
+# ------------------------------------------------------------------- the plain fast path
+
+
+@pytest.mark.parametrize(
+    ("req", "mode", "resp", "plain"),
+    [
+        (None, AGG, out([5], text="a"), (5, "a")),
+        (None, AGG, out([5]), (5, None)),
+        (None, AGG, out([5, 300, 70000], text="é"), ([5, 300, 70000], "é")),
+        (None, DECODE, out([5], text="a"), (5, "a")),
+        (None, AGG, out([]), None),  # no tokens: no chunk
+        (None, AGG, pb.GenerateResponse(), None),  # no outputs
+        (None, AGG, prompt_info(3), None),
+        (None, AGG, out([5], info=pb.PromptInfo(num_prompt_tokens=3)), None),  # prompt info is checked
+        (None, AGG, out([5], index=1), None),  # -> received unsupported sequence index 1
+        (None, AGG, out([5, 6], num=1), None),  # -> num_tokens 1 does not match 2 token IDs
+        (None, AGG, out([5], num=2), None),
+        (None, AGG, out([5, 6], num=3), None),
+        (None, AGG, out([5], finish=fin(1)), None),  # terminal
+        ({"token_ids": [1, 2, 3], "output_options": {"logprobs": 0}}, AGG, out([5], logprobs=[-1.0], ranks=[1], cands=[cand()]), None),
+        (None, PREFILL, out([5], text="a"), None),
+    ],
+)
+def test_convert_plain_is_convert_for_plain_messages_only(req, mode, resp, plain) -> None:
+    if mode is DECODE:
+        req = {"token_ids": [1, 2, 3], "prefill_result": {"disaggregated_params": {"x": 1}}}
+    fast, slow = state(req, mode), state(req, mode)
+    assert fast.convert_plain(resp) == plain
+    if plain is None:
+        assert fast.completion_tokens == 0  # nothing counted: convert() takes the message
+        return
+    chunk = slow.convert(resp)
+    assert chunk is not None
+    ids, text = plain
+    assert chunk == LLMEngineOutput(token_ids=[ids] if isinstance(ids, int) else ids, text=text)
+    assert fast.completion_tokens == slow.completion_tokens
+
+
+def test_convert_plain_ignores_data_after_the_terminal() -> None:
+    st = state()
+    st.convert(out([1], finish=fin(1)))
+    assert st.convert_plain(out([2])) is None and st.completion_tokens == 1

@@ -65,6 +65,8 @@ class ResponseState:
         self.output_logprobs: int | None = request.output_options.logprobs
         self.expect_prompt_logprobs: bool = request.output_options.prompt_logprobs is not None
         self.prompt_info: inference_pb2.PromptInfo | None = None
+        #: ``convert_plain`` applies: the chunks carry token ids and text (not prefill), and no logprobs.
+        self._plain_chunks: bool = not self.is_prefill and self.output_logprobs is None
 
     def __repr__(self) -> str:
         return (
@@ -87,6 +89,37 @@ class ResponseState:
             return False
         outputs = response.outputs
         return outputs.num_tokens > 0 or outputs.HasField("finish_info")
+
+    def convert_plain(self, response: inference_pb2.GenerateResponse) -> tuple[int | list[int], str | None] | None:
+        """:meth:`convert`'s fast path for the common message: tokens and text only.
+
+        A *plain* message has outputs with index 0, ``num_tokens`` equal to its (non-zero) number of token
+        ids, no ``finish_info`` and no ``prompt_info``, in a request whose chunks carry tokens and text
+        without logprobs (aggregated or decode mode). For it, every §14.2 check passes and :meth:`convert`
+        would return ``LLMEngineOutput(token_ids=..., text=...)`` with nothing else set.
+
+        Returns:
+            ``(token_ids, text)`` after counting the tokens, ``token_ids`` being the id itself for a single
+            token (no list to allocate; see ``convert.batch``) and ``text`` ``None`` when empty, as in
+            :meth:`convert`; or ``None``, counting nothing, when the message is not plain: :meth:`convert`
+            it then (it runs the checks and raises where one fails).
+        """
+        if self.finished or not self._plain_chunks or response.HasField("prompt_info"):
+            return None
+        outputs = response.outputs
+        if outputs.index or outputs.HasField("finish_info"):
+            return None
+        token_ids = outputs.token_ids
+        num_tokens = outputs.num_tokens
+        if num_tokens == 1:
+            if len(token_ids) != 1:
+                return None
+            self.completion_tokens += 1
+            return token_ids[0], outputs.text or None
+        if num_tokens == 0 or num_tokens != len(token_ids):
+            return None
+        self.completion_tokens += num_tokens
+        return token_ids[:], outputs.text or None
 
     def convert(self, response: inference_pb2.GenerateResponse) -> LLMEngineOutput | None:
         """Convert one message (§14.2); ``None`` when it yields no chunk.
