@@ -12,7 +12,8 @@ caller's scope. The caller talks to it through:
   each way — serves several tokens; ``_ChunkStream`` returns them one per ``__anext__``, and drops the rest
   of a batch once the request is cancelled (the cancelled chunk's usage then counts only the chunks
   returned). The task is never more than one batch of already-received messages ahead of the caller, and
-  backpressure reaches HTTP/2 flow control;
+  backpressure reaches HTTP/2 flow control. What to do with each message is decided by the pure
+  ``convert.batch.BatchBuilder``; ``_pump`` only does the awaits;
 * a *final slot* (``_Request.final`` / ``_Request.error``) read after the channel closes: the terminal
   chunk, the cancelled chunk, or the stream error. Final items never block the task, so engine shutdown
   cannot hang on a caller that stopped reading.
@@ -57,6 +58,7 @@ from trio.lowlevel import wait_task_rescheduled as _wait_task_rescheduled
 
 from ._proto.vllm import control_pb2, inference_pb2
 from .config import DisaggregationMode, SidecarConfig, validate_sidecar_config
+from .convert.batch import END, MORE, BatchBuilder, ChunkBatch, Ending
 from .discovery import (
     CONTROL_SERVICE,
     INFERENCE_SERVICE,
@@ -65,7 +67,7 @@ from .discovery import (
     wait_for_services,
 )
 from .endpoint import GrpcEndpoint
-from .errors import EngineShutdown, ProtocolError, SidecarError, status_to_error
+from .errors import EngineShutdown, SidecarError, status_to_error
 from .model import DiscoveredModel, EngineConfig, engine_config, ensure_startup_compatible
 from .pool import ChannelPool
 from .protocol import LLMEngineOutput, PreprocessedRequest, structure_request
@@ -85,9 +87,8 @@ ABORT_FLUSH_GRACE = 5.0
 NOT_STARTED = "vLLM sidecar is not started"
 ALREADY_STARTED = "vLLM sidecar has already started"
 
-WARN_EOF_AFTER_CANCEL = "vLLM GenerateStream ended before transfer completion after request cancellation"
 WARN_ERROR_AFTER_CANCEL = "vLLM GenerateStream failed before transfer completion after request cancellation"
-WARN_CONVERSION_AFTER_CANCEL = "vLLM response conversion failed after request cancellation"
+# (WARN_EOF_AFTER_CANCEL and WARN_CONVERSION_AFTER_CANCEL: convert/batch.py, where those endings are decided)
 
 
 class GenerateContext:
@@ -159,7 +160,7 @@ class _Handoff:
         self._send_closed = False
         self._receive_closed = False
 
-    async def send(self, item: LLMEngineOutput) -> None:
+    async def send(self, item: ChunkBatch) -> None:
         await _checkpoint_if_cancelled()
         if self._send_closed:
             raise trio.ClosedResourceError
@@ -184,7 +185,7 @@ class _Handoff:
 
         await _wait_task_rescheduled(abort)
 
-    async def receive(self) -> LLMEngineOutput:
+    async def receive(self) -> ChunkBatch:
         await _checkpoint_if_cancelled()
         if self._receive_closed:
             raise trio.ClosedResourceError
@@ -226,10 +227,6 @@ class _Handoff:
             _reschedule(sender, _Error(trio.BrokenResourceError()))
 
 
-def _batch_tokens(batch: list[LLMEngineOutput]) -> int:
-    return sum(len(chunk.token_ids) for chunk in batch)
-
-
 class _State(enum.Enum):
     CREATED = "created"
     STARTING = "starting"
@@ -243,6 +240,7 @@ class _Request:
     request_id: str
     ctx: GenerateContext
     state: Any  # convert.response.ResponseState
+    builder: BatchBuilder  # decides what the request task does with each message (owns ``state``)
     built: Any  # convert.request.BuiltRequest
     decode: bool
     send: _Handoff
@@ -254,7 +252,6 @@ class _Request:
     final: LLMEngineOutput | None = None
     error: BaseException | None = None
     request_cancelled: bool = False  # decode: client cancellation recorded, waiting for the transfer
-    transfer_completed: bool = False
     #: One of the scopes was cancelled (they have no deadlines, so only ``client_cancel``/``cancel_shutdown``
     #: cancel them); a plain flag, read once per message (``CancelScope.cancel_called`` reads the clock).
     cancelling: bool = False
@@ -263,7 +260,7 @@ class _Request:
         """The client's cancellation signal (§17.1): immediate, or deferred in decode mode (§17.3)."""
         if self.done.is_set():
             return
-        if self.decode and not self.transfer_completed:
+        if self.decode and not self.builder.transfer_completed:
             self.request_cancelled = True
         else:
             self.cancelling = True
@@ -286,8 +283,7 @@ class _ChunkStream:
         self._request = request
         self._receive = receive
         self._finished = False
-        self._batch: list[LLMEngineOutput] = []
-        self._next = 0  # index in _batch of the next chunk to return
+        self._batch: ChunkBatch | None = None  # the batch being returned
 
     def __repr__(self) -> str:
         return f"<generate stream {self._request.request_id!r}{' finished' if self._finished else ''}>"
@@ -299,35 +295,36 @@ class _ChunkStream:
     def __aiter__(self) -> _ChunkStream:
         return self
 
-    def _drop_batch(self) -> None:
+    def _drop_batch(self, batch: ChunkBatch) -> None:
+        self._batch = None
+        if not batch:
+            return
         request = self._request
-        rest = self._batch[self._next :]
-        self._batch = []
-        self._next = 0
         state = request.state
-        state.completion_tokens -= _batch_tokens(rest)
+        state.completion_tokens -= batch.drop()
         if request.done.is_set() and request.final is not None:
             request.final = state.cancelled_chunk()  # built before the drop
 
     async def __anext__(self) -> LLMEngineOutput:
         if self._finished:
             raise StopAsyncIteration
-        index = self._next
         batch = self._batch
-        if index < len(batch):
-            if not self._request.cancelling:
+        if batch is not None:
+            if self._request.cancelling:
+                self._drop_batch(batch)
+            else:
                 await _checkpoint_if_cancelled()
-                self._next = index + 1
-                return batch[index]
-            self._drop_batch()
+                chunk = batch.take()
+                if chunk is not None:
+                    return chunk
+                self._batch = None
         try:
             batch = await self._receive.receive()
         except (trio.EndOfChannel, trio.ClosedResourceError):
             pass
         else:
             self._batch = batch
-            self._next = 1
-            return batch[0]
+            return batch.take()  # type: ignore[return-value]  # (a batch handed over is never empty)
         self._finished = True
         request = self._request
         if request.final is not None:
@@ -532,9 +529,16 @@ class SidecarEngine:
         if self.admission_check is not None:
             self.admission_check()
         state = ResponseState(preprocessed, built, self.mode)
+        decode = self.mode.is_decode
         handoff = _Handoff()
         req = _Request(
-            request_id=request_id, ctx=ctx, state=state, built=built, decode=self.mode.is_decode, send=handoff
+            request_id=request_id,
+            ctx=ctx,
+            state=state,
+            builder=BatchBuilder(state, decode=decode),
+            built=built,
+            decode=decode,
+            send=handoff,
         )
         ctx._subscribe(req.client_cancel)
         if not self._requests:
@@ -608,110 +612,79 @@ class SidecarEngine:
     async def _pump(self, req: _Request, stream: Any) -> bool:
         """Read the stream until it ends; returns whether the *server* ended it.
 
-        Messages the transport already received are converted without awaiting and their chunks handed
-        over as one batch (``_ChunkStream`` returns them one by one). A batch holds only *plain* chunks: a
-        message that completes the KV transfer, ends the stream, is to be replaced by the cancelled chunk or
-        fails conversion first hands the batch over, then is handled exactly as if read on its own.
+        The decisions are ``req.builder``'s (``convert.batch``); this loop does the awaits. Messages the
+        transport already received are fed to the builder without awaiting (``next_buffered``) and the
+        chunks of a run of them handed over as one batch; the message that ends the request comes after
+        its batch was handed over, as if read on its own.
         """
-        state = req.state
-        completes_transfer = type(state).completes_transfer
-        next_buffered = getattr(stream, "next_buffered", None)
-        batch: list[LLMEngineOutput] = []
+        builder = req.builder
+        add = builder.add
+        next_buffered = stream.next_buffered
         async for response in stream:
             if req.cancelling:  # biased: a cancellation that raced with this message wins
                 await trio.lowlevel.checkpoint()
-            while True:
-                tokens_before = state.completion_tokens
+            # (No await until the hand-over: ``cancelling`` and ``request_cancelled`` cannot change.)
+            step = add(response, req.request_cancelled)
+            while step is MORE:
                 try:
-                    chunk = state.convert(response)
-                except ProtocolError as exc:
-                    if batch:
-                        await self._hand_over(req, batch, tokens_before, after=True)
-                        batch = []
-                    if req.request_cancelled:
-                        LOGGER.warning(WARN_CONVERSION_AFTER_CANCEL)
-                        req.final = state.cancelled_chunk()
-                    else:
-                        req.error = exc
-                    return False
-                completing = req.decode and not req.transfer_completed and completes_transfer(response)
-                if not completing and (
-                    chunk is None or not (state.finished or (req.request_cancelled and req.transfer_completed))
-                ):
-                    if chunk is not None:
-                        batch.append(chunk)
-                    if next_buffered is None or req.cancelling:
-                        break
-                    try:
-                        response = next_buffered()
-                    except BaseException:
-                        if batch:
-                            await self._hand_over(req, batch, state.completion_tokens)
-                            batch = []
-                        raise
-                    if response is None:
-                        break
-                    continue
-                # Anything but a plain chunk: hand the batch over first, then as one message at a time.
-                if batch:
-                    await self._hand_over(req, batch, tokens_before, after=True)
-                    batch = []
-                if completing:
-                    req.transfer_completed = True
-                if chunk is None:
+                    response = next_buffered()
+                except BaseException:  # (a message that does not parse: RpcError INTERNAL)
+                    batch = builder.take_batch()
+                    if batch is not None:
+                        await self._hand_over(req, batch)
+                    raise
+                if response is None:
                     break
-                if req.request_cancelled and req.transfer_completed:
-                    # §17.3 step 3 and clarification #3: the chunk with the first token is replaced by the
-                    # cancelled chunk, whose usage counts it.
-                    if chunk.token_ids:
-                        req.ctx._notify_first_token()
-                    req.final = state.cancelled_chunk()
-                    return bool(state.finished)
-                if state.finished:
-                    req.final = chunk
-                    return True
-                batch.append(chunk)
-                break
-            if batch:
-                await self._hand_over(req, batch, state.completion_tokens)
-                batch = []
-        if req.request_cancelled:
-            LOGGER.warning(WARN_EOF_AFTER_CANCEL)
-            req.final = state.cancelled_chunk()
+                step = add(response, req.request_cancelled)
+            batch = builder.take_batch()
+            if step is END:
+                ending = builder.ending
+                assert ending is not None
+                if batch is not None:
+                    await self._hand_over(req, batch, later=ending.tokens)
+                return self._end(req, ending)
+            if batch is not None:
+                await self._hand_over(req, batch)
+        return self._end(req, builder.eof(req.request_cancelled))
+
+    def _end(self, req: _Request, ending: Ending) -> bool:
+        """Apply the builder's ending; returns whether the server ended the stream."""
+        if ending.warning is not None:
+            LOGGER.warning(ending.warning)
+        if ending.first_token:
+            req.ctx._notify_first_token()
+        if ending.error is not None:
+            req.error = ending.error
         else:
-            req.error = ProtocolError("GenerateStream ended before a terminal response")
-        return True
+            req.final = ending.final
+        return ending.server_ended
 
-    async def _hand_over(
-        self, req: _Request, batch: list[LLMEngineOutput], tokens: int, *, after: bool = False
-    ) -> None:
-        """Hand ``batch`` over to the caller; ``tokens`` is ``completion_tokens`` as of its last chunk.
+    async def _hand_over(self, req: _Request, batch: ChunkBatch, *, later: int | None = None) -> None:
+        """Hand ``batch`` over to the caller.
 
-        With ``after`` a later message was already converted: if the hand-over or the biased check that
-        follows it is cancelled, the usage is put back to what the caller received, as if that message had
-        not been read.
+        ``later`` (the tokens it counted) means a later message was already converted: if the hand-over or
+        the biased check that follows it is cancelled, the usage is put back to what the caller received,
+        as if that message had not been read.
         """
         # Adjustments are relative: the caller may drop an earlier batch's rest meanwhile (``_ChunkStream``).
         state = req.state
-        batch_tokens = _batch_tokens(batch)
-        later = state.completion_tokens - tokens  # the already converted later message's tokens
         try:
             await req.send.send(batch)
         except trio.Cancelled:
             # Never delivered: the cancelled chunk's usage counts what the caller received (upstream
             # yields each chunk as it converts it, so there "converted" and "delivered" coincide).
-            state.completion_tokens -= batch_tokens + later
+            state.completion_tokens -= batch.tokens() + (later or 0)
             raise
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            state.completion_tokens -= batch_tokens
+            state.completion_tokens -= batch.tokens()
             req.client_cancel()  # the caller left
             try:
                 await trio.lowlevel.checkpoint_if_cancelled()
             except trio.Cancelled:
-                state.completion_tokens -= later
+                state.completion_tokens -= later or 0
                 raise
             return
-        if after and req.cancelling:  # biased, as before the next message's conversion
+        if later is not None and req.cancelling:  # biased, as before the next message's conversion
             try:
                 await trio.lowlevel.checkpoint()
             except trio.Cancelled:

@@ -487,7 +487,7 @@ async def test_cancel_with_a_batch_half_returned_counts_only_the_returned_chunks
             await trio.sleep(0.2)  # ~20 messages arrive meanwhile
             chunks.append(await stream.__anext__())
             chunks.append(await stream.__anext__())
-            assert not stream._finished and len(stream._batch) - stream._next > 0  # a batch is half returned
+            assert not stream._finished and stream._batch  # a batch is half returned
             ctx.stop()
             if task_ends_first:  # the request task builds its cancelled chunk before the caller drops the rest
                 with trio.fail_after(2):

@@ -16,6 +16,7 @@ from google.protobuf import struct_pb2
 from trio_sidecar._proto.vllm import inference_pb2 as pb
 from trio_sidecar.config import DisaggregationMode
 from trio_sidecar.convert import ResponseState, build_generate_request
+from trio_sidecar.convert.batch import END, BatchBuilder
 from trio_sidecar.errors import InvalidArgument, ProtocolError
 from trio_sidecar.jsonstruct import MAX_EXACT_INT, json_to_struct, struct_to_json
 from trio_sidecar.multimodal import HANDOFF_KEY
@@ -493,3 +494,90 @@ def test_property_response_conversion_raises_only_protocol_error(
             assert not state.finished
     cancelled = state.cancelled_chunk().to_dict()
     assert cancelled["finish_reason"] == "cancelled" and cancelled["token_ids"] == []
+
+
+@st.composite
+def token_responses(draw: st.DrawFn) -> pb.GenerateResponse:
+    """The common message: tokens and text only (``ResponseState.convert_plain``'s fast path)."""
+    k = draw(st.integers(1, 3))
+    seq = pb.SequenceOutput(
+        text=draw(st.sampled_from(["", "a", " tok", "é"])), num_tokens=k, token_ids=draw(st.lists(u32, min_size=k, max_size=k))
+    )
+    return pb.GenerateResponse(outputs=seq)
+
+
+@given(
+    mode=st.sampled_from([DisaggregationMode.AGG, DisaggregationMode.PREFILL, DisaggregationMode.DECODE]),
+    logprobs=opt(st.integers(0, 2)),
+    request_cancelled=st.booleans(),
+    stream=st.lists(st.one_of(token_responses(), token_responses(), responses()), max_size=12),
+    flushes=st.lists(st.booleans(), min_size=12, max_size=12),
+)
+def test_property_batch_builder_matches_one_message_at_a_time(
+    mode: DisaggregationMode, logprobs: int | None, request_cancelled: bool, stream: list[pb.GenerateResponse], flushes: list[bool]
+) -> None:
+    """``BatchBuilder`` (fast path, compact batches) yields what converting each message on its own does."""
+    decode = mode is DisaggregationMode.DECODE
+    cancelled = request_cancelled and decode  # the engine records a deferred cancellation only in decode mode
+    req: dict[str, Any] = {"token_ids": [1, 2, 3], "output_options": {"logprobs": logprobs}}
+    if decode:
+        req["prefill_result"] = {"disaggregated_params": {HANDOFF_KEY: [1, 2, 3, 4]}}
+    request = structure_request(req)
+
+    def new_state() -> ResponseState:
+        return ResponseState(request, build_generate_request(request, "r", "m", mode), mode)
+
+    # The reference: one message at a time (sidecar.md §14.2, §17.3).
+    ref = new_state()
+    expected: list[dict[str, Any]] = []
+    expected_end: tuple[Any, ...] = ("eof",)
+    completed = False
+    for resp in stream:
+        try:
+            chunk = ref.convert(resp)
+        except ProtocolError as exc:
+            expected_end = ("cancelled",) if cancelled else ("error", str(exc))
+            break
+        completing = decode and not completed and ResponseState.completes_transfer(resp)
+        completed = completed or completing
+        if chunk is None:
+            continue
+        if completing and cancelled:
+            expected_end = ("cancelled",)
+            break
+        if ref.finished:
+            expected_end = ("final", chunk.to_dict())
+            break
+        expected.append(chunk.to_dict())
+
+    state = new_state()
+    builder = BatchBuilder(state, decode=decode)
+    got: list[dict[str, Any]] = []
+    got_end: tuple[Any, ...] = ("eof",)
+
+    def hand_over() -> None:
+        batch = builder.take_batch()
+        if batch is not None:
+            while (chunk := batch.take()) is not None:
+                got.append(chunk.to_dict())
+
+    for resp, flush in zip(stream, flushes):
+        if builder.add(resp, cancelled) is END:
+            hand_over()
+            ending = builder.ending
+            assert ending is not None
+            if ending.error is not None:
+                got_end = ("error", str(ending.error))
+            else:
+                assert ending.final is not None
+                is_cancelled = ending.final.finish_reason == "cancelled" and ending.final.token_ids == []
+                got_end = ("cancelled",) if is_cancelled and cancelled else ("final", ending.final.to_dict())
+            break
+        if flush:
+            hand_over()
+    else:
+        hand_over()
+    note(f"expected {expected} {expected_end}; got {got} {got_end}")
+    assert got == expected
+    assert got_end == expected_end
+    assert state.completion_tokens == ref.completion_tokens

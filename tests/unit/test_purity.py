@@ -21,6 +21,7 @@ PURE = {
     "convert",
     "convert.request",
     "convert.response",
+    "convert.batch",
     "multimodal",
     "routing",
 }

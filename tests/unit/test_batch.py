@@ -1,0 +1,374 @@
+"""The request task's batch builder (convert/batch.py): per-message decisions, compact batches, endings.
+
+Table-driven: each case feeds a message script to a ``BatchBuilder`` the way ``SidecarEngine._pump`` does
+(take the open batch after every ``END`` and whenever the script says the transport had nothing more
+buffered) and compares the chunks handed over, the ending and the usage. ``test_property.py`` checks the
+same against converting one message at a time, on random streams.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import pytest
+
+from trio_sidecar._proto.vllm import inference_pb2 as pb
+from trio_sidecar.config import DisaggregationMode
+from trio_sidecar.convert import ResponseState, build_generate_request
+from trio_sidecar.convert.batch import (
+    END,
+    EOF_BEFORE_TERMINAL,
+    MORE,
+    WARN_CONVERSION_AFTER_CANCEL,
+    WARN_EOF_AFTER_CANCEL,
+    BatchBuilder,
+    ChunkBatch,
+)
+from trio_sidecar.errors import ProtocolError
+from trio_sidecar.multimodal import HANDOFF_KEY
+from trio_sidecar.protocol import LLMEngineOutput, structure_request, token_chunk
+
+AGG, PREFILL, DECODE = DisaggregationMode.AGG, DisaggregationMode.PREFILL, DisaggregationMode.DECODE
+STOP, LENGTH = 2, 1
+FLUSH = "flush"  # in a script: the transport had nothing more buffered here (the task hands the batch over)
+
+
+def state(mode: DisaggregationMode = AGG, **options: Any) -> ResponseState:
+    req: dict[str, Any] = {"token_ids": [1, 2, 3], "output_options": options}
+    if mode is DECODE:
+        req["prefill_result"] = {"disaggregated_params": {HANDOFF_KEY: [1, 2, 3, 4]}}
+    request = structure_request(req)
+    return ResponseState(request, build_generate_request(request, "r", "m", mode), mode)
+
+
+def out(tokens: list[int], *, text: str = "", num: int | None = None, index: int = 0, finish: int | None = None,
+        info: int | None = None, logprobs: list[float] | None = None) -> pb.GenerateResponse:
+    seq = pb.SequenceOutput(index=index, text=text, num_tokens=len(tokens) if num is None else num, token_ids=tokens)
+    if logprobs is not None:
+        seq.logprobs.extend(logprobs)
+        seq.ranks.extend([1] * len(logprobs))
+        seq.candidate_tokens.extend([pb.CandidateTokenInfo()] * len(logprobs))
+    if finish is not None:
+        seq.finish_info.CopyFrom(pb.FinishInfo(num_output_tokens=finish, finish_reason=STOP))
+    resp = pb.GenerateResponse(outputs=seq)
+    if info is not None:
+        resp.prompt_info.CopyFrom(pb.PromptInfo(num_prompt_tokens=info))
+    return resp
+
+
+def prompt(n: int = 3) -> pb.GenerateResponse:
+    return pb.GenerateResponse(prompt_info=pb.PromptInfo(num_prompt_tokens=n))
+
+
+def fields(chunk: LLMEngineOutput) -> dict[str, Any]:
+    return chunk.to_dict()
+
+
+def run(builder: BatchBuilder, script: list[Any], request_cancelled: bool = False) -> tuple[list[list[dict]], list]:
+    """Feed ``script``; returns the batches handed over (as chunk dicts) and the steps."""
+    batches: list[list[dict]] = []
+    steps = []
+
+    def hand_over() -> None:
+        batch = builder.take_batch()
+        if batch is not None:
+            taken = []
+            while (chunk := batch.take()) is not None:
+                taken.append(fields(chunk))
+            batches.append(taken)
+
+    for item in script:
+        if item == FLUSH:
+            hand_over()
+            continue
+        step = builder.add(item, request_cancelled)
+        steps.append(step)
+        if step is END:
+            hand_over()
+            break
+    else:
+        hand_over()
+    return batches, steps
+
+
+def usage(chunk: LLMEngineOutput) -> tuple[int, int]:
+    assert chunk.completion_usage is not None
+    return chunk.completion_usage.prompt_tokens, chunk.completion_usage.completion_tokens
+
+
+def tok(token: int, text: str | None = "a") -> dict[str, Any]:
+    return {"token_ids": [token], "index": 0, **({"text": text} if text else {})}
+
+
+# ------------------------------------------------------------------- batches of ordinary messages
+
+CASES = [
+    # (name, mode, options, script, batches, steps)
+    (
+        "plain tokens batch until the transport runs dry",
+        AGG,
+        {},
+        [out([7], text="a"), out([8], text="a"), FLUSH, out([9], text="a")],
+        [[tok(7), tok(8)], [tok(9)]],
+        [MORE, MORE, MORE],
+    ),
+    (
+        "several tokens in one message, empty text absent",
+        AGG,
+        {},
+        [out([7, 300, 70000])],
+        [[{"token_ids": [7, 300, 70000], "index": 0}]],
+        [MORE],
+    ),
+    (
+        "silent messages add nothing",
+        AGG,
+        {},
+        [prompt(), pb.GenerateResponse(), out([]), FLUSH],
+        [],
+        [MORE, MORE, MORE],
+    ),
+    (
+        "prompt info with a token takes the checked path and joins the batch",
+        AGG,
+        {},
+        [out([7], text="a"), out([8], text="a", info=3), out([9], text="a")],
+        [[tok(7), tok(8), tok(9)]],
+        [MORE, MORE, MORE],
+    ),
+    (
+        "logprob chunks are batched too",
+        AGG,
+        {"logprobs": 0},
+        [out([7], text="a", logprobs=[-0.5]), out([8], logprobs=[-1e9])],
+        [[{**tok(7), "log_probs": [-0.5]}, {**tok(8, None), "log_probs": [-9999.0]}]],
+        [MORE, MORE],
+    ),
+    (
+        "prefill streams nothing before its terminal",
+        PREFILL,
+        {},
+        [prompt(), out([7], text="a"), FLUSH],
+        [],
+        [MORE, MORE],
+    ),
+    (
+        "decode: silent messages before the transfer, then the first token opens the batch",
+        DECODE,
+        {},
+        [prompt(), out([]), out([7], text="a"), out([8], text="a")],
+        [[tok(7), tok(8)]],
+        [MORE, MORE, MORE, MORE],
+    ),
+]
+
+
+@pytest.mark.parametrize(("mode", "options", "script", "batches", "steps"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_ordinary_messages_are_batched(mode, options, script, batches, steps) -> None:
+    st = state(mode, **options)
+    builder = BatchBuilder(st, decode=mode is DECODE)
+    got_batches, got_steps = run(builder, script)
+    assert got_batches == batches
+    assert got_steps == steps
+    assert builder.ending is None
+    assert st.completion_tokens == sum(len(c["token_ids"]) for b in batches for c in b) or mode is PREFILL
+
+
+# ------------------------------------------------------------------- endings
+
+ENDINGS = [
+    # (name, mode, cancelled, script, batches before the end, ending fields, usage of final)
+    (
+        "terminal ends after the batch before it",
+        AGG,
+        False,
+        [out([7], text="a"), out([8], text="a"), out([9], finish=3)],
+        [[tok(7), tok(8)]],
+        {"server_ended": True, "finish_reason": "stop", "tokens": 1, "error": None, "warning": None},
+        (3, 3),
+    ),
+    (
+        "conversion error: the server did not end the stream",
+        AGG,
+        False,
+        [out([7], text="a"), out([8], index=1)],
+        [[tok(7)]],
+        {"server_ended": False, "error": "invalid vLLM gRPC response: received unsupported sequence index 1",
+         "tokens": 0, "warning": None},
+        None,
+    ),
+    (
+        "a count error at the terminal counted its tokens first",
+        AGG,
+        False,
+        [out([7]), out([8, 9], finish=5)],
+        [[tok(7, None)]],
+        {"server_ended": False, "tokens": 2,
+         "error": "invalid vLLM gRPC response: terminal num_output_tokens 5 does not match streamed count 3"},
+        None,
+    ),
+    (
+        "num_tokens mismatch",
+        AGG,
+        False,
+        [out([7, 8], num=1)],
+        [],
+        {"server_ended": False, "tokens": 0,
+         "error": "invalid vLLM gRPC response: num_tokens 1 does not match 2 token IDs"},
+        None,
+    ),
+    (
+        "num_tokens mismatch, several tokens",
+        AGG,
+        False,
+        [out([7, 8], num=3)],
+        [],
+        {"server_ended": False, "tokens": 0,
+         "error": "invalid vLLM gRPC response: num_tokens 3 does not match 2 token IDs"},
+        None,
+    ),
+    (
+        "decode, cancellation recorded: the first token's chunk becomes the cancelled chunk",
+        DECODE,
+        True,
+        [out([]), out([7], text="a"), out([8])],
+        [],
+        {"server_ended": False, "finish_reason": "cancelled", "first_token": True, "tokens": 1, "error": None},
+        (3, 1),
+    ),
+    (
+        "decode, cancellation recorded, the first message is the terminal",
+        DECODE,
+        True,
+        [out([7], finish=1)],
+        [],
+        {"server_ended": True, "finish_reason": "cancelled", "first_token": True, "tokens": 1},
+        (3, 1),
+    ),
+    (
+        "decode, cancellation recorded, a finish without tokens",
+        DECODE,
+        True,
+        [out([], finish=0)],
+        [],
+        {"server_ended": True, "finish_reason": "cancelled", "first_token": False, "tokens": 0},
+        (3, 0),
+    ),
+    (
+        "decode, cancellation recorded, conversion error: the cancelled chunk and a warning",
+        DECODE,
+        True,
+        [out([7], index=2)],
+        [],
+        {"server_ended": False, "finish_reason": "cancelled", "warning": WARN_CONVERSION_AFTER_CANCEL, "error": None},
+        (3, 0),
+    ),
+    (
+        "decode without cancellation: the terminal as usual",
+        DECODE,
+        False,
+        [out([7]), out([], finish=1)],
+        [[tok(7, None)]],
+        {"server_ended": True, "finish_reason": "stop", "first_token": False, "tokens": 0},
+        (3, 1),
+    ),
+    (
+        "prefill terminal",
+        PREFILL,
+        False,
+        [prompt(), out([7], text="a"), out([], finish=1, text="")],
+        [],
+        {"server_ended": False, "tokens": 0,
+         "error": "invalid vLLM gRPC response: prefill terminal is missing kv_transfer_params"},
+        None,
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("mode", "cancelled", "script", "batches", "expected", "final_usage"), [c[1:] for c in ENDINGS], ids=[c[0] for c in ENDINGS]
+)
+def test_endings(mode, cancelled, script, batches, expected, final_usage) -> None:
+    builder = BatchBuilder(state(mode), decode=mode is DECODE)
+    got_batches, steps = run(builder, script, request_cancelled=cancelled)
+    assert got_batches == batches
+    assert steps[-1] is END and all(step is MORE for step in steps[:-1])
+    ending = builder.ending
+    assert ending is not None
+    got = attrs.asdict(ending, recurse=False)
+    got["error"] = None if ending.error is None else str(ending.error)
+    got["finish_reason"] = None if ending.final is None else ending.final.finish_reason
+    assert {key: got[key] for key in expected} == expected
+    if ending.error is not None:
+        assert isinstance(ending.error, ProtocolError) and ending.final is None
+    else:
+        assert ending.final is not None and usage(ending.final) == final_usage
+
+
+@pytest.mark.parametrize(
+    ("mode", "cancelled", "error", "warning"),
+    [
+        (AGG, False, EOF_BEFORE_TERMINAL, None),
+        (DECODE, False, EOF_BEFORE_TERMINAL, None),
+        (DECODE, True, None, WARN_EOF_AFTER_CANCEL),
+    ],
+)
+def test_eof(mode, cancelled, error, warning) -> None:
+    builder = BatchBuilder(state(mode), decode=mode is DECODE)
+    ending = builder.eof(cancelled)
+    assert ending.server_ended and ending.warning == warning and ending.tokens == 0
+    if error is None:
+        assert ending.error is None and ending.final is not None and ending.final.finish_reason == "cancelled"
+    else:
+        assert str(ending.error) == "invalid vLLM gRPC response: " + error and ending.final is None
+
+
+def test_transfer_completed_only_in_decode_mode_once_a_token_or_finish_arrived() -> None:
+    agg = BatchBuilder(state(), decode=False)
+    agg.add(out([7]), False)
+    assert not agg.transfer_completed
+    decode = BatchBuilder(state(DECODE), decode=True)
+    for resp in (prompt(), out([])):
+        decode.add(resp, False)
+        assert not decode.transfer_completed
+    decode.add(out([7]), False)
+    assert decode.transfer_completed
+    assert "deferring" not in repr(decode) and "1 chunks open" in repr(decode)
+
+
+# ------------------------------------------------------------------- ChunkBatch
+
+
+def test_chunk_batch_takes_drops_and_counts() -> None:
+    built = LLMEngineOutput(token_ids=[5, 6], text="b", log_probs=[-1.0, -2.0])
+    batch = ChunkBatch([1, "a", [2, 3, 4], None, built, None, 7, None])
+    assert len(batch) == 4 and batch.tokens() == 7
+    first = batch.take()
+    assert first == LLMEngineOutput(token_ids=[1], text="a")
+    assert len(batch) == 3 and batch.tokens() == 6
+    assert batch.take() == LLMEngineOutput(token_ids=[2, 3, 4])
+    assert batch.take() is built
+    assert "1 of 4 chunks left" in repr(batch)
+    assert batch.drop() == 1
+    assert len(batch) == 0 and batch.take() is None and batch.drop() == 0
+
+
+def test_empty_open_batch_is_not_handed_over() -> None:
+    builder = BatchBuilder(state(), decode=False)
+    assert builder.take_batch() is None
+    builder.add(prompt(), False)
+    assert builder.take_batch() is None
+    builder.add(out([7]), False)
+    batch = builder.take_batch()
+    assert batch is not None and len(batch) == 1 and builder.take_batch() is None
+
+
+def test_token_chunk_equals_the_attrs_init_for_every_field() -> None:
+    for token_ids, text in (([1], "x"), ([2, 3], None), ([], "")):
+        fast = token_chunk(token_ids, text)
+        slow = LLMEngineOutput(token_ids=token_ids, text=text)
+        assert fast == slow
+        for field in attrs.fields(LLMEngineOutput):  # a field added to the class must be set there too
+            assert getattr(fast, field.name) == getattr(slow, field.name)
+        assert fast.token_ids is token_ids

@@ -1,0 +1,239 @@
+"""The request task's decisions, message by message, and the batches it hands over (sidecar.md §14, §17.3).
+PURE: no I/O, no Trio.
+
+Theory of operation
+-------------------
+The engine's request task (``SidecarEngine._pump``) reads ``GenerateStream`` and feeds every message to
+:meth:`BatchBuilder.add`, which converts it (:class:`~.response.ResponseState`, with every §14 check) and
+answers one question: does the request go on after this message?
+
+* :data:`MORE`: the message's chunk, if it has one, joined the open batch. The task feeds the next message
+  the transport already received, if there is one; otherwise it hands the open batch over
+  (:meth:`BatchBuilder.take_batch`) and waits for the next message.
+* :data:`END`: the request ends with this message. The task hands the open batch over (this message's
+  chunk is never in it), then applies :attr:`BatchBuilder.ending`: the terminal chunk; the conversion error
+  (or, once a deferred cancellation was recorded, the cancelled chunk); or, in decode mode with a
+  cancellation recorded, the cancelled chunk in place of the message that completed the KV transfer.
+
+The stream ending without a terminal is :meth:`BatchBuilder.eof`.
+
+Decode deferral (§17.3): until a message completes the KV transfer (``ResponseState.completes_transfer``:
+a token or the finish) no message has a chunk, so the open batch is still empty when that message comes.
+Its chunk starts the batch, unless the client's cancellation was recorded meanwhile: then the request ends
+with the cancelled chunk, whose usage counts the replaced chunk (clarification #3).
+
+A :class:`ChunkBatch` keeps a plain chunk (``ResponseState.convert_plain``: tokens and text only, the
+common message) as its token ids and text, and builds the ``LLMEngineOutput`` when the caller takes it. A
+batch can hold hundreds of messages while its caller catches up; kept as attrs objects and lists they would
+outlive young-generation garbage collections and be promoted, and the full collections that follow cost
+more than the conversion itself (``bench/sidecar.py`` at 64 streams: ~1 of ~6 CPU µs per token). The
+token id of a one-token chunk is stored as the int itself, so the request task allocates no collected
+object for it at all.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import attrs
+
+from .._proto.vllm import inference_pb2
+from ..errors import ProtocolError, SidecarError
+from ..protocol import LLMEngineOutput, token_chunk
+from .response import ResponseState
+
+__all__ = [
+    "BatchBuilder",
+    "ChunkBatch",
+    "END",
+    "EOF_BEFORE_TERMINAL",
+    "Ending",
+    "MORE",
+    "Step",
+    "WARN_CONVERSION_AFTER_CANCEL",
+    "WARN_EOF_AFTER_CANCEL",
+]
+
+WARN_EOF_AFTER_CANCEL = "vLLM GenerateStream ended before transfer completion after request cancellation"
+WARN_CONVERSION_AFTER_CANCEL = "vLLM response conversion failed after request cancellation"
+EOF_BEFORE_TERMINAL = "GenerateStream ended before a terminal response"
+
+
+class Step(enum.Enum):
+    """What the request task does after :meth:`BatchBuilder.add`."""
+
+    MORE = "more"
+    END = "end"
+
+
+MORE = Step.MORE
+END = Step.END
+
+
+@attrs.frozen(kw_only=True)
+class Ending:
+    """How a request ends, for the request task to apply (after handing the open batch over).
+
+    Attributes:
+        server_ended: the server ended the stream (its terminal or EOF): no ``Abort`` is needed.
+        final: the last chunk (the terminal or the cancelled chunk), when there is no ``error``.
+        error: raised to the caller after the chunks already handed over.
+        warning: to be logged (WARNING).
+        first_token: the cancelled chunk replaced the first token's chunk: call ``on_first_token``.
+        tokens: the completion tokens the ending message counted (``0`` for EOF); if the hand-over before
+            it is cancelled, usage is put back by them, as if the message had not been read.
+    """
+
+    server_ended: bool
+    final: LLMEngineOutput | None = None
+    error: SidecarError | None = None
+    warning: str | None = None
+    first_token: bool = False
+    tokens: int = 0
+
+
+def _item_tokens(ids: Any) -> int:
+    kind = type(ids)
+    if kind is int:
+        return 1
+    if kind is list:
+        return len(ids)
+    return len(ids.token_ids)
+
+
+class ChunkBatch:
+    """The chunks of one hand-over, returned one at a time by :meth:`take`.
+
+    ``items`` is one flat list of pairs: ``(token_id, text)`` (a plain one-token chunk), ``(token_ids,
+    text)`` (a plain chunk, ``token_ids`` a list), or ``(chunk, None)`` (an ``LLMEngineOutput`` that
+    ``ResponseState.convert`` built).
+    """
+
+    __slots__ = ("_items", "_next")
+
+    def __init__(self, items: list[Any]) -> None:
+        self._items = items
+        self._next = 0  # index in _items of the next pair
+
+    def __repr__(self) -> str:
+        return f"<ChunkBatch {len(self)} of {len(self._items) >> 1} chunks left>"
+
+    def __len__(self) -> int:
+        """The chunks not taken yet."""
+        return (len(self._items) - self._next) >> 1
+
+    def take(self) -> LLMEngineOutput | None:
+        """The next chunk (built now if plain), or ``None`` once all were taken."""
+        index = self._next
+        items = self._items
+        if index >= len(items):
+            return None
+        self._next = index + 2
+        ids = items[index]
+        kind = type(ids)
+        if kind is int:
+            return token_chunk([ids], items[index + 1])
+        if kind is list:
+            return token_chunk(ids, items[index + 1])
+        return ids  # type: ignore[no-any-return]
+
+    def tokens(self) -> int:
+        """The completion tokens of the chunks not taken yet."""
+        return sum(_item_tokens(ids) for ids in self._items[self._next :: 2])
+
+    def drop(self) -> int:
+        """Forget the chunks not taken yet; returns their completion tokens."""
+        tokens = self.tokens()
+        self._items = []
+        self._next = 0
+        return tokens
+
+
+class BatchBuilder:
+    """The request task's per-message decisions and its open batch (theory of operation above).
+
+    Args:
+        state: the request's conversion state; :meth:`add` converts with it.
+        decode: decode mode (§17.3): cancellation is deferred until the KV transfer completed.
+
+    Attributes:
+        transfer_completed: decode mode: a message completed the KV transfer (the engine's
+            ``client_cancel`` reads it to choose between deferring and cancelling at once).
+        ending: after :data:`END`, how the request ends.
+    """
+
+    __slots__ = ("_deferring", "_items", "decode", "ending", "state", "transfer_completed")
+
+    def __init__(self, state: ResponseState, *, decode: bool) -> None:
+        self.state = state
+        self.decode = decode
+        self.transfer_completed = False
+        self.ending: Ending | None = None
+        self._deferring = decode  # decode mode and the transfer not completed yet
+        self._items: list[Any] = []
+
+    def __repr__(self) -> str:
+        return (
+            f"<BatchBuilder {len(self._items) >> 1} chunks open{' deferring' if self._deferring else ''}"
+            f"{' ended' if self.ending is not None else ''}>"
+        )
+
+    def add(self, response: inference_pb2.GenerateResponse, request_cancelled: bool) -> Step:
+        """Convert one received message; returns :data:`MORE` or :data:`END` (then see :attr:`ending`).
+
+        Args:
+            request_cancelled: decode mode: the client's cancellation was recorded (deferred).
+        """
+        state = self.state
+        if not self._deferring:
+            plain = state.convert_plain(response)
+            if plain is not None:
+                self._items += plain
+                return MORE
+        tokens_before = state.completion_tokens
+        try:
+            chunk = state.convert(response)
+        except ProtocolError as exc:
+            tokens = state.completion_tokens - tokens_before
+            if request_cancelled:
+                warning = WARN_CONVERSION_AFTER_CANCEL
+                self.ending = Ending(server_ended=False, final=state.cancelled_chunk(), warning=warning, tokens=tokens)
+            else:
+                self.ending = Ending(server_ended=False, error=exc, tokens=tokens)
+            return END
+        completing = self._deferring and state.completes_transfer(response)
+        if completing:
+            self._deferring = False
+            self.transfer_completed = True
+        if chunk is None:
+            return MORE
+        if completing and request_cancelled:
+            # §17.3 step 3 and clarification #3: the chunk with the first token is replaced by the cancelled
+            # chunk, whose usage counts it.
+            self.ending = Ending(
+                server_ended=state.finished,
+                final=state.cancelled_chunk(),
+                first_token=bool(chunk.token_ids),
+                tokens=state.completion_tokens - tokens_before,
+            )
+            return END
+        if state.finished:
+            self.ending = Ending(server_ended=True, final=chunk, tokens=state.completion_tokens - tokens_before)
+            return END
+        self._items += (chunk, None)
+        return MORE
+
+    def take_batch(self) -> ChunkBatch | None:
+        """The open batch (``None`` when it has no chunk); a new one is opened."""
+        items = self._items
+        if not items:
+            return None
+        self._items = []
+        return ChunkBatch(items)
+
+    def eof(self, request_cancelled: bool) -> Ending:
+        """The stream ended (OK trailers) without a terminal message."""
+        if request_cancelled:
+            return Ending(server_ended=True, final=self.state.cancelled_chunk(), warning=WARN_EOF_AFTER_CANCEL)
+        return Ending(server_ended=True, error=ProtocolError(EOF_BEFORE_TERMINAL))
