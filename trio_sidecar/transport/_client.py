@@ -357,7 +357,8 @@ class Channel:
 
         ``__aenter__`` sends the request and waits for the response headers: a non-OK trailers-only answer
         raises ``RpcError`` there. Iterating yields messages until OK trailers; a non-OK status raises
-        ``RpcError``; a lost connection raises ``ConnectionLostError`` promptly.
+        ``RpcError``; a lost connection raises ``ConnectionLostError`` promptly. With ``response_type``
+        ``None`` the messages are the serialized bytes, not parsed (as grpcio without a deserializer).
 
         Cancellation: leaving the block before the end (break, cancel, exception) resets the stream
         (RST_STREAM CANCEL) at once; other calls on the channel are unaffected.
@@ -458,14 +459,18 @@ class ResponseStream:
         checkpoint (the stream's end, error and deadline are left to ``__anext__``).
 
         Raises:
-            RpcError: INTERNAL, the message does not parse (the call is closed, as ``__anext__`` does).
+            RpcError: INTERNAL, the message does not parse (the call is closed, as ``__anext__`` does);
+                never with ``response_type=None``.
         """
         call = self._call
         if call is None or call.done or not call.messages:
             return None
         payload = call.take_message()
+        response_type = self._response_type
+        if response_type is None:
+            return payload
         try:
-            return self._response_type.FromString(payload)
+            return response_type.FromString(payload)
         except DecodeError:
             call.close()
             raise RpcError(StatusCode.INTERNAL, f"failed to parse a response message of {self._method}") from None
@@ -478,6 +483,8 @@ class ResponseStream:
             if call.messages:
                 await trio.lowlevel.checkpoint_if_cancelled()
                 payload = call.take_message()
+                if self._response_type is None:
+                    return payload
                 try:
                     return self._response_type.FromString(payload)
                 except DecodeError:
