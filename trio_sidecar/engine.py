@@ -56,9 +56,9 @@ from trio.lowlevel import current_task as _current_task
 from trio.lowlevel import reschedule as _reschedule
 from trio.lowlevel import wait_task_rescheduled as _wait_task_rescheduled
 
-from ._proto.vllm import control_pb2, inference_pb2
+from ._proto.vllm import control_pb2
 from .config import DisaggregationMode, SidecarConfig, validate_sidecar_config
-from .convert.batch import END, MORE, BatchBuilder, ChunkBatch, Ending
+from .convert.batch import END, MORE, WARN_ERROR_AFTER_CANCEL, BatchBuilder, ChunkBatch, Ending
 from .discovery import (
     CONTROL_SERVICE,
     INFERENCE_SERVICE,
@@ -87,8 +87,7 @@ ABORT_FLUSH_GRACE = 5.0
 NOT_STARTED = "vLLM sidecar is not started"
 ALREADY_STARTED = "vLLM sidecar has already started"
 
-WARN_ERROR_AFTER_CANCEL = "vLLM GenerateStream failed before transfer completion after request cancellation"
-# (WARN_EOF_AFTER_CANCEL and WARN_CONVERSION_AFTER_CANCEL: convert/batch.py, where those endings are decided)
+# (WARN_*_AFTER_CANCEL: convert/batch.py, where those endings are decided)
 
 
 class GenerateContext:
@@ -569,7 +568,7 @@ class SidecarEngine:
                         async with channel.unary_stream(
                             GENERATE_STREAM,
                             req.built.message,
-                            inference_pb2.GenerateResponse,
+                            None,  # serialized messages: the builder parses only those it has to
                             metadata=req.built.metadata,
                         ) as stream:
                             req.opened.set()
@@ -620,22 +619,16 @@ class SidecarEngine:
         builder = req.builder
         add = builder.add
         next_buffered = stream.next_buffered
-        async for response in stream:
+        async for data in stream:
             if req.cancelling:  # biased: a cancellation that raced with this message wins
                 await trio.lowlevel.checkpoint()
             # (No await until the hand-over: ``cancelling`` and ``request_cancelled`` cannot change.)
-            step = add(response, req.request_cancelled)
+            step = add(data, req.request_cancelled)
             while step is MORE:
-                try:
-                    response = next_buffered()
-                except BaseException:  # (a message that does not parse: RpcError INTERNAL)
-                    batch = builder.take_batch()
-                    if batch is not None:
-                        await self._hand_over(req, batch)
-                    raise
-                if response is None:
+                data = next_buffered()  # (serialized messages: never raises)
+                if data is None:
                     break
-                step = add(response, req.request_cancelled)
+                step = add(data, req.request_cancelled)
             batch = builder.take_batch()
             if step is END:
                 ending = builder.ending

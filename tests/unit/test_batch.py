@@ -22,10 +22,11 @@ from trio_sidecar.convert.batch import (
     MORE,
     WARN_CONVERSION_AFTER_CANCEL,
     WARN_EOF_AFTER_CANCEL,
+    WARN_ERROR_AFTER_CANCEL,
     BatchBuilder,
     ChunkBatch,
 )
-from trio_sidecar.errors import ProtocolError
+from trio_sidecar.errors import ProtocolError, UnknownError
 from trio_sidecar.multimodal import HANDOFF_KEY
 from trio_sidecar.protocol import LLMEngineOutput, structure_request, token_chunk
 
@@ -82,7 +83,7 @@ def run(builder: BatchBuilder, script: list[Any], request_cancelled: bool = Fals
         if item == FLUSH:
             hand_over()
             continue
-        step = builder.add(item, request_cancelled)
+        step = builder.add(item.SerializeToString(), request_cancelled)
         steps.append(step)
         if step is END:
             hand_over()
@@ -324,15 +325,32 @@ def test_eof(mode, cancelled, error, warning) -> None:
         assert str(ending.error) == "invalid vLLM gRPC response: " + error and ending.final is None
 
 
+@pytest.mark.parametrize(("mode", "cancelled"), [(AGG, False), (DECODE, False), (DECODE, True)])
+def test_a_message_that_does_not_parse_ends_as_the_transport_reports_it(mode, cancelled) -> None:
+    builder = BatchBuilder(state(mode), decode=mode is DECODE)
+    assert builder.add(prompt().SerializeToString(), cancelled) is MORE
+    assert builder.add(b"\x12\x05\x18\x01\x22", cancelled) is END  # truncated
+    ending = builder.ending
+    assert ending is not None and ending.server_ended and ending.tokens == 0
+    if cancelled:
+        assert ending.error is None and ending.warning == WARN_ERROR_AFTER_CANCEL
+        assert ending.final is not None and ending.final.finish_reason == "cancelled"
+    else:
+        assert isinstance(ending.error, UnknownError) and ending.final is None
+        assert str(ending.error) == (
+            "GenerateStream: failed to parse a response message of /vllm.Inference/GenerateStream (Internal)"
+        )
+
+
 def test_transfer_completed_only_in_decode_mode_once_a_token_or_finish_arrived() -> None:
     agg = BatchBuilder(state(), decode=False)
-    agg.add(out([7]), False)
+    agg.add(out([7]).SerializeToString(), False)
     assert not agg.transfer_completed
     decode = BatchBuilder(state(DECODE), decode=True)
     for resp in (prompt(), out([])):
-        decode.add(resp, False)
+        decode.add(resp.SerializeToString(), False)
         assert not decode.transfer_completed
-    decode.add(out([7]), False)
+    decode.add(out([7]).SerializeToString(), False)
     assert decode.transfer_completed
     assert "deferring" not in repr(decode) and "1 chunks open" in repr(decode)
 
@@ -357,9 +375,9 @@ def test_chunk_batch_takes_drops_and_counts() -> None:
 def test_empty_open_batch_is_not_handed_over() -> None:
     builder = BatchBuilder(state(), decode=False)
     assert builder.take_batch() is None
-    builder.add(prompt(), False)
+    builder.add(prompt().SerializeToString(), False)
     assert builder.take_batch() is None
-    builder.add(out([7]), False)
+    builder.add(out([7]).SerializeToString(), False)
     batch = builder.take_batch()
     assert batch is not None and len(batch) == 1 and builder.take_batch() is None
 

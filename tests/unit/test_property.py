@@ -12,11 +12,13 @@ from typing import Any
 from hypothesis import event, given, note
 from hypothesis import strategies as st
 from google.protobuf import struct_pb2
+from google.protobuf.message import DecodeError
 
 from trio_sidecar._proto.vllm import inference_pb2 as pb
 from trio_sidecar.config import DisaggregationMode
 from trio_sidecar.convert import ResponseState, build_generate_request
 from trio_sidecar.convert.batch import END, BatchBuilder
+from trio_sidecar.convert.response import plain_token_fields
 from trio_sidecar.errors import InvalidArgument, ProtocolError
 from trio_sidecar.jsonstruct import MAX_EXACT_INT, json_to_struct, struct_to_json
 from trio_sidecar.multimodal import HANDOFF_KEY
@@ -562,7 +564,7 @@ def test_property_batch_builder_matches_one_message_at_a_time(
                 got.append(chunk.to_dict())
 
     for resp, flush in zip(stream, flushes):
-        if builder.add(resp, cancelled) is END:
+        if builder.add(resp.SerializeToString(), cancelled) is END:
             hand_over()
             ending = builder.ending
             assert ending is not None
@@ -581,3 +583,84 @@ def test_property_batch_builder_matches_one_message_at_a_time(
     assert got == expected
     assert got_end == expected_end
     assert state.completion_tokens == ref.completion_tokens
+
+
+def plain_values(resp: pb.GenerateResponse) -> tuple[Any, ...] | None:
+    """What ``plain_token_fields`` must read from a message: its ids and text when it carries only those."""
+    if resp.HasField("prompt_info") or not resp.HasField("outputs"):
+        return None
+    seq = resp.outputs
+    if seq.index or seq.HasField("finish_info") or seq.logprobs or seq.ranks or seq.candidate_tokens:
+        return None
+    if not 0 < seq.num_tokens == len(seq.token_ids):
+        return None
+    ids = list(seq.token_ids)
+    return (ids[0] if len(ids) == 1 else ids), seq.text or None
+
+
+@given(resp=st.one_of(token_responses(), responses()))
+def test_property_plain_token_fields_reads_what_protobuf_parses(resp: pb.GenerateResponse) -> None:
+    data = resp.SerializeToString()
+    # Both ways: every tokens-and-text message (within the fast path's sizes, as all here) is read, the
+    # same values as protobuf's; every other message is left to protobuf.
+    assert plain_token_fields(data) == plain_values(pb.GenerateResponse.FromString(data))
+
+
+def varint(value: int, extra: int = 0) -> bytes:
+    """``value`` as a varint, with ``extra`` redundant continuation bytes (an overlong encoding)."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    if extra:
+        out.append(value | 0x80)
+        out.extend([0x80] * (extra - 1))
+        out.append(0)
+    else:
+        out.append(value)
+    return bytes(out)
+
+
+@st.composite
+def near_plain_bytes(draw: st.DrawFn) -> bytes:
+    """A tokens-and-text ``GenerateResponse`` encoded by hand, now and then departing from the canonical form."""
+
+    def odd() -> bool:  # depart from the canonical encoding here (each site ~1 in 16)
+        return draw(st.integers(0, 15)) == 0
+
+    def length(n: int) -> bytes:
+        return varint(max(0, n + draw(st.sampled_from([-1, 1]))) if odd() else n, 1 if odd() else 0)
+
+    ids = draw(st.lists(st.integers(2**32, 2**35) if odd() else st.one_of(st.integers(0, 2**21), u32), min_size=1, max_size=4))
+    packed = b"".join(varint(i, draw(st.sampled_from([1, 5, 6, 10])) if odd() else 0) for i in ids)
+    count = len(ids) + (draw(st.sampled_from([-1, 1])) if odd() else 0)
+    text = draw(st.sampled_from([b"", b"a", b"tok", "é".encode()]))
+    if odd():
+        text = draw(st.sampled_from([b"\xc3", b"\xed\xa0\x80", b"\xff", b"a\x00"]))
+    inner = b"\x08" + varint(draw(st.sampled_from([0, 1]))) if odd() else b""  # index
+    if text or odd():
+        inner += b"\x12" + length(len(text)) + text
+    if not odd():
+        inner += b"\x18" + varint(count, 1 if odd() else 0)
+    tag = draw(st.sampled_from([b"\x20", b"\x2a"])) if odd() else b"\x22"  # unpacked / wrong wire type
+    inner += tag + length(len(packed)) + packed
+    if odd():
+        inner += draw(st.sampled_from([b"\x2d\x00\x00\x80\xbf", b"\x42\x00", b"\x18\x01", b"\x00"]))
+    head = draw(st.sampled_from([b"\x0a", b"\x1a"])) if odd() else b"\x12"
+    data = head + length(len(inner)) + inner
+    if odd():
+        data = data[: draw(st.integers(0, len(data)))]
+    return data
+
+
+@given(data=st.one_of(near_plain_bytes(), st.binary(max_size=24).map(lambda b: b"\x12" + b)))
+def test_property_plain_token_fields_never_reads_bytes_protobuf_reads_otherwise(data: bytes) -> None:
+    got = plain_token_fields(data)
+    event("read" if got is not None else "left to protobuf")
+    try:
+        parsed = pb.GenerateResponse.FromString(data)
+    except DecodeError:
+        assert got is None, f"read {got!r} from bytes protobuf rejects: {data!r}"
+        return
+    if got is not None:
+        assert got == plain_values(parsed)

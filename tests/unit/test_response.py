@@ -10,6 +10,7 @@ import pytest
 from trio_sidecar._proto.vllm import inference_pb2 as pb
 from trio_sidecar.config import DisaggregationMode
 from trio_sidecar.convert import ResponseState, build_generate_request
+from trio_sidecar.convert.response import plain_token_fields
 from trio_sidecar.errors import ErrorKind, ProtocolError
 from trio_sidecar.jsonstruct import json_to_struct
 from trio_sidecar.protocol import LLMEngineOutput, cancelled_chunk, structure_request
@@ -406,7 +407,7 @@ def test_convert_plain_is_convert_for_plain_messages_only(req, mode, resp, plain
     if mode is DECODE:
         req = {"token_ids": [1, 2, 3], "prefill_result": {"disaggregated_params": {"x": 1}}}
     fast, slow = state(req, mode), state(req, mode)
-    assert fast.convert_plain(resp) == plain
+    assert fast.convert_plain(resp.SerializeToString()) == plain
     if plain is None:
         assert fast.completion_tokens == 0  # nothing counted: convert() takes the message
         return
@@ -420,4 +421,57 @@ def test_convert_plain_is_convert_for_plain_messages_only(req, mode, resp, plain
 def test_convert_plain_ignores_data_after_the_terminal() -> None:
     st = state()
     st.convert(out([1], finish=fin(1)))
-    assert st.convert_plain(out([2])) is None and st.completion_tokens == 1
+    assert st.convert_plain(out([2]).SerializeToString()) is None and st.completion_tokens == 1
+
+
+def varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def encoded(ids: bytes, count: int, text: bytes = b"") -> bytes:
+    """GenerateResponse{outputs{text, num_tokens=count, token_ids=<ids: the packed bytes as given>}}."""
+    inner = (b"\x12" + varint(len(text)) + text if text else b"") + b"\x18" + varint(count) + b"\x22" + varint(len(ids)) + ids
+    return b"\x12" + varint(len(inner)) + inner
+
+
+@pytest.mark.parametrize(
+    ("data", "fields"),
+    [
+        (encoded(b"\x05", 1, b"a"), (5, "a")),
+        (encoded(varint(300), 1), (300, None)),
+        (encoded(varint(70000), 1, "é".encode()), (70000, "é")),
+        (encoded(varint(2**32 - 1), 1), (2**32 - 1, None)),  # five bytes
+        (encoded(b"\x01" + varint(300) + varint(2**30), 3), ([1, 300, 2**30], None)),
+        (encoded(b"\x05", 1, b"t" * 200), (5, "t" * 200)),  # two-byte lengths
+        (b"\x12\x85\x00" + encoded(b"\x05", 1)[2:], (5, None)),  # an overlong length: protobuf reads it too
+        (encoded(b"\x01\x02", 1), None),  # two ids, one counted
+        (encoded(varint(300) + b"\x02", 1), None),
+        (encoded(b"\x01" + varint(300), 1), None),
+        (encoded(b"\x85", 1), None),  # a truncated id
+        (encoded(b"\x01\x82", 2), None),
+        (encoded(b"\x01\x02\x82", 2), None),  # a truncated third id after the two counted
+        (encoded(b"\x01", 2), None),  # num_tokens 2, one id: convert() raises
+        (encoded(b"", 0), None),  # no tokens
+        (encoded(b"\x80\x80\x80\x80\x10", 1), None),  # 2**32: not a uint32
+        (encoded(b"\x81\x80\x80\x80\x80\x00", 1), None),  # six bytes
+        (encoded(b"\x05", 1, b"\xff"), None),  # not UTF-8: protobuf's error
+        (encoded(b"\x05", 1, b"\xed\xa0\x80"), None),  # a UTF-8-encoded surrogate
+        (encoded(b"\x05", 1)[:-1], None),  # truncated message
+        (encoded(b"\x05", 1) + b"\x00", None),  # trailing bytes
+        (b"\x0a\x00" + encoded(b"\x05", 1), None),  # prompt_info first
+        (b"\x12\x07\x08\x00" + encoded(b"\x05", 1)[2:], None),  # an explicit index 0
+        (b"\x12\x04\x18\x01\x20\x05", None),  # an unpacked id (protobuf reads it)
+        (b"", None),
+    ],
+)
+def test_plain_token_fields_reads_only_canonical_tokens_and_text(data: bytes, fields: Any) -> None:
+    assert plain_token_fields(data) == fields
+    if fields is not None:  # what protobuf reads from the same bytes
+        seq = pb.GenerateResponse.FromString(data).outputs
+        ids = list(seq.token_ids)
+        assert fields == ((ids[0] if len(ids) == 1 else ids), seq.text or None)

@@ -3,17 +3,18 @@ PURE: no I/O, no Trio.
 
 Theory of operation
 -------------------
-The engine's request task (``SidecarEngine._pump``) reads ``GenerateStream`` and feeds every message to
-:meth:`BatchBuilder.add`, which converts it (:class:`~.response.ResponseState`, with every §14 check) and
-answers one question: does the request go on after this message?
+The engine's request task (``SidecarEngine._pump``) reads ``GenerateStream`` and feeds every message, as
+received (serialized), to :meth:`BatchBuilder.add`, which converts it (:class:`~.response.ResponseState`,
+with every §14 check) and answers one question: does the request go on after this message?
 
 * :data:`MORE`: the message's chunk, if it has one, joined the open batch. The task feeds the next message
   the transport already received, if there is one; otherwise it hands the open batch over
   (:meth:`BatchBuilder.take_batch`) and waits for the next message.
 * :data:`END`: the request ends with this message. The task hands the open batch over (this message's
-  chunk is never in it), then applies :attr:`BatchBuilder.ending`: the terminal chunk; the conversion error
-  (or, once a deferred cancellation was recorded, the cancelled chunk); or, in decode mode with a
-  cancellation recorded, the cancelled chunk in place of the message that completed the KV transfer.
+  chunk is never in it), then applies :attr:`BatchBuilder.ending`: the terminal chunk; the conversion error,
+  or the transport's error for a message that does not parse (either, once a deferred cancellation was
+  recorded, the cancelled chunk instead); or, in decode mode with a cancellation recorded, the cancelled
+  chunk in place of the message that completed the KV transfer.
 
 The stream ending without a terminal is :meth:`BatchBuilder.eof`.
 
@@ -22,8 +23,9 @@ a token or the finish) no message has a chunk, so the open batch is still empty 
 Its chunk starts the batch, unless the client's cancellation was recorded meanwhile: then the request ends
 with the cancelled chunk, whose usage counts the replaced chunk (clarification #3).
 
-A :class:`ChunkBatch` keeps a plain chunk (``ResponseState.convert_plain``: tokens and text only, the
-common message) as its token ids and text, and builds the ``LLMEngineOutput`` when the caller takes it. A
+The common message (tokens and text only) is read straight from its bytes (``ResponseState.convert_plain``);
+any other is parsed and converted in full. A :class:`ChunkBatch` keeps such a plain chunk as its token ids
+and text, and builds the ``LLMEngineOutput`` when the caller takes it. A
 batch can hold hundreds of messages while its caller catches up; kept as attrs objects and lists they would
 outlive young-generation garbage collections and be promoted, and the full collections that follow cost
 more than the conversion itself (``bench/sidecar.py`` at 64 streams: ~1 of ~6 CPU µs per token). The
@@ -37,10 +39,12 @@ import enum
 from typing import Any
 
 import attrs
+from google.protobuf.message import DecodeError
 
 from .._proto.vllm import inference_pb2
-from ..errors import ProtocolError, SidecarError
+from ..errors import ProtocolError, SidecarError, status_to_error
 from ..protocol import LLMEngineOutput, token_chunk
+from ..status import StatusCode
 from .response import ResponseState
 
 __all__ = [
@@ -50,14 +54,21 @@ __all__ = [
     "EOF_BEFORE_TERMINAL",
     "Ending",
     "MORE",
+    "PARSE_ERROR",
     "Step",
     "WARN_CONVERSION_AFTER_CANCEL",
     "WARN_EOF_AFTER_CANCEL",
+    "WARN_ERROR_AFTER_CANCEL",
 ]
 
 WARN_EOF_AFTER_CANCEL = "vLLM GenerateStream ended before transfer completion after request cancellation"
+WARN_ERROR_AFTER_CANCEL = "vLLM GenerateStream failed before transfer completion after request cancellation"
 WARN_CONVERSION_AFTER_CANCEL = "vLLM response conversion failed after request cancellation"
 EOF_BEFORE_TERMINAL = "GenerateStream ended before a terminal response"
+#: A message that does not parse: the transport's ``RpcError`` for it (INTERNAL), as a status of the stream.
+PARSE_ERROR = "failed to parse a response message of /vllm.Inference/GenerateStream"
+
+_parse = inference_pb2.GenerateResponse.FromString
 
 
 class Step(enum.Enum):
@@ -179,18 +190,30 @@ class BatchBuilder:
             f"{' ended' if self.ending is not None else ''}>"
         )
 
-    def add(self, response: inference_pb2.GenerateResponse, request_cancelled: bool) -> Step:
-        """Convert one received message; returns :data:`MORE` or :data:`END` (then see :attr:`ending`).
+    def add(self, data: bytes, request_cancelled: bool) -> Step:
+        """Convert one received message (serialized); returns :data:`MORE` or :data:`END` (then see
+        :attr:`ending`).
 
         Args:
             request_cancelled: decode mode: the client's cancellation was recorded (deferred).
         """
         state = self.state
         if not self._deferring:
-            plain = state.convert_plain(response)
+            plain = state.convert_plain(data)
             if plain is not None:
                 self._items += plain
                 return MORE
+        try:
+            response = _parse(data)
+        except DecodeError:
+            # As the transport reports it when it parses (a stream status: no Abort, like any RpcError).
+            if request_cancelled:
+                final = state.cancelled_chunk()
+                self.ending = Ending(server_ended=True, final=final, warning=WARN_ERROR_AFTER_CANCEL)
+            else:
+                error = status_to_error("GenerateStream", StatusCode.INTERNAL, PARSE_ERROR)
+                self.ending = Ending(server_ended=True, error=error)
+            return END
         tokens_before = state.completion_tokens
         try:
             chunk = state.convert(response)
