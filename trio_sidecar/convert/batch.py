@@ -25,12 +25,11 @@ with the cancelled chunk, whose usage counts the replaced chunk (clarification #
 
 The common message (tokens and text only) is read straight from its bytes (``ResponseState.convert_plain``);
 any other is parsed and converted in full. A :class:`ChunkBatch` keeps such a plain chunk as its token ids
-and text, and builds the ``LLMEngineOutput`` when the caller takes it. A
-batch can hold hundreds of messages while its caller catches up; kept as attrs objects and lists they would
-outlive young-generation garbage collections and be promoted, and the full collections that follow cost
-more than the conversion itself (``bench/sidecar.py`` at 64 streams: ~1 of ~6 CPU µs per token). The
-token id of a one-token chunk is stored as the int itself, so the request task allocates no collected
-object for it at all.
+and text, and builds the ``LLMEngineOutput`` when the caller takes it. A batch can hold hundreds of messages
+while its caller catches up; kept as attrs objects and lists they would outlive young-generation garbage
+collections and be promoted, and the full collections that follow cost more than the conversion itself
+(``bench/sidecar.py`` at 64 streams: ~1 of ~6 CPU µs per token). The token id of a one-token chunk is
+stored as the int itself, so the request task allocates no collected object for it at all.
 """
 
 from __future__ import annotations
@@ -87,7 +86,8 @@ class Ending:
     """How a request ends, for the request task to apply (after handing the open batch over).
 
     Attributes:
-        server_ended: the server ended the stream (its terminal or EOF): no ``Abort`` is needed.
+        server_ended: the server ended the stream (its terminal or EOF), or the failure counts as a stream
+            status (a message that does not parse): no ``Abort`` is needed.
         final: the last chunk (the terminal or the cancelled chunk), when there is no ``error``.
         error: raised to the caller after the chunks already handed over.
         warning: to be logged (WARNING).
