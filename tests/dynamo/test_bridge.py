@@ -362,6 +362,22 @@ async def test_run_returns_results_and_raises_exceptions_from_the_loop(loop_thre
         await loop_thread.run(fail)
 
 
+async def test_the_worker_runs_the_asyncio_thread_on_uvloop_like_dynamos_own_workers():
+    uvloop = pytest.importorskip("uvloop")
+    from trio_sidecar.dynamo.worker import _loop_factory
+
+    assert _loop_factory() is uvloop.new_event_loop
+    thread = AsyncioThread(loop_factory=_loop_factory())
+    await thread.start()
+    try:
+        async def loop_type():
+            return type(asyncio.get_running_loop())
+
+        assert await thread.run(loop_type) is uvloop.Loop
+    finally:
+        await thread.stop()
+
+
 async def test_cancelling_a_trio_caller_cancels_the_asyncio_task(loop_thread):
     cancelled = threading.Event()
 

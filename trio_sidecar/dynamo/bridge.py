@@ -208,10 +208,12 @@ class AsyncioThread:
 
     Use :meth:`open` (an async context manager); :meth:`run` executes a coroutine function on the loop and
     waits for it without blocking Trio; :meth:`call_soon` schedules a plain callable there.
+    ``loop_factory`` makes the loop (``asyncio.Runner``'s argument; None: asyncio's default loop).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None) -> None:
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._loop_factory = loop_factory
         self._thread: threading.Thread | None = None
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: asyncio.Event | None = None
@@ -246,7 +248,8 @@ class AsyncioThread:
 
     def _thread_main(self) -> None:
         try:
-            asyncio.run(self._aio_main())
+            with asyncio.Runner(loop_factory=self._loop_factory) as runner:
+                runner.run(self._aio_main())
         except BaseException as exc:  # noqa: BLE001 - reported to Trio, never lost
             self._error = exc
             LOGGER.debug("asyncio thread ended with %r", exc)

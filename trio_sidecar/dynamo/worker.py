@@ -497,7 +497,7 @@ async def _run(config: SidecarConfig, options: WorkerOptions, state: _Shutdown, 
     mode = DisaggregationMode.parse(config.disaggregation_mode)
     component = _FIXED_COMPONENT.get(mode, options.component)
     endpoint_path = f"{worker_namespace(options.namespace)}.{component}.{options.endpoint}"
-    thread = AsyncioThread()
+    thread = AsyncioThread(loop_factory=_loop_factory())
     dynamo = DynamoSide(options)
     await thread.start()
     try:
@@ -686,6 +686,20 @@ async def _stop_runtime(thread: AsyncioThread, dynamo: DynamoSide) -> None:
         except Exception:  # noqa: BLE001 - the runtime is going away regardless
             LOGGER.debug("Dynamo runtime shutdown failed", exc_info=True)
     await thread.stop()
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop for the asyncio thread, like Dynamo's own Python workers (``uvloop.run``).
+
+    ``ai-dynamo-runtime`` depends on uvloop. Dynamo's bindings call ``call_soon_threadsafe`` and
+    ``create_future`` on this loop from tokio threads for every request; uvloop's are C, asyncio's are
+    Python frames run under the GIL on those threads. Without uvloop, the default asyncio loop is used.
+    """
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 async def _call_sync(fn: Callable[[], Any]) -> Any:
