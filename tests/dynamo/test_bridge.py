@@ -452,3 +452,193 @@ def test_plain_token_deltas_are_coalesced(first, second, merged):
 )
 def test_chunks_that_are_not_plain_deltas_are_never_coalesced(first, second):
     assert merge_deltas(first, second) is None
+
+
+# -- push egress (Dynamo 1.6.1 passes a ResponseSender to a handler that declares ``response_sender``) ----
+
+
+class FakeResponseSender:
+    """Dynamo's ``ResponseSender``: ``send`` queues a frame on the request's bounded channel and blocks its
+    caller while the channel is full; it raises ``RuntimeError`` once the response stream is gone.
+
+    ``capacity`` frames may be unread at once (None: unbounded); ``read(n)`` is the consumer reading.
+    """
+
+    def __init__(self, *, capacity: int | None = None, gone_after: int | None = None) -> None:
+        self.frames: list[dict] = []
+        self.send_threads: list[str] = []
+        self.closed = 0
+        self.blocked = threading.Event()  # a send is waiting for room
+        self._room = threading.Semaphore(capacity) if capacity is not None else None
+        self._gone_after = gone_after
+        self._gone = False
+
+    def send(self, obj: dict) -> None:
+        if self.closed:
+            raise RuntimeError("response stream is closed; send() after close()")
+        if self._gone or (self._gone_after is not None and len(self.frames) >= self._gone_after):
+            self._gone = True
+            raise RuntimeError("response stream is closed; the consumer dropped the response stream")
+        if self._room is not None and not self._room.acquire(blocking=False):
+            self.blocked.set()
+            self._room.acquire()
+            self.blocked.clear()
+        self.frames.append(dict(obj))
+        self.send_threads.append(threading.current_thread().name)
+
+    def read(self, n: int) -> None:
+        assert self._room is not None
+        for _ in range(n):
+            self._room.release()
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+async def push(bridge: RequestBridge, request: dict, context: FakeDynamoContext, sender: FakeResponseSender):
+    """Drive the handler as Dynamo's push egress does: one ``__anext__`` runs the whole request."""
+    agen = bridge.handler(request, context, response_sender=sender)
+    try:
+        yielded = [item async for item in agen]
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        return exc
+    assert yielded == []  # a push-mode handler yields nothing (Dynamo fails the request otherwise)
+    return None
+
+
+class StepSidecar:
+    """Yields ``plan`` chunks that are never coalesced (each carries a key that is not a plain delta's)."""
+
+    def __init__(self, plan: int) -> None:
+        self.plan = plan
+        self.finished: list[str] = []
+
+    @asynccontextmanager
+    async def generate(self, request: dict, ctx: FakeGenerateContext):
+        async def chunks():
+            try:
+                for i in range(self.plan):
+                    yield Chunk({"token_ids": [request["token_ids"][0] + i], "index": 0, "step": i})
+                    await trio.lowlevel.checkpoint()
+            finally:
+                self.finished.append(ctx.request_id)
+
+        yield chunks()
+
+
+async def test_the_handler_declares_response_sender_so_dynamo_serves_it_with_push_egress(loop_thread):
+    # Dynamo 1.6.1 picks the push egress for a handler whose signature has a `response_sender` parameter.
+    import inspect
+
+    bridge = RequestBridge(loop_thread, make_context=FakeGenerateContext)
+    assert "response_sender" in inspect.signature(bridge.handler).parameters
+    assert inspect.isasyncgen(bridge.handler({"token_ids": [1]}, FakeDynamoContext("x")))  # pull: no sender
+
+
+async def test_push_egress_sends_every_chunk_in_order_on_the_loop_and_closes_once(loop_thread):
+    sidecar = FakeSidecar(plan=5)
+    async with running_bridge(loop_thread, sidecar) as (bridge, _):
+        sender = FakeResponseSender()
+        error = await loop_thread.run(push, bridge, {"token_ids": [100]}, FakeDynamoContext("p1"), sender)
+        await bridge.wait_idle()
+
+    async def loop_thread_name():
+        return threading.current_thread().name
+
+    assert error is None
+    assert tokens_of(sender.frames) == [100 + i for i in range(5)]
+    assert sender.closed == 1
+    assert set(sender.send_threads) == {await loop_thread.run(loop_thread_name)}
+    assert sidecar.contexts["p1"].stop_calls == 0
+
+
+async def test_push_egress_raises_a_sidecar_error_as_its_typed_exception(loop_thread):
+    # The exception leaves the handler, so Dynamo classifies it and ends the stream with a typed error frame.
+    sidecar = FakeSidecar(error=InvalidArgument("max_tokens must be at least 1"))
+    async with running_bridge(loop_thread, sidecar) as (bridge, _):
+        sender = FakeResponseSender()
+        error = await loop_thread.run(push, bridge, {"token_ids": [1]}, FakeDynamoContext("bad"), sender)
+        await bridge.wait_idle()
+    assert isinstance(_sidecar_error(error), InvalidArgument)
+    assert str(error) == "max_tokens must be at least 1"
+    assert sender.frames == [] and sender.closed == 0
+
+
+async def test_push_egress_stop_from_dynamo_mid_stream_sends_the_cancelled_chunk(loop_thread):
+    sidecar = FakeSidecar(plan=5, hold=True)
+    async with running_bridge(loop_thread, sidecar) as (bridge, _):
+        ctx = FakeDynamoContext("mid")
+        sender = FakeResponseSender()
+
+        async def drive():
+            task = asyncio.ensure_future(push(bridge, {"token_ids": [1]}, ctx, sender))
+            while not sender.frames:
+                await asyncio.sleep(0.005)
+            ctx.stop_generating()
+            return await task
+
+        with trio.fail_after(10):
+            error = await loop_thread.run(drive)
+            await bridge.wait_idle()
+    assert error is None
+    assert sender.frames == [{"token_ids": [1], "index": 0}, CANCELLED]
+    assert sender.closed == 1
+
+
+async def test_push_egress_stops_the_trio_request_when_the_response_stream_is_gone(loop_thread):
+    sidecar = FakeSidecar(plan=5, hold=True)
+    async with running_bridge(loop_thread, sidecar) as (bridge, _):
+        # The first frame is taken, then the consumer is gone: the next send raises RuntimeError.
+        sender = FakeResponseSender(gone_after=1)
+        ctx = FakeDynamoContext("gone")
+
+        async def drive():
+            task = asyncio.ensure_future(push(bridge, {"token_ids": [1]}, ctx, sender))
+            while not sender.frames:
+                await asyncio.sleep(0.005)
+            ctx.stop_generating()  # Dynamo stops the context when the consumer goes away
+            return await task
+
+        with trio.fail_after(10):
+            error = await loop_thread.run(drive)
+            await bridge.wait_idle()
+    assert error is None
+    assert sender.frames == [{"token_ids": [1], "index": 0}]
+    assert sidecar.contexts["gone"].stopped
+    assert sidecar.finished == ["gone"]
+
+
+async def test_a_full_response_channel_parks_an_egress_thread_never_the_loop(loop_thread):
+    # Past its inline window a request's frames go through egress threads: while its consumer does not read
+    # (the channel is full and send() blocks), other requests still flow, and its own frames stay in order.
+    plan = 8
+    sidecar = StepSidecar(plan)
+    async with running_bridge(loop_thread, sidecar) as (bridge, nursery):
+        bridge.push_inline_frames = 2
+        stalled = FakeResponseSender(capacity=3)  # room for 3 unread frames: the 4th send blocks
+        outcome: list = []
+
+        async def drive_stalled():
+            outcome.append(await loop_thread.run(push, bridge, {"token_ids": [0]}, FakeDynamoContext("s"), stalled))
+
+        nursery.start_soon(drive_stalled)
+        try:
+            with trio.fail_after(10):
+                await trio.to_thread.run_sync(stalled.blocked.wait)
+                # The loop is free: another request is served from start to end while the first one is stuck.
+                other = FakeResponseSender()
+                assert await loop_thread.run(
+                    push, bridge, {"token_ids": [1000]}, FakeDynamoContext("o"), other
+                ) is None
+                assert tokens_of(other.frames) == [1000 + i for i in range(plan)] and other.closed == 1
+                assert len(stalled.frames) == 3 and not outcome
+        finally:
+            stalled.read(plan)  # the consumer reads again (also unblocks whatever waits, should this fail)
+        with trio.fail_after(10):
+            while not outcome:
+                await trio.sleep(0.01)
+            await bridge.wait_idle()
+    assert outcome == [None]
+    assert tokens_of(stalled.frames) == list(range(plan))
+    assert stalled.closed == 1
+    assert [name.startswith("dynamo-egress-") for name in stalled.send_threads] == [False, False] + [True] * 6
