@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """End-to-end benchmark: trio-sidecar vs Dynamo's native (Rust) vLLM sidecar (issue 6, "Performance").
 
-Usage: python bench/e2e.py [--requests N] [--concurrency C] [--max-tokens T] [--rounds R] [--json PATH]
+Usage: python bench/e2e.py [--requests N] [--concurrency C] [--max-tokens T] [--rounds R] [--ceiling]
+                           [--speedup-ratio S] [--json PATH]
 
 One invocation, one mock vLLM server and one ``python -m dynamo.frontend``, all on 127.0.0.1. Each sidecar
 is started in turn (the native ``python -m dynamo.vllm.sidecar``, then ``trio-sidecar run``, alternating
@@ -12,16 +13,25 @@ the same mock. Per sidecar:
 * completions/s and tokens/s for N streaming ``/v1/completions`` at C concurrent streams
   (``ignore_eos``, ``max_tokens`` T; tokens counted from the final usage chunk);
 * sidecar CPU seconds per 1,000 tokens (user + system of the sidecar process, during the load only);
-* sidecar peak RSS during the load.
+* sidecar peak RSS during the load;
+* SSE events per completion (client side): how many items the worker handed to Dynamo, plus the frontend's
+  usage event;
+* for trio-sidecar, CPU per completion by thread: the Trio thread (gRPC, conversion), the other Python
+  threads (the asyncio loop that runs Dynamo's handler, egress threads) and Dynamo's tokio threads.
 
-With ``--ceiling`` a third worker is measured the same way: a plain asyncio Dynamo worker (no Trio, no gRPC,
-no vLLM) that yields ``max_tokens`` synthetic chunks per request. It is the throughput ceiling of *any*
-worker whose handler is Python code under Dynamo's bindings, which the native Rust sidecar does not pay.
+With ``--ceiling`` four more workers are measured the same way: plain Python Dynamo workers that do no work
+(no Trio, no gRPC, no vLLM) and answer each request with ``max_tokens`` synthetic tokens, either one item per
+token or one item per request, on Dynamo's two egress paths: pull (the runtime pulls each item from the
+handler's async generator; default asyncio loop: the "ceiling" of earlier versions) and push (the handler
+declares ``response_sender`` and sends each item itself; uvloop, like Dynamo's own workers). The two item
+counts split each path's CPU into a per-request and a per-item part:
+``per item = (one per token - one per request) / (max_tokens - 1)``. They do not use the mock (so
+``--speedup-ratio`` does not pace them), and their tokens/s is not comparable with the sidecars'.
 
 Prints the values and trio/native ratios with the targets (throughput ≥ 1.0× native, CPU per token ≤ 2×
-native). The mock runs with ``speedup_ratio 0`` (no modelled time) so the sidecar path dominates; on the
-2-core reference machine the mock, the frontend, the client and the sidecar share both cores, so treat
-absolute numbers as relative only.
+native). The mock runs with ``speedup_ratio 0`` (no modelled time; ``--speedup-ratio``) so the sidecar path
+dominates; on the 2-core reference machine the mock, the frontend, the client and the sidecar share both
+cores, so treat absolute numbers as relative only.
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import os
 import shutil
 import signal
 import statistics
@@ -57,8 +68,10 @@ def _make_tiny_model(directory: Path) -> Path:
     return module.make_tiny_model(directory)
 
 
-async def _one_stream(port: int, body: bytes) -> int:
+async def _one_stream(port: int, body: bytes, events: list[int] | None = None) -> int:
     """One streaming completion over a fresh connection; returns the completion tokens.
+
+    ``events`` gets the number of SSE ``data: {...}`` events of the stream appended.
 
     HTTP/1.0, so the server delimits the body by closing the connection instead of chunked encoding (SSE
     lines then arrive unsplit).
@@ -75,16 +88,22 @@ async def _one_stream(port: int, body: bytes) -> int:
         if b" 200 " not in status:
             raise RuntimeError(f"HTTP status {status!r}")
         tokens = 0
+        count = 0
         while line := await reader.readline():
-            if line.startswith(b"data: {") and b'"usage":{' in line:
-                usage = json.loads(line[6:]).get("usage") or {}
-                tokens = usage.get("completion_tokens", tokens)
+            if line.startswith(b"data: {"):
+                count += 1
+                if b'"usage":{' in line:
+                    usage = json.loads(line[6:]).get("usage") or {}
+                    tokens = usage.get("completion_tokens", tokens)
+        if events is not None:
+            events.append(count)
         return tokens
     finally:
         writer.close()
 
 
-async def _load(port: int, requests: int, concurrency: int, max_tokens: int) -> tuple[float, int, int]:
+async def _load(port: int, requests: int, concurrency: int, max_tokens: int,
+                events: list[int] | None = None) -> tuple[float, int, int]:
     body = json.dumps({"model": MODEL, "prompt": "benchmark prompt for the sidecar", "max_tokens": max_tokens,
                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
     queue: asyncio.Queue[int] = asyncio.Queue()
@@ -98,7 +117,7 @@ async def _load(port: int, requests: int, concurrency: int, max_tokens: int) -> 
         while not queue.empty():
             queue.get_nowait()
             try:
-                got = await _one_stream(port, body)  # not `tokens += await ...`: that reads before awaiting
+                got = await _one_stream(port, body, events)  # not `tokens += await ...`: reads before awaiting
             except (OSError, RuntimeError):
                 failures += 1
             else:
@@ -134,33 +153,85 @@ class _RssSampler:
 
 
 ECHO_WORKER = """
-import asyncio, os, sys
+import asyncio, sys
 from dynamo.llm import ModelInput, ModelType, WorkerType, register_model
 from dynamo.runtime import DistributedRuntime
 
-async def handler(request, context):
+MODEL_DIR, NAMESPACE, EGRESS, ITEMS, LOOP = sys.argv[1:6]
+
+
+async def chunks(request):
     n = (request.get("stop_conditions") or {}).get("max_tokens") or 16
-    for i in range(n):
-        chunk = {"token_ids": [1000 + i], "index": 0}
-        if i == n - 1:
+    step = 1 if ITEMS == "token" else n
+    for start in range(0, n, step):
+        end = min(n, start + step)
+        chunk = {"token_ids": list(range(1000 + start, 1000 + end)), "index": 0}
+        if end == n:
             p = len(request["token_ids"])
             chunk.update(finish_reason="length",
                          completion_usage={"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n})
         yield chunk
 
-async def main():
-    runtime = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp")
-    endpoint = runtime.endpoint(sys.argv[2] + ".backend.generate")
-    serve = asyncio.ensure_future(endpoint.serve_endpoint(handler))
-    await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, endpoint, sys.argv[1],
-                         "tiny", worker_type=WorkerType.Aggregated)
-    loop = asyncio.get_running_loop()
-    import signal
-    loop.add_signal_handler(signal.SIGTERM, runtime.shutdown)
-    await serve
 
-asyncio.run(main())
+async def pull(request, context):
+    async for chunk in chunks(request):
+        yield chunk
+
+
+def push(request, context=None, response_sender=None):  # a response_sender parameter selects push egress
+    if response_sender is None:
+        return pull(request, context)
+    return _push(request, response_sender)
+
+
+async def _push(request, sender):
+    async for chunk in chunks(request):
+        sender.send(chunk)
+    sender.close()
+    if False:
+        yield
+
+
+async def serve():
+    runtime = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp")
+    endpoint = runtime.endpoint(NAMESPACE + ".backend.generate")
+    serving = asyncio.ensure_future(endpoint.serve_endpoint(push if EGRESS == "push" else pull))
+    await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, endpoint, MODEL_DIR,
+                         "tiny", worker_type=WorkerType.Aggregated)
+    import signal
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, runtime.shutdown)
+    await serving
+
+if LOOP == "uvloop":
+    import uvloop
+    uvloop.run(serve())
+else:
+    asyncio.run(serve())
 """
+
+# --ceiling workers: kind -> (egress, items, loop)
+CEILINGS = {
+    "py-pull-token": ("pull", "token", "asyncio"),
+    "py-pull-request": ("pull", "request", "asyncio"),
+    "py-push-token": ("push", "token", "uvloop"),
+    "py-push-request": ("push", "request", "uvloop"),
+}
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds per thread group: "main" (the process's first thread), else the thread's name."""
+    out: dict[str, float] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        name = "main" if int(tid) == pid else stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICK
+    return out
 
 
 def _measure(kind: str, workdir: Path, env: dict, address: str, port: int, args) -> dict:
@@ -168,9 +239,9 @@ def _measure(kind: str, workdir: Path, env: dict, address: str, port: int, args)
     start = time.monotonic()
     if kind == "native":
         proc = local.start_native_sidecar(workdir, env, address, namespace=namespace, name=f"{kind}-sidecar")
-    elif kind == "ceiling":
-        proc = local.Process(f"{kind}-worker", [sys.executable, "-c", ECHO_WORKER, args.model_dir, namespace],
-                             env=env, log_path=workdir / "ceiling-worker.log")
+    elif kind in CEILINGS:
+        proc = local.Process(f"{kind}-worker", [sys.executable, "-c", ECHO_WORKER, args.model_dir, namespace,
+                                                *CEILINGS[kind]], env=env, log_path=workdir / f"{kind}-worker.log")
     else:
         proc = local.start_trio_sidecar(workdir, env, address, namespace=namespace, name=f"{kind}-sidecar",
                                         extra=["--log-level", "warning"])
@@ -180,15 +251,24 @@ def _measure(kind: str, workdir: Path, env: dict, address: str, port: int, args)
         asyncio.run(_load(port, min(args.concurrency, args.requests), args.concurrency, args.max_tokens))  # warm-up
         ps = psutil.Process(proc.pid)
         cpu_before = ps.cpu_times()
+        threads_before = _thread_cpu(proc.pid)
+        events: list[int] = []
         with _RssSampler(proc.pid) as rss:
-            elapsed, tokens, failures = asyncio.run(_load(port, args.requests, args.concurrency, args.max_tokens))
+            elapsed, tokens, failures = asyncio.run(
+                _load(port, args.requests, args.concurrency, args.max_tokens, events))
         cpu_after = ps.cpu_times()
+        threads_after = _thread_cpu(proc.pid)
         cpu = (cpu_after.user - cpu_before.user) + (cpu_after.system - cpu_before.system)
+        done = max(args.requests - failures, 1)
+        threads = {name: (value - threads_before.get(name, 0.0)) / done * 1e6 for name, value in threads_after.items()}
         return {
             "startup_s": startup,
             "completions_per_s": (args.requests - failures) / elapsed,
             "tokens_per_s": tokens / elapsed,
             "cpu_s_per_1k_tokens": cpu / max(tokens, 1) * 1000,
+            "cpu_us_per_completion": cpu / done * 1e6,
+            "events_per_completion": sum(events) / max(len(events), 1),
+            "thread_cpu_us_per_completion": threads,
             "peak_rss_mib": rss.peak / 2**20,
             "failures": failures,
             "tokens": tokens,
@@ -203,20 +283,26 @@ METRICS = [
     ("completions/s", "completions_per_s", "{:.1f}", "≥ 1.0×"),
     ("tokens/s", "tokens_per_s", "{:.0f}", "≥ 1.0×"),
     ("CPU s / 1k tokens", "cpu_s_per_1k_tokens", "{:.3f}", "≤ 2.0×"),
+    ("CPU µs / completion", "cpu_us_per_completion", "{:.0f}", ""),
+    ("SSE events / completion", "events_per_completion", "{:.1f}", ""),
     ("peak RSS (MiB)", "peak_rss_mib", "{:.0f}", ""),
     ("startup to registered (s)", "startup_s", "{:.2f}", ""),
 ]
 
 
+def _median_runs(runs: list[dict]) -> dict:
+    med = {key: statistics.median(r[key] for r in runs) for key, value in runs[0].items() if not isinstance(value, dict)}
+    names = {name for r in runs for name in r["thread_cpu_us_per_completion"]}
+    med["thread_cpu_us_per_completion"] = {
+        name: statistics.median(r["thread_cpu_us_per_completion"].get(name, 0.0) for r in runs) for name in names}
+    return med
+
+
 def _report(results: dict[str, list[dict]], args) -> dict:
-    med = {kind: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for kind, runs in results.items()}
-    if "ceiling" in med:
-        c = med["ceiling"]
-        print(f"\nceiling (plain asyncio Python worker, no vLLM): {c['completions_per_s']:.1f} completions/s, "
-              f"{c['tokens_per_s']:.0f} tokens/s, {c['cpu_s_per_1k_tokens']:.3f} CPU s / 1k tokens; "
-              f"trio-sidecar reaches {med['trio']['tokens_per_s'] / c['tokens_per_s']:.2f}x of it")
+    med = {kind: _median_runs(runs) for kind, runs in results.items()}
     print(f"\nE2E: {args.requests} streaming completions x {args.max_tokens} tokens at concurrency "
-          f"{args.concurrency}, median of {args.rounds} round(s), same frontend and mock\n")
+          f"{args.concurrency}, mock speedup_ratio {args.speedup_ratio:g}, median of {args.rounds} round(s), "
+          f"same frontend and mock\n")
     print("| metric | native | trio-sidecar | ratio (trio/native) | target |")
     print("|---|---:|---:|---:|---|")
     ratios = {}
@@ -225,6 +311,33 @@ def _report(results: dict[str, list[dict]], args) -> dict:
         ratio = t / n if n else float("nan")
         ratios[key] = ratio
         print(f"| {label} | {fmt.format(n)} | {fmt.format(t)} | {ratio:.2f}x | {target} |")
+    threads = med["trio"]["thread_cpu_us_per_completion"]
+    trio_thread = threads.get("main", 0.0)
+    tokio = sum(v for name, v in threads.items() if name.startswith("tokio"))
+    python = sum(v for name, v in threads.items() if name.startswith("python"))
+    other = max(0.0, sum(threads.values()) - trio_thread - tokio - python)
+    print(f"\ntrio-sidecar CPU µs per completion by thread: Trio {trio_thread:.0f}, asyncio loop and egress "
+          f"{python:.0f}, Dynamo tokio {tokio:.0f}, other {other:.0f}")
+    ceilings = [kind for kind in CEILINGS if kind in med]
+    if ceilings:
+        print("\nPython workers that do no work (--ceiling):\n")
+        print("| worker | egress | loop | items / completion | tokens/s | CPU µs / completion | CPU s / 1k tokens |")
+        print("|---|---|---|---:|---:|---:|---:|")
+        for kind in ceilings:
+            m = med[kind]
+            egress, items, loop = CEILINGS[kind]
+            count = args.max_tokens if items == "token" else 1
+            print(f"| {kind} | {egress} | {loop} | {count} | {m['tokens_per_s']:.0f} | "
+                  f"{m['cpu_us_per_completion']:.0f} | {m['cpu_s_per_1k_tokens']:.3f} |")
+        if args.max_tokens > 1:
+            print()
+            for egress in ("pull", "push"):
+                per_token, per_request = med.get(f"py-{egress}-token"), med.get(f"py-{egress}-request")
+                if per_token and per_request:
+                    item = (per_token["cpu_us_per_completion"] - per_request["cpu_us_per_completion"]) / (
+                        args.max_tokens - 1)
+                    print(f"{egress} egress: ≈ {per_request['cpu_us_per_completion'] - item:.0f} µs CPU per request "
+                          f"+ {item:.1f} µs per item")
     failures = {k: sum(r["failures"] for r in runs) for k, runs in results.items()}
     if any(failures.values()):
         print(f"\nfailed requests: {failures}")
@@ -242,10 +355,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=1, help="alternating native/trio rounds (median)")
+    parser.add_argument("--speedup-ratio", type=float, default=0.0,
+                        help="the mock's speedup_ratio: 0 (default) models no time, so tokens arrive in bursts "
+                             "and the sidecar path dominates; 1 paces decoding like an engine, token by token")
     parser.add_argument("--json", type=Path, help="also write the results as JSON")
     parser.add_argument("--keep-logs", action="store_true", help="keep the temporary directory with all logs")
     parser.add_argument("--ceiling", action="store_true",
-                        help="also measure a plain asyncio Python worker (the Python-handler ceiling)")
+                        help="also measure Python workers that do no work (pull/push egress, one item per "
+                             "token/request): per-request and per-item CPU of a Python handler on Dynamo")
     args = parser.parse_args(argv)
     if importlib.util.find_spec("dynamo") is None:
         print("error: Dynamo 1.6.1 is not installed (scripts/install-dynamo.sh .venv/bin/python)", file=sys.stderr)
@@ -258,11 +375,11 @@ def main(argv: list[str] | None = None) -> int:
     procs = []
     try:
         mock, address = local.start_mock(workdir, env, model=str(model), served_model_name=MODEL,
-                                         engine_args={"speedup_ratio": 0.0, "max_num_seqs": 256})
+                                         engine_args={"speedup_ratio": args.speedup_ratio, "max_num_seqs": 256})
         procs.append(mock)
         frontend, port = local.start_frontend(workdir, env)
         procs.append(frontend)
-        kinds = ("native", "trio", "ceiling") if args.ceiling else ("native", "trio")
+        kinds = ("native", "trio", *CEILINGS) if args.ceiling else ("native", "trio")
         results: dict[str, list[dict]] = {kind: [] for kind in kinds}
         for round_ in range(args.rounds):
             for kind in kinds:
