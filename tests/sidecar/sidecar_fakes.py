@@ -16,7 +16,8 @@ is true without ``remote_engine_id`` is treated as prefill and its terminal carr
 
 Knobs (attributes, change them before or during a test): ``reject``, ``hang``, ``hang_before_headers``,
 ``hold_first`` (an Event the handler waits for before its first message), ``tokens``, ``token_delay``,
-``early_eof_after``, ``read_error_after``, ``bad_after``, ``after_terminal``, ``model_infos`` (one per
+``early_eof_after``, ``read_error_after``, ``bad_after``, ``unparsable_after`` (a message that is not a
+``GenerateResponse``, then the stream stays open), ``after_terminal``, ``model_infos`` (one per
 ``GetModelInfo`` call, the last repeats), ``server_infos``, ``health_script`` (service → list of
 statuses or ``StatusCode`` errors; the last entry repeats), ``kv_sources``, ``abort_hang``.
 """
@@ -127,6 +128,13 @@ def _candidates(n: int) -> inference_pb2.CandidateTokenInfo:
     return info
 
 
+class _Unparsable:
+    """A response whose bytes are not a ``GenerateResponse`` (a length-delimited field cut short)."""
+
+    def SerializeToString(self) -> bytes:  # noqa: N802 - the protobuf method the server calls
+        return b"\x12\x05\x18\x01\x22"
+
+
 @attrs.define(eq=False)
 class FakeVllm:
     # knobs
@@ -140,6 +148,7 @@ class FakeVllm:
     early_eof_after: int | None = None
     read_error_after: int | None = None
     bad_after: int | None = None
+    unparsable_after: int | None = None
     after_terminal: int = 0
     model_infos: list[control_pb2.ModelInfo] = attrs.field(factory=lambda: [reference_model_info()])
     server_infos: list[control_pb2.ServerInfo] = attrs.field(factory=lambda: [reference_server_info()])
@@ -263,6 +272,9 @@ class _Inference(inference_grpc.InferenceServicer):
                     raise RpcError(StatusCode.UNAVAILABLE, "connection reset by fake vLLM")
                 if fake.bad_after is not None and sent >= fake.bad_after:
                     yield fake._chunk(request, index=1)
+                    await trio.sleep_forever()
+                if fake.unparsable_after is not None and sent >= fake.unparsable_after:
+                    yield _Unparsable()
                     await trio.sleep_forever()
                 if not fake.hang and sent + 1 >= fake.tokens:
                     break

@@ -21,6 +21,7 @@ from trio_sidecar.errors import (
     ErrorKind,
     InvalidArgument,
     ProtocolError,
+    UnknownError,
 )
 from trio_sidecar.status import StatusCode
 
@@ -335,6 +336,29 @@ async def test_conversion_error_mid_stream_raises_drops_and_aborts(fake):
             await fake.abort_received.wait()
     assert [c.token_ids for c in chunks] == [[42]]
     assert fake.abort_calls == [["bad"]]
+
+
+async def test_an_unparsable_message_mid_stream_raises_the_transport_error_drops_and_aborts(fake):
+    fake.unparsable_after = 1
+    fake.tokens = 10
+    chunks = []
+    async with open_sidecar(sidecar_config(fake.endpoint)) as sidecar:
+        with pytest.raises(UnknownError) as caught:
+            async with sidecar.generate(request(), GenerateContext("garbled")) as stream:
+                async for chunk in stream:
+                    chunks.append(chunk)
+        with trio.fail_after(2):
+            await fake.drop_event("garbled").wait()
+            await fake.abort_received.wait()
+        # The connection is still good: the next request completes.
+        fake.unparsable_after = None
+        after = await collect(sidecar, request(), GenerateContext("after-garbled"))
+    assert str(caught.value) == (
+        "GenerateStream: failed to parse a response message of /vllm.Inference/GenerateStream (Internal)"
+    )
+    assert [c.token_ids for c in chunks] == [[42]]
+    assert fake.abort_calls == [["garbled"]]
+    assert after[-1].finish_reason == "stop"
 
 
 async def test_abort_timeout_is_logged_with_the_configured_value(fake, caplog_sidecar):

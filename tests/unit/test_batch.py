@@ -326,12 +326,12 @@ def test_eof(mode, cancelled, error, warning) -> None:
 
 
 @pytest.mark.parametrize(("mode", "cancelled"), [(AGG, False), (DECODE, False), (DECODE, True)])
-def test_a_message_that_does_not_parse_ends_as_the_transport_reports_it(mode, cancelled) -> None:
+def test_a_message_that_does_not_parse_ends_with_the_transports_error_and_abandons_the_stream(mode, cancelled) -> None:
     builder = BatchBuilder(state(mode), decode=mode is DECODE)
     assert builder.add(prompt().SerializeToString(), cancelled) is MORE
     assert builder.add(b"\x12\x05\x18\x01\x22", cancelled) is END  # truncated
     ending = builder.ending
-    assert ending is not None and ending.server_ended and ending.tokens == 0
+    assert ending is not None and not ending.server_ended and ending.tokens == 0
     if cancelled:
         assert ending.error is None and ending.warning == WARN_ERROR_AFTER_CANCEL
         assert ending.final is not None and ending.final.finish_reason == "cancelled"

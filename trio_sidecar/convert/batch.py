@@ -64,7 +64,8 @@ WARN_EOF_AFTER_CANCEL = "vLLM GenerateStream ended before transfer completion af
 WARN_ERROR_AFTER_CANCEL = "vLLM GenerateStream failed before transfer completion after request cancellation"
 WARN_CONVERSION_AFTER_CANCEL = "vLLM response conversion failed after request cancellation"
 EOF_BEFORE_TERMINAL = "GenerateStream ended before a terminal response"
-#: A message that does not parse: the transport's ``RpcError`` for it (INTERNAL), as a status of the stream.
+#: A message that does not parse: reported as the transport's ``RpcError`` for it (INTERNAL); the stream is
+#: abandoned (the server did not end it), so an ``Abort`` follows (§17.4).
 PARSE_ERROR = "failed to parse a response message of /vllm.Inference/GenerateStream"
 
 _parse = inference_pb2.GenerateResponse.FromString
@@ -86,8 +87,9 @@ class Ending:
     """How a request ends, for the request task to apply (after handing the open batch over).
 
     Attributes:
-        server_ended: the server ended the stream (its terminal or EOF), or the failure counts as a stream
-            status (a message that does not parse): no ``Abort`` is needed.
+        server_ended: the server ended the stream (its terminal or EOF): no ``Abort`` is needed. False for
+            every ending the sidecar chooses (cancellation, a conversion error, a message that does not
+            parse): the stream is abandoned and, with ``abort_on_cancel``, its id is aborted.
         final: the last chunk (the terminal or the cancelled chunk), when there is no ``error``.
         error: raised to the caller after the chunks already handed over.
         warning: to be logged (WARNING).
@@ -206,13 +208,14 @@ class BatchBuilder:
         try:
             response = _parse(data)
         except DecodeError:
-            # As the transport reports it when it parses (a stream status: no Abort, like any RpcError).
+            # Reported as the transport's RpcError for it (INTERNAL) always read; but the server has not
+            # ended the stream, so the sidecar abandons it and sends an Abort (sidecar.md §17.4).
             if request_cancelled:
                 final = state.cancelled_chunk()
-                self.ending = Ending(server_ended=True, final=final, warning=WARN_ERROR_AFTER_CANCEL)
+                self.ending = Ending(server_ended=False, final=final, warning=WARN_ERROR_AFTER_CANCEL)
             else:
                 error = status_to_error("GenerateStream", StatusCode.INTERNAL, PARSE_ERROR)
-                self.ending = Ending(server_ended=True, error=error)
+                self.ending = Ending(server_ended=False, error=error)
             return END
         tokens_before = state.completion_tokens
         try:
