@@ -127,3 +127,30 @@ def test_on_a_tty_startup_phases_the_model_table_and_the_ready_line_are_shown(wo
                      "ready: serving `tiny` on dyn://tty.backend.generate (Aggregated)"):
         assert expected in text, expected
     assert "\x1b[" in text  # styled for the terminal
+
+
+def test_a_signal_while_the_process_exits_after_the_run_exits_1_not_killed(tmp_path):
+    """After ``run_worker``'s Trio run the process still tears Dynamo down; a signal then exits 1 (#12)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, signal, time\n"
+        "from trio_sidecar.dynamo.worker import exit_on_late_signals\n"
+        "exit_on_late_signals()\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            assert proc.stdout.readline() == b"ready\n"
+            proc.send_signal(signum)
+            assert proc.wait(10) == 1
+            assert f"received {signum.name} again; exiting immediately" in proc.stderr.read().decode()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+            proc.stderr.close()

@@ -465,7 +465,26 @@ def run_worker(config: SidecarConfig, options: WorkerOptions) -> int:
         The process exit code: 0 after a graceful shutdown, 1 after a startup or fatal runtime failure
         (the message is printed as ``error: {message}``).
     """
-    return trio.run(_main, config, options)
+    try:
+        return trio.run(_main, config, options)
+    finally:
+        exit_on_late_signals()
+
+
+def exit_on_late_signals() -> None:
+    """Make any SIGINT/SIGTERM from now on exit 1 at once.
+
+    After the Trio run, the process still tears down Dynamo's runtime at interpreter exit (~250 ms), when
+    Trio's signal receiver is gone: a signal then would get the default action (killed by SIGTERM, or a
+    KeyboardInterrupt traceback) instead of the "second signal exits 1" of clarification #12.
+    """
+
+    def exit_now(signum: int, _frame: object) -> None:
+        os.write(2, f"received {signal.Signals(signum).name} again; exiting immediately\n".encode())
+        os._exit(1)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, exit_now)
 
 
 async def _main(config: SidecarConfig, options: WorkerOptions) -> int:
