@@ -14,6 +14,14 @@ added p99 inter-token latency ≤ 1 ms.
 
     python bench/sidecar.py [--streams 1,64,512] [--tokens-per-level 20000] [--connections 8] [--repeat 1]
 
+``--requests N`` measures the per-request cost instead (issue 6: under ``bench/e2e.py``'s load the sidecar's
+CPU is per request, not per token): N short requests of ``--tokens-per-request`` tokens (default 32), kept
+``--streams`` at a time (default 64), with the request dict shaped like the one Dynamo 1.6.1's frontend
+sends, printing CPU µs per request for the direct client and the sidecar (median and range over
+``--repeat`` alternated runs):
+
+    python bench/sidecar.py --requests 3000 --repeat 5
+
 Nothing here asserts: the numbers are for the README table.
 """
 
@@ -116,6 +124,121 @@ def body(max_tokens: int) -> dict:
     return {"token_ids": PROMPT, "stop_conditions": {"max_tokens": max_tokens, "ignore_eos": True}}
 
 
+def dynamo_body(max_tokens: int) -> dict:
+    """A request dict shaped like the one Dynamo 1.6.1's frontend sends for ``/v1/completions``."""
+    return {
+        "model": "mocker-model",
+        "token_ids": list(PROMPT),
+        "stop_conditions": {
+            "max_tokens": max_tokens, "stop": None, "stop_token_ids_hidden": [2], "min_tokens": None,
+            "ignore_eos": True, "max_thinking_tokens": None,
+        },
+        "sampling_options": {
+            "n": None, "best_of": None, "presence_penalty": None, "frequency_penalty": None,
+            "repetition_penalty": None, "temperature": None, "top_p": None, "top_k": None, "min_p": None,
+            "use_beam_search": None, "length_penalty": None, "seed": None, "include_stop_str_in_output": None,
+            "guided_decoding": None,
+        },
+        "output_options": {
+            "logprobs": None, "prompt_logprobs": None, "skip_special_tokens": True, "formatted_prompt": None,
+        },
+        "eos_token_ids": [2],
+        "mdc_sum": "0123456789abcdef",
+        "annotations": [],
+        "routing": None,
+        "router_config_override": None,
+        "prefill_result": None,
+        "bootstrap_info": None,
+        "extra_args": None,
+    }
+
+
+async def run_requests(
+    requests: int, concurrency: int, one_request: Callable[[int], Awaitable[int]]
+) -> tuple[float, float, int]:
+    """``requests`` calls of ``one_request``, ``concurrency`` at a time: (wall s, CPU s, tokens)."""
+    counter = iter(range(requests))
+    tokens = 0
+
+    async def worker() -> None:
+        nonlocal tokens
+        for i in counter:
+            n = await one_request(i)
+            tokens += n
+
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    async with trio.open_nursery() as nursery:
+        for _ in range(concurrency):
+            nursery.start_soon(worker)
+    return time.perf_counter() - wall0, time.process_time() - cpu0, tokens
+
+
+async def per_request_mode(args: argparse.Namespace, console: Console) -> int:
+    concurrency = int(args.streams.split(",")[0]) if args.streams != "1,64,512" else 64
+    per_request = args.tokens_per_request
+    process, address = start_mock(concurrency)
+    host, port = address.rsplit(":", 1)
+    direct_us: list[float] = []
+    sidecar_us: list[float] = []
+    try:
+        config = SidecarConfig(
+            grpc_endpoint=address, grpc_connections=args.connections, startup_deadline=30.0, health_prober=False
+        )
+        async with open_sidecar(config) as sidecar, AsyncExitStack() as stack:
+            channels = [
+                await stack.enter_async_context(open_channel(host, int(port))) for _ in range(args.connections)
+            ]
+
+            async def direct(i: int) -> int:
+                preprocessed = structure_request(body(per_request))
+                built = build_generate_request(preprocessed, f"d-{i}", "mocker-model", DisaggregationMode.AGG)
+                tokens = 0
+                async with channels[i % len(channels)].unary_stream(
+                    GENERATE_STREAM, built.message, inference_pb2.GenerateResponse, metadata=built.metadata
+                ) as stream:
+                    async for response in stream:
+                        if response.HasField("outputs"):
+                            tokens += response.outputs.num_tokens
+                return tokens
+
+            async def through_sidecar(i: int) -> int:
+                tokens = 0
+                async with sidecar.generate(dynamo_body(per_request), GenerateContext(f"s-{i}")) as chunks:
+                    async for chunk in chunks:
+                        tokens += len(chunk.token_ids)
+                        chunk.to_dict()  # as the Dynamo bridge does
+                return tokens
+
+            await run_requests(200, concurrency, direct)  # warm-up
+            await run_requests(200, concurrency, through_sidecar)
+            for _ in range(args.repeat):
+                for label, fn, sink in (("direct", direct, direct_us), ("sidecar", through_sidecar, sidecar_us)):
+                    wall, cpu, tokens = await run_requests(args.requests, concurrency, fn)
+                    assert tokens == args.requests * per_request, (label, tokens)
+                    sink.append(1e6 * cpu / args.requests)
+                    console.print(
+                        f"{label:8} {args.requests} requests x {per_request} tokens at {concurrency}: "
+                        f"{args.requests / wall:,.0f} req/s, {1e6 * cpu / args.requests:,.0f} CPU µs/request"
+                    )
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def summary(values: list[float]) -> str:
+        ordered = sorted(values)
+        return f"{ordered[len(ordered) // 2]:,.0f} [{ordered[0]:,.0f}–{ordered[-1]:,.0f}]"
+
+    console.print(f"CPU µs/request direct:  {summary(direct_us)}")
+    console.print(f"CPU µs/request sidecar: {summary(sidecar_us)}")
+    added = [s - d for d, s in zip(direct_us, sidecar_us)]
+    console.print(f"CPU µs/request added by the sidecar: {summary(added)}")
+    return 0
+
+
 async def bench_direct(address: str, connections: int, streams: int, per_stream: int, tag: str) -> Result:
     host, port = address.rsplit(":", 1)
     async with AsyncExitStack() as stack:
@@ -161,7 +284,11 @@ async def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens-per-level", type=int, default=20000)
     parser.add_argument("--connections", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=1, help="runs per level and client; the best is kept")
+    parser.add_argument("--requests", type=int, default=0, help="per-request mode: this many short requests")
+    parser.add_argument("--tokens-per-request", type=int, default=32)
     args = parser.parse_args(argv)
+    if args.requests:
+        return await per_request_mode(args, Console())
     levels = [int(s) for s in args.streams.split(",") if s.strip()]
     console = Console()
     process, address = start_mock(max(levels))
