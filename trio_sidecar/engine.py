@@ -18,15 +18,18 @@ caller's scope. The caller talks to it through:
   chunk, the cancelled chunk, or the stream error. Final items never block the task, so engine shutdown
   cannot hang on a caller that stopped reading.
 
-Two cancel scopes wrap the task's work:
+One cancel scope (``_Request.scope``) wraps the task's work; two signals cancel it:
 
-* ``shutdown_scope`` — cancelled by :meth:`SidecarEngine.cleanup`; interrupts every phase in every mode.
-* ``client_scope`` — the client's cancellation (``ctx.stop()``, the caller leaving the ``generate()``
-  block, or the caller's own scope being cancelled). In aggregated and prefill modes it is cancelled at
-  once. In decode mode (§17.3) a cancellation that arrives before the KV transfer completed is only
-  *recorded* (``request_cancelled``); the task keeps reading until a response completes the transfer
+* engine shutdown (:meth:`SidecarEngine.cleanup`, ``cancel_shutdown``) interrupts every phase in every mode;
+* the client's cancellation (``ctx.stop()``, the caller leaving the ``generate()`` block, or the caller's
+  own scope being cancelled, ``client_cancel``). In aggregated and prefill modes it cancels at once. In
+  decode mode (§17.3) a cancellation that arrives before the KV transfer completed is only *recorded*
+  (``request_cancelled``); the task keeps reading until a response completes the transfer
   (``outputs.num_tokens > 0`` or ``finish_info``), then yields the cancelled chunk instead of that
   response's chunk and drops the stream.
+
+Both end the task the same way (cancelled chunk, Abort if the server had not ended the stream), so one
+scope serves both: a scope costs an enter and an exit per request.
 
 Races are biased: the cancellation state is checked before each await of the open or of the next message.
 
@@ -243,16 +246,16 @@ class _Request:
     built: Any  # convert.request.BuiltRequest
     decode: bool
     send: _Handoff
-    shutdown_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
-    client_scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    #: Cancelled by the client's cancellation or by engine shutdown (see the module docstring).
+    scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     opened: trio.Event = attrs.field(factory=trio.Event)  # the open finished (either way)
     done: trio.Event = attrs.field(factory=trio.Event)
     open_error: BaseException | None = None
     final: LLMEngineOutput | None = None
     error: BaseException | None = None
     request_cancelled: bool = False  # decode: client cancellation recorded, waiting for the transfer
-    #: One of the scopes was cancelled (they have no deadlines, so only ``client_cancel``/``cancel_shutdown``
-    #: cancel them); a plain flag, read once per message (``CancelScope.cancel_called`` reads the clock).
+    #: The scope was cancelled (it has no deadline, so only ``client_cancel``/``cancel_shutdown`` cancel
+    #: it); a plain flag, read once per message (``CancelScope.cancel_called`` reads the clock).
     cancelling: bool = False
 
     def client_cancel(self) -> None:
@@ -263,12 +266,12 @@ class _Request:
             self.request_cancelled = True
         else:
             self.cancelling = True
-            self.client_scope.cancel()
+            self.scope.cancel()
 
     def cancel_shutdown(self) -> None:
         """Engine shutdown: interrupts every phase in every mode."""
         self.cancelling = True
-        self.shutdown_scope.cancel()
+        self.scope.cancel()
 
 
 class _ChunkStream:
@@ -558,21 +561,20 @@ class SidecarEngine:
         sent = False  # the request left for the server
         server_ended = False  # terminal, EOF, a status, or a lost connection: no Abort needed
         try:
-            with req.shutdown_scope:
-                with req.client_scope:
-                    if not req.cancelling:
-                        assert self._pool is not None
-                        channel = await self._pool.channel("GenerateStream")
-                        await trio.lowlevel.checkpoint_if_cancelled()  # biased
-                        sent = True
-                        async with channel.unary_stream(
-                            GENERATE_STREAM,
-                            req.built.message,
-                            None,  # serialized messages: the builder parses only those it has to
-                            metadata=req.built.metadata,
-                        ) as stream:
-                            req.opened.set()
-                            server_ended = await self._pump(req, stream)
+            with req.scope:
+                if not req.cancelling:
+                    assert self._pool is not None
+                    channel = await self._pool.channel("GenerateStream")
+                    await trio.lowlevel.checkpoint_if_cancelled()  # biased
+                    sent = True
+                    async with channel.unary_stream(
+                        GENERATE_STREAM,
+                        req.built.message,
+                        None,  # serialized messages: the builder parses only those it has to
+                        metadata=req.built.metadata,
+                    ) as stream:
+                        req.opened.set()
+                        server_ended = await self._pump(req, stream)
         except SidecarError as exc:
             server_ended = True
             self._fail(req, exc)
