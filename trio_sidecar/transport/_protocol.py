@@ -31,6 +31,7 @@ import h2.events
 import h2.exceptions
 import h2.settings
 import h2.stream
+import h2.utilities
 import hpack
 import hpack.table
 from h2.errors import ErrorCodes
@@ -74,6 +75,10 @@ __all__ = [
 _MAX_WINDOW = 2**31 - 1
 
 _unpack_frame_header = struct.Struct(">BHBBL").unpack_from  # length (24 bits), type, flags, stream id
+_frame_header = struct.Struct(">BHBBL").pack  # the same layout, for the frames built here
+_SEND_HEADERS = h2.connection.ConnectionInputs.SEND_HEADERS
+_STREAM_SEND_HEADERS = h2.stream.StreamInputs.SEND_HEADERS
+_CLIENT_STREAM_IDS = h2.connection.AllowedStreamIDs(True)
 _unpack_message_prefix = struct.Struct(">BL").unpack_from  # gRPC: compressed flag, message length
 _OPEN_CONNECTION_STATES = frozenset({h2.connection.ConnectionState.CLIENT_OPEN, h2.connection.ConnectionState.SERVER_OPEN})
 _DATA_STREAM_STATES = frozenset({h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL})
@@ -238,6 +243,40 @@ class _H2Connection(h2.connection.H2Connection):
         event.last_stream_id = frame.last_stream_id
         event.additional_data = frame.additional_data or None
         return [], [event]
+
+    def open_request_stream(self, stream_id: int, headers: list) -> None:
+        """``send_headers(stream_id, headers)`` for a client's new stream (no END_STREAM, no priority).
+
+        The same checks, state transitions and bytes as h2's ``send_headers``, without building hyperframe
+        objects and validation flags that ``validate_outbound_headers=False`` then ignores: the header
+        block (usually a cached encoding, ``_CachingEncoder``) is framed here. Every other case goes to
+        ``send_headers``. ``tests/transport/test_open_request_stream.py`` compares the two.
+        """
+        if not self.config.client_side or stream_id in self.streams:
+            self.send_headers(stream_id, headers)
+            return
+        if self.open_outbound_streams + 1 > self.remote_settings.max_concurrent_streams:
+            raise h2.exceptions.TooManyStreamsError(
+                "Max outbound streams is %d, %d open"
+                % (self.remote_settings.max_concurrent_streams, self.open_outbound_streams)
+            )
+        self.state_machine.process_input(_SEND_HEADERS)
+        stream = self._get_or_create_stream(stream_id, _CLIENT_STREAM_IDS)
+        stream.state_machine.process_input(_STREAM_SEND_HEADERS)
+        block = self.encoder.encode(headers)
+        size = self.max_outbound_frame_size
+        if len(block) <= size:
+            self._data_to_send += _frame_header(len(block) >> 16, len(block) & 0xFFFF, 0x1, 0x4, stream_id) + block
+        else:  # HEADERS, then CONTINUATION frames; END_HEADERS on the last
+            chunks = [block[i:i + size] for i in range(0, len(block), size)]
+            out = [_frame_header(len(chunks[0]) >> 16, len(chunks[0]) & 0xFFFF, 0x1, 0, stream_id), chunks[0]]
+            for n, chunk in enumerate(chunks[1:], 2):
+                flags = 0x4 if n == len(chunks) else 0
+                out += [_frame_header(len(chunk) >> 16, len(chunk) & 0xFFFF, 0x9, flags, stream_id), chunk]
+            self._data_to_send += b"".join(out)
+        if stream._authority is None:
+            stream._authority = h2.utilities.authority_from_headers(headers)
+        stream.request_method = h2.utilities.extract_method_header(headers)
 
     def _receive_window_update_frame(self, frame):  # type: ignore[no-untyped-def]
         try:
