@@ -36,6 +36,7 @@ import hpack
 import hpack.table
 from h2.errors import ErrorCodes
 from h2.settings import SettingCodes
+from hyperframe.frame import HeadersFrame
 from purerpc.grpclib.buffers import MessageReadBuffer
 from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.grpclib.connection import GRPCConnection
@@ -79,6 +80,11 @@ _frame_header = struct.Struct(">BHBBL").pack  # the same layout, for the frames 
 _SEND_HEADERS = h2.connection.ConnectionInputs.SEND_HEADERS
 _STREAM_SEND_HEADERS = h2.stream.StreamInputs.SEND_HEADERS
 _CLIENT_STREAM_IDS = h2.connection.AllowedStreamIDs(True)
+# HEADERS flags taken by ``_receive_plain_headers``: END_HEADERS (0x4), with or without END_STREAM (0x1);
+# the frozen sets stand in for hyperframe's ``Flags`` (h2 only tests membership on a received frame).
+_HEADERS_FLAG_SETS = {0x4: frozenset({"END_HEADERS"}), 0x5: frozenset({"END_HEADERS", "END_STREAM"})}
+_PLAIN_HEADERS_FLAGS = frozenset(_HEADERS_FLAG_SETS)
+_new_object = object.__new__
 _unpack_message_prefix = struct.Struct(">BL").unpack_from  # gRPC: compressed flag, message length
 _OPEN_CONNECTION_STATES = frozenset({h2.connection.ConnectionState.CLIENT_OPEN, h2.connection.ConnectionState.SERVER_OPEN})
 _DATA_STREAM_STATES = frozenset({h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL})
@@ -402,11 +408,56 @@ class GrpcProtocol(GRPCConnection):
                     events.extend(self._data_payload(stream_id, buffer, data[position + 9:end], length))
                     position = end
                     continue
-            events.extend(self._receive_via_h2(data[position:end]))
+            if (
+                frame_type == 1
+                and flags in _PLAIN_HEADERS_FLAGS
+                and open_connection
+                and length <= max_frame_size
+                and not frames._headers_buffer
+                and self.fast_headers
+            ):
+                events.extend(self._receive_plain_headers(stream_id & 0x7FFFFFFF, flags, data[position + 9:end]))
+            else:
+                events.extend(self._receive_via_h2(data[position:end]))
             position = end
             open_connection = h2conn.state_machine.state in _OPEN_CONNECTION_STATES
         if position < total:
             frames.data = data[position:]
+        return events
+
+    #: Take plain HEADERS frames without h2's frame buffer (a switch for the tests that compare the paths).
+    fast_headers = True
+
+    def _receive_plain_headers(self, stream_id: int, flags: int, block: bytes) -> list:
+        """One complete HEADERS frame without padding or priority, as ``_receive_via_h2`` would take it.
+
+        h2's frame buffer parses the frame into a hyperframe ``HeadersFrame`` (flag sets, padding and
+        priority fields), twice per call (response headers and trailers). This builds the same frame
+        object directly (the fields h2 reads for such a frame) and hands it to h2's ``_receive_frame``,
+        with ``H2Connection.receive_data``'s handling of a ``ProtocolError``, so the state changes, the
+        frames queued, the events and the errors are h2's.
+        """
+        frame = _new_object(HeadersFrame)
+        frame.stream_id = stream_id
+        frame.flags = _HEADERS_FLAG_SETS[flags]
+        frame.body_len = len(block)
+        frame.data = block
+        frame.pad_length = 0
+        frame.depends_on = 0
+        frame.stream_weight = 0
+        frame.exclusive = False
+        h2conn = self.h2_connection
+        try:
+            h2_events = h2conn._receive_frame(frame)
+        except h2.exceptions.ProtocolError as exc:
+            h2conn._terminate_connection(exc.error_code)
+            raise
+        events = []
+        dispatch = self._dispatch
+        for event in h2_events:
+            handler = dispatch.get(type(event))
+            if handler is not None:
+                events.extend(handler(event))
         return events
 
     def _receive_via_h2(self, data: bytes) -> list:
