@@ -110,3 +110,58 @@ _token = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-", min_size=1, m
        st.integers(min_value=1, max_value=3))
 def test_open_request_stream_property_same_bytes_and_state(metadata: list, streams: int) -> None:
     both_open([*HEAD, *metadata], streams=streams)
+
+
+# ``_H2Connection.send_data``'s fast path against h2's (``h2.connection.H2Connection.send_data``).
+
+def both_send(steps: list) -> None:
+    """Run ``steps`` ((stream_id, size, end_stream, pad_length) or ("window", stream_id, n)) on a twin pair."""
+    (fast, _), (slow, _) = client_pair()
+    for conn in (fast, slow):
+        for stream_id in (1, 3):
+            conn.send_headers(stream_id, HEAD)
+    outcomes = []
+    for conn, send in ((fast, fast.send_data), (slow, lambda *a, **k: h2.connection.H2Connection.send_data(slow, *a, **k))):
+        seen = []
+        for step in steps:
+            if step[0] == "window":  # shrink the peer's window as a WINDOW_UPDATE would have left it
+                _, stream_id, n = step
+                conn.streams[stream_id].outbound_flow_control_window = n
+                continue
+            stream_id, size, end_stream, pad_length = step
+            try:
+                send(stream_id, b"x" * size, end_stream=end_stream, pad_length=pad_length)
+            except Exception as exc:  # noqa: BLE001 - the same error both ways
+                seen.append((type(exc).__name__, str(exc)))
+            seen.append((
+                conn.data_to_send(), conn.outbound_flow_control_window, conn.state_machine.state,
+                sorted((i, s.state_machine.state, s.outbound_flow_control_window) for i, s in conn.streams.items()),
+            ))
+        outcomes.append(seen)
+    assert outcomes[0] == outcomes[1]
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [
+        [(1, 10, False, None), (1, 0, True, None)],
+        [(1, 10, True, None)],
+        [(1, 5, True, None), (1, 5, False, None)],  # after END_STREAM: h2's StreamClosedError
+        [(1, 3, False, 2)],  # padding: h2's path
+        [(9, 3, False, None)],  # no such stream
+        [("window", 1, 4), (1, 5, False, None), (1, 4, False, None), (1, 1, False, None)],  # window
+        [(1, 16_385, False, None)],  # larger than a frame
+        [(1, 0, False, None), (3, 7, True, None), (1, 2, True, None)],
+    ],
+)
+def test_send_data_matches_h2(steps: list) -> None:
+    both_send(steps)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.one_of(
+    st.tuples(st.sampled_from([1, 3, 5]), st.integers(0, 20_000), st.booleans(), st.sampled_from([None, None, 0, 3])),
+    st.tuples(st.just("window"), st.sampled_from([1, 3]), st.integers(0, 100)),
+), max_size=8))
+def test_send_data_property_matches_h2(steps: list) -> None:
+    both_send(steps)

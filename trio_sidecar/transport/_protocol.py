@@ -79,6 +79,9 @@ _unpack_frame_header = struct.Struct(">BHBBL").unpack_from  # length (24 bits), 
 _frame_header = struct.Struct(">BHBBL").pack  # the same layout, for the frames built here
 _SEND_HEADERS = h2.connection.ConnectionInputs.SEND_HEADERS
 _STREAM_SEND_HEADERS = h2.stream.StreamInputs.SEND_HEADERS
+_SEND_DATA = h2.connection.ConnectionInputs.SEND_DATA
+_STREAM_SEND_DATA = h2.stream.StreamInputs.SEND_DATA
+_STREAM_SEND_END_STREAM = h2.stream.StreamInputs.SEND_END_STREAM
 _CLIENT_STREAM_IDS = h2.connection.AllowedStreamIDs(True)
 # HEADERS flags taken by ``_receive_plain_headers``: END_HEADERS (0x4), with or without END_STREAM (0x1);
 # the frozen sets stand in for hyperframe's ``Flags`` (h2 only tests membership on a received frame).
@@ -283,6 +286,32 @@ class _H2Connection(h2.connection.H2Connection):
         if stream._authority is None:
             stream._authority = h2.utilities.authority_from_headers(headers)
         stream.request_method = h2.utilities.extract_method_header(headers)
+
+    def send_data(self, stream_id, data, end_stream=False, pad_length=None):  # type: ignore[no-untyped-def]
+        """h2's ``send_data``, with the frame built here when it needs no padding and fits both windows and
+        one frame: the same checks, state transitions, window accounting and bytes, without a hyperframe
+        ``DataFrame`` (a request's message, and every message a server streams). Anything else (padding, an
+        unknown stream, a frame h2 would refuse) goes to h2 unchanged, which raises as before.
+        """
+        stream = self.streams.get(stream_id)
+        size = len(data)
+        if (
+            pad_length is not None
+            or stream is None
+            or size > self.outbound_flow_control_window
+            or size > stream.outbound_flow_control_window
+            or size > self.max_outbound_frame_size
+        ):
+            return super().send_data(stream_id, data, end_stream, pad_length)
+        self.state_machine.process_input(_SEND_DATA)
+        machine = stream.state_machine
+        machine.process_input(_STREAM_SEND_DATA)
+        if end_stream:
+            machine.process_input(_STREAM_SEND_END_STREAM)
+        stream.outbound_flow_control_window -= size
+        self._data_to_send += _frame_header(size >> 16, size & 0xFFFF, 0x0, 0x1 if end_stream else 0, stream_id) + data
+        self.outbound_flow_control_window -= size
+        return None
 
     def _receive_window_update_frame(self, frame):  # type: ignore[no-untyped-def]
         try:
