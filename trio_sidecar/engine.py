@@ -62,6 +62,8 @@ from trio.lowlevel import wait_task_rescheduled as _wait_task_rescheduled
 from ._proto.vllm import control_pb2
 from .config import DisaggregationMode, SidecarConfig, validate_sidecar_config
 from .convert.batch import END, MORE, WARN_ERROR_AFTER_CANCEL, BatchBuilder, ChunkBatch, Ending
+from .convert.request import build_generate_request
+from .convert.response import ResponseState
 from .discovery import (
     CONTROL_SERVICE,
     INFERENCE_SERVICE,
@@ -520,9 +522,6 @@ class SidecarEngine:
         if self._state is not _State.STARTED or not self._admitting:
             raise EngineShutdown(NOT_STARTED)
         assert self.model is not None and self._nursery is not None
-        from .convert.request import build_generate_request
-        from .convert.response import ResponseState
-
         if ctx is None:
             ctx = GenerateContext()
         preprocessed = structure_request(request)
