@@ -446,13 +446,8 @@ class ResponseStream:
         return self
 
     async def _send_request(self, call: _ClientCall, data: bytes) -> None:
-        """Send the request message and wait for the response headers (or the call's end).
-
-        The frames are left to the connection's writer (no ``flush``): streams opened in the same scheduler
-        batch then leave in one send instead of one ``os.write`` each (under load, most of the sidecar's
-        requests open in bursts), at the cost of one task switch to the writer for a lone request.
-        """
-        await self._channel._conn.send_message(call, frame_message(data), True)
+        """Send the request message and wait for the response headers (or the call's end)."""
+        await self._channel._conn.send_message(call, frame_message(data), True, flush=True)
         while call.headers is None and call.end is None:
             if call.error is not None:
                 _raise_call_error(call.error)
