@@ -102,6 +102,16 @@ def start_mock(max_streams: int) -> tuple[subprocess.Popen, str]:
     return process, match.group(1)
 
 
+def stop_mock(process: subprocess.Popen) -> None:
+    """SIGTERM the mock started by :func:`start_mock` (by PID), SIGKILL it after 10 s."""
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 async def run_level(streams: int, per_stream: int, one_stream: Callable[[int, list[float]], Awaitable[int]]) -> Result:
     result = Result()
 
@@ -221,12 +231,7 @@ async def per_request_mode(args: argparse.Namespace, console: Console) -> int:
                         f"{args.requests / wall:,.0f} req/s, {1e6 * cpu / args.requests:,.0f} CPU µs/request"
                     )
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_mock(process)
 
     def summary(values: list[float]) -> str:
         ordered = sorted(values)
@@ -313,12 +318,7 @@ async def main(argv: list[str] | None = None) -> int:
                         best_sidecar = s
                 rows.append((streams, per_stream, best_direct, best_sidecar))
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_mock(process)
 
     table = Table(title=f"open_sidecar vs direct client (mock on {address}, {args.connections} connections, "
                         f"{os.cpu_count()} CPUs)")
