@@ -76,6 +76,7 @@ from .errors import EngineShutdown, SidecarError, status_to_error
 from .model import DiscoveredModel, EngineConfig, engine_config, ensure_startup_compatible
 from .pool import ChannelPool
 from .protocol import LLMEngineOutput, PreprocessedRequest, structure_request
+from .transport import RpcError
 
 __all__ = ["GenerateContext", "SidecarEngine", "GENERATE_STREAM", "ABORT", "ABORT_FLUSH_GRACE"]
 
@@ -578,8 +579,6 @@ class SidecarEngine:
             server_ended = True
             self._fail(req, exc)
         except Exception as exc:
-            from .transport import RpcError
-
             if not isinstance(exc, RpcError):
                 LOGGER.exception("unexpected failure in request %s", req.request_id)
                 server_ended = False
