@@ -16,7 +16,6 @@ import asyncio
 import logging
 import sys
 import time
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -58,18 +57,20 @@ class _DynamoContext:
         pass
 
 
-def _make_generate(chunks: int):
-    @asynccontextmanager
-    async def generate(request, ctx):
-        async def stream():
+def _make_submit(chunks: int, nursery: trio.Nursery):
+    """``Sidecar.submit`` over a fake producer: one task per request feeds the sink."""
+
+    def submit(request, ctx, sink) -> None:
+        async def produce() -> None:
             for i in range(chunks):
-                yield _Chunk({"token_ids": [1000 + i], "index": 0})
+                sink.chunk(_Chunk({"token_ids": [1000 + i], "index": 0}))
                 if i % 8 == 7:
                     await trio.lowlevel.checkpoint()  # vLLM messages arrive in bursts, not all at once
+            sink.end(None, None)
 
-        yield stream()
+        nursery.start_soon(produce)
 
-    return generate
+    return submit
 
 
 async def _main(streams: int, chunks: int) -> tuple[float, float, int]:
@@ -88,7 +89,7 @@ async def _main(streams: int, chunks: int) -> tuple[float, float, int]:
 
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(bridge.run_dispatcher, _make_generate(chunks), nursery)
+            nursery.start_soon(bridge.run_dispatcher, _make_submit(chunks, nursery))
             cpu0, t0 = time.process_time(), time.perf_counter()
             total = await thread.run(consume_all)
             elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0

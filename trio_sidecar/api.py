@@ -25,14 +25,14 @@ import trio_util
 
 from .config import SidecarConfig, validate_sidecar_config
 from .discovery import discover
-from .engine import GenerateContext, SidecarEngine
+from .engine import ChunkSink, GenerateContext, SidecarEngine
 from .errors import CannotConnect
 from .model import DiscoveredModel, EngineConfig
 from .transport import collapse_single_exception
 from .prober import HealthKind, HealthState, run_health_prober
 from .protocol import LLMEngineOutput, PreprocessedRequest
 
-__all__ = ["open_sidecar", "discover", "Sidecar", "GenerateContext"]
+__all__ = ["open_sidecar", "discover", "Sidecar", "ChunkSink", "GenerateContext"]
 
 
 
@@ -72,6 +72,12 @@ class Sidecar:
             EngineShutdown: ``vLLM sidecar is not started`` (after the ``open_sidecar`` block).
         """
         return self.engine.generate(request, ctx)
+
+    def submit(self, request: dict[str, Any] | PreprocessedRequest, ctx: GenerateContext, sink: ChunkSink) -> None:
+        """Start one request whose chunks go to ``sink`` (what the Dynamo worker uses); see
+        :meth:`SidecarEngine.submit`. Raises as ``generate``'s ``__aenter__`` does, synchronously.
+        """
+        self.engine.submit(request, ctx, sink)
 
     def _check_admission(self) -> None:
         state = self.health.value

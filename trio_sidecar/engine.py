@@ -46,7 +46,7 @@ import math
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -78,7 +78,7 @@ from .pool import ChannelPool
 from .protocol import LLMEngineOutput, PreprocessedRequest, structure_request
 from .transport import RpcError
 
-__all__ = ["GenerateContext", "SidecarEngine", "GENERATE_STREAM", "ABORT", "ABORT_FLUSH_GRACE"]
+__all__ = ["ChunkSink", "GenerateContext", "SidecarEngine", "GENERATE_STREAM", "ABORT", "ABORT_FLUSH_GRACE"]
 
 LOGGER = logging.getLogger("trio_sidecar.engine")
 
@@ -144,6 +144,20 @@ class GenerateContext:
             self._listeners.remove(listener)
         except ValueError:
             pass
+
+
+class ChunkSink(Protocol):
+    """Where :meth:`SidecarEngine.submit` delivers a request's output (Trio thread; must not block or raise).
+
+    ``chunk`` gets every chunk as soon as its message is read, from whichever task read it (the
+    connection's reader or the request task); ``end`` is called exactly once, last: with the final chunk
+    (terminal or cancelled) or the error (a :class:`~trio_sidecar.errors.SidecarError`, or an unexpected
+    exception), the other ``None``.
+    """
+
+    def chunk(self, chunk: LLMEngineOutput) -> None: ...
+
+    def end(self, final: LLMEngineOutput | None, error: BaseException | None) -> None: ...
 
 
 class _Handoff:
@@ -248,7 +262,8 @@ class _Request:
     builder: BatchBuilder  # decides what the request task does with each message (owns ``state``)
     built: Any  # convert.request.BuiltRequest
     decode: bool
-    send: _Handoff
+    send: _Handoff | None  # generate(): the hand-off to the caller
+    sink: ChunkSink | None = None  # submit(): where the chunks go instead
     #: Cancelled by the client's cancellation or by engine shutdown (see the module docstring).
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     opened: trio.Event = attrs.field(factory=trio.Event)  # the open finished (either way)
@@ -520,33 +535,10 @@ class SidecarEngine:
         and queues an Abort; ``trio.Cancelled`` propagates at once (decode mode keeps reading in the
         background until the transfer completed).
         """
-        if self._state is not _State.STARTED or not self._admitting:
-            raise EngineShutdown(NOT_STARTED)
-        assert self.model is not None and self._nursery is not None
         if ctx is None:
             ctx = GenerateContext()
-        preprocessed = structure_request(request)
-        request_id = ctx.request_id or str(uuid.uuid4())
-        built = build_generate_request(preprocessed, request_id, self.model.served_model_name, self.mode)
-        if self.admission_check is not None:
-            self.admission_check()
-        state = ResponseState(preprocessed, built, self.mode)
-        decode = self.mode.is_decode
         handoff = _Handoff()
-        req = _Request(
-            request_id=request_id,
-            ctx=ctx,
-            state=state,
-            builder=BatchBuilder(state, decode=decode),
-            built=built,
-            decode=decode,
-            send=handoff,
-        )
-        ctx._subscribe(req.client_cancel)
-        if not self._requests:
-            self._idle = trio.Event()  # (only on the empty → busy edge: wait_idle() callers hold the old one)
-        self._requests.add(req)
-        self._nursery.start_soon(self._run_request, req, name=f"vllm-request {request_id}")
+        req = self._start_request(request, ctx, handoff, None)
         try:
             await req.opened.wait()
             if req.open_error is not None:
@@ -556,6 +548,58 @@ class SidecarEngine:
             ctx._unsubscribe(req.client_cancel)
             req.client_cancel()
             handoff.close_receive()
+
+    def submit(
+        self, request: dict[str, Any] | PreprocessedRequest, ctx: GenerateContext, sink: ChunkSink
+    ) -> None:
+        """Start one generation whose output goes to ``sink`` instead of an iterator (a synchronous call).
+
+        The same request, cancellation (``ctx.stop()``, decode deferral, engine shutdown) and Abort
+        behaviour as :meth:`generate`, for a consumer that never makes the engine wait (the Dynamo bridge
+        queues every chunk for its asyncio thread): no consumer task and no hand-over. Each chunk is
+        delivered as soon as its message is read (``ResponseStream.listen``), so there is no back-pressure
+        beyond the sink's; an open failure reaches ``sink.end`` as the error.
+
+        Raises (nothing was sent, ``sink`` is not called):
+            InvalidArgument: conversion failed.
+            CannotConnect: admission closed (the ``admission_check``).
+            EngineShutdown: ``vLLM sidecar is not started``.
+        """
+        self._start_request(request, ctx, None, sink)
+
+    def _start_request(
+        self,
+        request: dict[str, Any] | PreprocessedRequest,
+        ctx: GenerateContext,
+        handoff: _Handoff | None,
+        sink: ChunkSink | None,
+    ) -> _Request:
+        if self._state is not _State.STARTED or not self._admitting:
+            raise EngineShutdown(NOT_STARTED)
+        assert self.model is not None and self._nursery is not None
+        preprocessed = structure_request(request)
+        request_id = ctx.request_id or str(uuid.uuid4())
+        built = build_generate_request(preprocessed, request_id, self.model.served_model_name, self.mode)
+        if self.admission_check is not None:
+            self.admission_check()
+        state = ResponseState(preprocessed, built, self.mode)
+        decode = self.mode.is_decode
+        req = _Request(
+            request_id=request_id,
+            ctx=ctx,
+            state=state,
+            builder=BatchBuilder(state, decode=decode),
+            built=built,
+            decode=decode,
+            send=handoff,
+            sink=sink,
+        )
+        ctx._subscribe(req.client_cancel)
+        if not self._requests:
+            self._idle = trio.Event()  # (only on the empty → busy edge: wait_idle() callers hold the old one)
+        self._requests.add(req)
+        self._nursery.start_soon(self._run_request, req, name=f"vllm-request {request_id}")
+        return req
 
     async def _run_request(self, req: _Request) -> None:
         sent = False  # the request left for the server
@@ -574,7 +618,10 @@ class SidecarEngine:
                         metadata=req.built.metadata,
                     ) as stream:
                         req.opened.set()
-                        server_ended = await self._pump(req, stream)
+                        if req.sink is None:
+                            server_ended = await self._pump(req, stream)
+                        else:
+                            server_ended = await self._listen(req, stream)
         except SidecarError as exc:
             server_ended = True
             self._fail(req, exc)
@@ -593,11 +640,17 @@ class SidecarEngine:
             if sent and not server_ended:
                 self._queue_abort(req.request_id)
             req.opened.set()
-            req.send.close_send()
+            sink = req.sink
+            if sink is None:
+                req.send.close_send()  # type: ignore[union-attr]
             req.done.set()
             self._requests.discard(req)
             if not self._requests:
                 self._idle.set()
+            if sink is not None:
+                req.ctx._unsubscribe(req.client_cancel)
+                final = req.final
+                sink.end(final, None if final is not None else req.error or req.open_error)
 
     def _fail(self, req: _Request, exc: BaseException) -> None:
         if not req.opened.is_set():
@@ -638,6 +691,43 @@ class SidecarEngine:
                 return self._end(req, ending)
             if batch is not None:
                 await self._hand_over(req, batch)
+        return self._end(req, builder.eof(req.request_cancelled))
+
+    async def _listen(self, req: _Request, stream: Any) -> bool:
+        """``submit()``'s ``_pump``: each message goes through ``req.builder`` as the connection's reader
+        receives it and its chunks straight to the sink (``ResponseStream.listen``); this task only waits
+        for the end. Returns whether the *server* ended the stream.
+        """
+        builder = req.builder
+        add = builder.add
+        sink_chunk = req.sink.chunk  # type: ignore[union-attr]
+        failure: list[BaseException] = []
+
+        def on_message(data: bytes) -> bool:  # reader task (or this one): never awaits, never raises
+            if req.cancelling:  # the scope is cancelled: this task ends at its next checkpoint
+                return True
+            try:
+                step = add(data, req.request_cancelled)
+                batch = builder.take_batch()
+                if batch is not None:
+                    chunk = batch.take()
+                    while chunk is not None:
+                        sink_chunk(chunk)
+                        chunk = batch.take()
+            except Exception as exc:  # a bug: reported by this task, as _pump would raise it
+                failure.append(exc)
+                return True
+            return step is END
+
+        stopped = await stream.listen(on_message)
+        if req.cancelling:
+            await trio.lowlevel.checkpoint()  # raises Cancelled: the scope was cancelled
+        if failure:
+            raise failure[0]
+        if stopped:
+            ending = builder.ending
+            assert ending is not None
+            return self._end(req, ending)
         return self._end(req, builder.eof(req.request_cancelled))
 
     def _end(self, req: _Request, ending: Ending) -> bool:

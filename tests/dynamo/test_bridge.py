@@ -133,6 +133,25 @@ class FakeSidecar:
         yield chunks()
 
 
+def submitter(generate, nursery: trio.Nursery):
+    """``Sidecar.submit``'s contract over a fake ``generate()``: one task per request drives the sink."""
+
+    def submit(request: dict, ctx, sink) -> None:
+        async def run() -> None:
+            try:
+                async with generate(request, ctx) as chunks:
+                    async for chunk in chunks:
+                        sink.chunk(chunk)
+            except Exception as exc:  # noqa: BLE001 - handed to the sink, as the engine does
+                sink.end(None, exc)
+            else:
+                sink.end(None, None)
+
+        nursery.start_soon(run)
+
+    return submit
+
+
 @pytest.fixture
 async def loop_thread():
     thread = AsyncioThread()
@@ -148,7 +167,7 @@ async def running_bridge(thread: AsyncioThread, sidecar: FakeSidecar, *, dispatc
     bridge = RequestBridge(thread, make_context=FakeGenerateContext)
     async with trio.open_nursery() as nursery:
         if dispatch:
-            nursery.start_soon(bridge.run_dispatcher, sidecar.generate, nursery)
+            nursery.start_soon(bridge.run_dispatcher, submitter(sidecar.generate, nursery))
         yield bridge, nursery
         nursery.cancel_scope.cancel()
 
@@ -208,7 +227,7 @@ async def test_cancel_before_the_trio_task_starts_is_not_lost(loop_thread):
         # Let the spawn and the stop request both arrive before the dispatcher exists.
         for _ in range(50):
             await trio.sleep(0.01)
-        nursery.start_soon(bridge.run_dispatcher, sidecar.generate, nursery)
+        nursery.start_soon(bridge.run_dispatcher, submitter(sidecar.generate, nursery))
         with trio.fail_after(10):
             while not result:
                 await trio.sleep(0.01)
@@ -278,6 +297,54 @@ async def test_sidecar_error_is_raised_from_the_handler_with_its_text(loop_threa
     assert len(out) == 1
     assert isinstance(_sidecar_error(out[0]), InvalidArgument)
     assert str(out[0]) == "max_tokens must be at least 1"
+
+
+async def test_a_request_that_submit_refuses_ends_at_once_with_its_error(loop_thread):
+    # Sidecar.submit raises conversion and admission errors synchronously, from the hand-over callback.
+    submitted: list[str] = []
+
+    def submit(request, ctx, sink):
+        submitted.append(ctx.request_id)
+        raise InvalidArgument("max_tokens must be at least 1")
+
+    bridge = RequestBridge(loop_thread, make_context=FakeGenerateContext)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(bridge.run_dispatcher, submit)
+        with trio.fail_after(10):
+            out = await loop_thread.run(consume, bridge, {"token_ids": [1]}, FakeDynamoContext("refused"))
+            await bridge.wait_idle()
+        nursery.cancel_scope.cancel()
+    assert submitted == ["refused"]
+    assert len(out) == 1 and isinstance(_sidecar_error(out[0]), InvalidArgument)
+    assert str(out[0]) == "max_tokens must be at least 1"
+    assert bridge.in_flight == {} and bridge.completed == 1
+
+
+async def test_stopping_the_dispatcher_ends_in_flight_requests_with_engine_shutdown(loop_thread):
+    sidecar = FakeSidecar(plan=5, hold=True)
+    bridge = RequestBridge(loop_thread, make_context=FakeGenerateContext)
+    results: dict[str, list] = {}
+    async with trio.open_nursery() as outer:
+        async with trio.open_nursery() as requests:
+            requests.start_soon(bridge.run_dispatcher, submitter(sidecar.generate, outer))
+
+            async def drive(rid):
+                results[rid] = await loop_thread.run(consume, bridge, {"token_ids": [1]}, FakeDynamoContext(rid))
+
+            for rid in ("a", "b"):
+                outer.start_soon(drive, rid)
+            with trio.fail_after(10):
+                while len(bridge.in_flight) < 2 or len(sidecar.contexts) < 2:
+                    await trio.sleep(0.01)
+            requests.cancel_scope.cancel()  # what the worker does after the drain
+        with trio.fail_after(10):
+            while len(results) < 2:
+                await trio.sleep(0.01)
+    for rid, out in results.items():
+        assert out[0] == {"token_ids": [1], "index": 0}
+        assert isinstance(_sidecar_error(out[-1]), EngineShutdown) and str(out[-1]) == SHUTTING_DOWN
+        assert sidecar.contexts[rid].stop_calls == 1  # the Trio side was told to stop too
+    assert bridge.in_flight == {}
 
 
 async def test_requests_after_stop_admitting_are_rejected(loop_thread):

@@ -20,23 +20,26 @@ Per request (:meth:`RequestBridge.handler`, on the asyncio thread):
    (see "Wake-ups" below);
 2. a :class:`CancelHandle`: a flag plus, later, the request's ``GenerateContext``. The handle is only ever
    read or written on the Trio thread, so it needs no lock;
-3. the request is handed to Trio's dispatcher with ``run_sync_soon(spawn.send_nowait, item)``;
+3. the request is handed to Trio with ``run_sync_soon(bridge._dispatch, item)``;
 4. a watcher on ``context.async_killed_or_stopped()`` requests stop on the handle (via ``run_sync_soon``);
 5. the handler hands queued chunks to Dynamo (see "Egress"), raises a queued exception, and ends on the
    end sentinel;
 6. if the runtime closes the generator before the end sentinel, or the response stream is gone, stop is
    requested on the handle.
 
-``run_sync_soon`` callbacks run in FIFO order, so the spawn always reaches Trio before any stop request
-for the same request. The dispatcher may not have started the request task yet when the stop arrives:
-the handle then only records the flag, and :meth:`CancelHandle.bind` calls ``ctx.stop()`` as soon as the
-task creates its context — a cancel that arrives before the Trio task starts is never lost (a naive
-"list that will later hold the cancel scope" loses it).
+``run_sync_soon`` callbacks run in FIFO order, so the hand-over always reaches Trio before any stop request
+for the same request. If :meth:`RequestBridge.run_dispatcher` is not running yet, the request waits in a
+list and the stop only records the flag; :meth:`CancelHandle.bind` calls ``ctx.stop()`` as soon as the
+request's context exists — a cancel that arrives before the Trio side starts the request is never lost (a
+naive "list that will later hold the cancel scope" loses it).
 
-Trio side: :meth:`RequestBridge.run_dispatcher` reads the spawn channel and starts one request task per
-item in the caller's request nursery; each task runs ``sidecar.generate(request, ctx)`` and emits
-``chunk.to_dict()`` per chunk, a :class:`~trio_sidecar.errors.SidecarError` as an exception object, and
-always the end sentinel.
+Trio side: ``_dispatch`` (the ``run_sync_soon`` callback itself) creates the request's context, binds the
+handle and calls ``sidecar.submit(request, ctx, sink)``, which starts the engine's request task; there is no
+task per request on this side and no hand-over between tasks. The engine delivers each chunk to the
+request's :class:`_Sink` as soon as its message is read (from the connection's reader task:
+``ResponseStream.listen``), which emits ``chunk.to_dict()``; then the final chunk or the error (a
+:class:`~trio_sidecar.errors.SidecarError` as an exception object), and always the end sentinel. A request
+that ``submit`` refuses (conversion, admission) ends at once with its error.
 
 Wake-ups: one ``call_soon_threadsafe`` per chunk (a self-pipe write and a loop wake-up each) cost about
 30% of the Trio thread under load. So ``emit`` only appends to the request's deque; when the handler is
@@ -85,7 +88,6 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
-from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
 
 import attrs
@@ -439,8 +441,44 @@ class _Stream:
             self.request_stop()
 
 
-class _Generate(Protocol):
-    def __call__(self, request: dict, ctx: Any) -> AbstractAsyncContextManager[Any]: ...
+class _Submit(Protocol):
+    """``Sidecar.submit``: start a request whose chunks go to ``sink`` (synchronous; raises if not started)."""
+
+    def __call__(self, request: dict, ctx: Any, sink: Any) -> None: ...
+
+
+class _Sink:
+    """One request's :class:`~trio_sidecar.engine.ChunkSink`: chunk dicts onto its outbox (Trio thread)."""
+
+    __slots__ = ("_bridge", "_item", "ended")
+
+    def __init__(self, bridge: RequestBridge, item: RequestItem) -> None:
+        self._bridge = bridge
+        self._item = item
+        self.ended = False
+
+    def chunk(self, chunk: Any) -> None:
+        if not self.ended:
+            self._item.emit(chunk.to_dict())
+
+    def end(self, final: Any, error: BaseException | None) -> None:
+        """The request's last output, then the end sentinel; only the first call counts. Never raises."""
+        if self.ended:
+            return
+        self.ended = True
+        item = self._item
+        try:
+            if final is not None:
+                item.emit(final.to_dict())
+            elif error is not None:
+                if not isinstance(error, SidecarError):
+                    LOGGER.error("request %s failed unexpectedly: %r", item.request_id, error)
+                item.emit(error)
+        except Exception:  # noqa: BLE001 - the end sentinel must still go out
+            LOGGER.exception("request %s: could not hand over its last output", item.request_id)
+        finally:
+            item.emit(END)
+            self._bridge._finished(item)
 
 
 class RequestBridge:
@@ -459,7 +497,9 @@ class RequestBridge:
     ) -> None:
         self._thread = thread
         self._make_context = make_context or _default_context
-        self._spawn_send, self._spawn_recv = trio.open_memory_channel[RequestItem](float("inf"))
+        self._submit: _Submit | None = None  # set while run_dispatcher() runs
+        self._pending: list[RequestItem] = []  # handed over before run_dispatcher() ran
+        self._sinks: dict[str, _Sink] = {}  # request id -> its sink, while in flight
         self.admitting = True
         self.in_flight: dict[str, CancelHandle] = {}  # request id -> handle (Trio thread)
         self._idle = trio.Event()
@@ -510,8 +550,8 @@ class RequestBridge:
 
         item = RequestItem(request, request_id, emit, handle, on_first_token)
         try:
-            token.run_sync_soon(self._spawn_send.send_nowait, item)
-        except (trio.RunFinishedError, trio.ClosedResourceError):
+            token.run_sync_soon(self._dispatch, item)
+        except trio.RunFinishedError:
             raise dynamo_exception(EngineShutdown(SHUTTING_DOWN)) from None
 
         watcher = asyncio.ensure_future(context.async_killed_or_stopped())
@@ -566,39 +606,57 @@ class RequestBridge:
 
     # -- Trio side -------------------------------------------------------------------------------------
 
-    async def run_dispatcher(self, sidecar_generate: _Generate, request_nursery: trio.Nursery) -> None:
-        """Start one request task per handed-over request, in ``request_nursery``. Runs until cancelled."""
-        async for item in self._spawn_recv:
-            if not self.admitting:
-                item.emit(EngineShutdown(SHUTTING_DOWN))
-                item.emit(END)
-                continue
-            self.in_flight[item.request_id] = item.handle
-            self._idle = trio.Event() if len(self.in_flight) == 1 else self._idle
-            request_nursery.start_soon(self._run_request, sidecar_generate, item, name=item.request_id)
-
-    async def _run_request(self, sidecar_generate: _Generate, item: RequestItem) -> None:
-        emit = item.emit
+    def _dispatch(self, item: RequestItem) -> None:
+        """Start a handed-over request (Trio thread, a ``run_sync_soon`` callback: never raises)."""
+        if self._submit is None:
+            self._pending.append(item)  # before run_dispatcher(): started when it runs
+            return
+        sink = _Sink(self, item)
+        if not self.admitting:
+            sink.end(None, EngineShutdown(SHUTTING_DOWN))
+            return
+        self.in_flight[item.request_id] = item.handle
+        self._sinks[item.request_id] = sink
+        if len(self.in_flight) == 1:
+            self._idle = trio.Event()
         try:
             ctx = self._make_context(item.request_id, item.on_first_token)
             item.handle.bind(ctx)
-            async with sidecar_generate(item.request, ctx) as chunks:
-                async for chunk in chunks:
-                    emit(chunk.to_dict())
+            self._submit(item.request, ctx, sink)
         except SidecarError as exc:
-            emit(exc)
-        except trio.Cancelled:
-            emit(EngineShutdown(SHUTTING_DOWN))
-            raise
+            sink.end(None, exc)
         except Exception as exc:  # noqa: BLE001 - the frontend turns it into HTTP 500
             LOGGER.exception("request %s failed unexpectedly", item.request_id)
-            emit(exc)
-        finally:
-            emit(END)
-            self.in_flight.pop(item.request_id, None)
+            sink.end(None, exc)
+
+    def _finished(self, item: RequestItem) -> None:
+        if self.in_flight.pop(item.request_id, None) is not None:
+            self._sinks.pop(item.request_id, None)
             self.completed += 1
             if not self.in_flight:
                 self._idle.set()
+
+    async def run_dispatcher(self, submit: _Submit) -> None:
+        """Start every handed-over request with ``submit`` (``Sidecar.submit``), until cancelled.
+
+        Requests are started straight from the ``run_sync_soon`` callback that hands them over (no task of
+        their own on this side: the engine's request task delivers their chunks to a :class:`_Sink`); those
+        handed over before this runs are started now. When cancelled, every request still in flight gets
+        stop requested and ends at once with ``EngineShutdown("trio-sidecar is shutting down")``.
+        """
+        self._submit = submit
+        pending, self._pending = self._pending, []
+        for item in pending:
+            self._dispatch(item)
+        try:
+            await trio.sleep_forever()
+        finally:
+            self._submit = None
+            for request_id, sink in list(self._sinks.items()):
+                handle = self.in_flight.get(request_id)
+                if handle is not None:
+                    handle.request_stop()
+                sink.end(None, EngineShutdown(SHUTTING_DOWN))
 
     def stop_admitting(self) -> None:
         self.admitting = False

@@ -559,7 +559,7 @@ async def _run_with_runtime(
                 async with open_sidecar(config, expected=bootstrap) as sidecar:
                     reporter.phase_done("start phase")
                     async with trio.open_nursery() as requests:
-                        requests.start_soon(bridge.run_dispatcher, sidecar.generate, requests)
+                        requests.start_soon(bridge.run_dispatcher, sidecar.submit)
                         code = await _register_and_serve(config, options, state, reporter, thread, dynamo,
                                                          bridge, sidecar)
                         requests.cancel_scope.cancel()

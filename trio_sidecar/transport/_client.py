@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import NoReturn, Any
 
@@ -32,6 +33,8 @@ from ._util import collapse_single_exception
 from trio_sidecar.status import StatusCode
 
 __all__ = ["Channel", "ResponseStream", "connect_channel", "open_channel"]
+
+LOGGER = logging.getLogger("trio_sidecar.transport")
 
 _REQUEST_HEADERS_TAIL = (("te", "trailers"), ("content-type", "application/grpc"))
 _USER_AGENT = ("user-agent", "trio-sidecar (purerpc 0.8.0 core)")
@@ -77,12 +80,14 @@ async def _pause_before_retry(attempt: int, deadline: float, timeout: float | No
 
 
 class _ClientCall(Call):
-    __slots__ = ("end", "headers")
+    __slots__ = ("end", "headers", "listener")
 
     def __init__(self, conn: Connection, stream_id: int) -> None:
         super().__init__(conn, stream_id)
         self.headers: ResponseReceived | None = None
         self.end: ResponseEnded | None = None
+        #: ``ResponseStream.listen``: messages go to it from the reader instead of queueing for the owner.
+        self.listener: Callable[[bytes], bool] | None = None
 
     def close(self) -> None:
         """Forget the call; if the server has not ended the stream, reset it (RST_STREAM CANCEL) now."""
@@ -159,9 +164,11 @@ class _ClientConnection(Connection):
                 call = calls.get(event.stream_id)
                 if call is None:
                     self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
-                else:
+                elif call.listener is None:
                     call.messages.append(event)
                     call.wake()
+                else:
+                    self._deliver(call, event)
             elif kind is ResponseReceived:
                 call = calls.get(event.stream_id)
                 if call is not None:
@@ -193,6 +200,20 @@ class _ClientConnection(Connection):
                 self._goaway(event)
         if self._slot_waiters:
             self.stream_ended()
+
+    def _deliver(self, call: _ClientCall, event: MessageReceived) -> None:
+        """Hand a message to the call's listener (``ResponseStream.listen``), from this reader task."""
+        self.acknowledge(call.stream_id, event.flow_controlled_length)  # consumed now, by the listener
+        try:
+            stop = call.listener(event.data)  # type: ignore[misc]
+        except Exception as exc:  # a listener must not raise; if one does, only its own call fails
+            LOGGER.exception("transport: a response listener failed on %s", self.description)
+            call.listener = None
+            call.fail(RpcError(StatusCode.INTERNAL, f"response listener failed: {exc!r}"))
+            return
+        if stop:
+            call.listener = None
+            call.wake()
 
     def _goaway(self, event: GoAway) -> None:
         if event.error_code:
@@ -484,6 +505,59 @@ class ResponseStream:
         except DecodeError:
             call.close()
             raise RpcError(StatusCode.INTERNAL, f"failed to parse a response message of {self._method}") from None
+
+    async def listen(self, listener: Callable[[bytes], bool]) -> bool:
+        """Hand every response message (serialized) to ``listener(data)`` as it is received, instead of
+        iterating, until ``listener`` returns True or the stream ends. Only with ``response_type=None``.
+
+        Messages already received go to ``listener`` first, from the calling task; later ones from the
+        connection's reader task, as soon as they are read: no task switch per message. Each is counted as
+        consumed (HTTP/2 flow control) when handed over, so the listener is the back-pressure: it must not
+        block, await or raise (an exception fails this call with INTERNAL, as a stream error).
+
+        Returns:
+            True: ``listener`` returned True (the stream stays open; messages after it are not delivered).
+            False: the stream ended with OK trailers (``trailing_metadata`` is set).
+
+        Raises:
+            RpcError: a non-OK status, a reset stream, a lost connection, or the call's deadline, after the
+                messages received before it were handed over.
+        """
+        call = self._call
+        if call is None:
+            raise RuntimeError("use 'async with channel.unary_stream(...) as stream:' before listening")
+        if self._response_type is not None:
+            raise RuntimeError("listen() hands over serialized messages: open the stream with response_type=None")
+        while call.messages:
+            if listener(call.take_message()):
+                return True
+        call.listener = listener
+        try:
+            while True:
+                if call.listener is None and call.error is None:
+                    return True
+                if call.end is not None:
+                    self.trailing_metadata = call.end.custom_metadata
+                    call.close()
+                    error = call.status_error()
+                    if error is not None:
+                        raise error
+                    return False
+                if call.error is not None:
+                    call.close()
+                    raise _copy_error(call.error)
+                if call.done:
+                    raise RuntimeError("the response stream is closed")
+                if self._deadline == math.inf:
+                    await call.wait()
+                else:
+                    with trio.move_on_at(self._deadline):
+                        await call.wait()
+                    if trio.current_time() >= self._deadline and call.listener is not None and call.end is None:
+                        call.close()
+                        raise _deadline_exceeded()
+        finally:
+            call.listener = None
 
     async def __anext__(self) -> Any:
         call = self._call
