@@ -720,14 +720,15 @@ class SidecarEngine:
             return step is END
 
         stopped = await stream.listen(on_message)
-        if req.cancelling:
-            await trio.lowlevel.checkpoint()  # raises Cancelled: the scope was cancelled
         if failure:
             raise failure[0]
-        if stopped:
-            ending = builder.ending
-            assert ending is not None
+        ending = builder.ending
+        if stopped and ending is not None:
+            # Applied even if a cancellation came after the listener converted the ending message: its
+            # tokens are counted already, so the sink gets that message's chunk (or error) as the last one.
             return self._end(req, ending)
+        if req.cancelling:
+            await trio.lowlevel.checkpoint()  # raises Cancelled: the scope was cancelled
         return self._end(req, builder.eof(req.request_cancelled))
 
     def _end(self, req: _Request, ending: Ending) -> bool:
