@@ -347,6 +347,55 @@ async def test_stopping_the_dispatcher_ends_in_flight_requests_with_engine_shutd
     assert bridge.in_flight == {}
 
 
+async def test_chunks_emitted_in_one_trio_batch_wake_the_loop_once(loop_thread, monkeypatch):
+    # vLLM answers all its streams at once and the connections' reads complete in one Trio batch: their
+    # chunks must cost one call_soon_threadsafe (an eventfd write and a loop wake-up), not one per request.
+    from trio_sidecar.dynamo import bridge as bridge_module
+
+    wakes: list[int] = []
+    original = bridge_module._Waker.wake_loop
+
+    def counting_wake_loop(self):
+        wakes.append(1)
+        original(self)
+
+    monkeypatch.setattr(bridge_module._Waker, "wake_loop", counting_wake_loop)
+    sinks: dict[str, object] = {}
+
+    def submit(request, ctx, sink):
+        sinks[ctx.request_id] = sink
+
+    bridge = RequestBridge(loop_thread, make_context=FakeGenerateContext)
+    results: dict[str, list] = {}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(bridge.run_dispatcher, submit)
+
+        async def drive(rid):
+            results[rid] = await loop_thread.run(consume, bridge, {"token_ids": [1]}, FakeDynamoContext(rid))
+
+        rids = [f"r{i}" for i in range(8)]
+        for rid in rids:
+            nursery.start_soon(drive, rid)
+        with trio.fail_after(10):
+            while len(sinks) < 8:
+                await trio.sleep(0.01)
+            await trio.sleep(0.2)  # every handler parks on its empty outbox
+            wakes.clear()
+            for rid in rids:  # one Trio step: every sink gets its first chunk
+                sinks[rid].chunk(Chunk({"token_ids": [7], "index": 0}))
+            assert wakes == []  # deferred to the dispatcher, after the tasks that are ready now
+            while not wakes:
+                await trio.sleep(0)
+            await trio.sleep(0.2)
+            assert wakes == [1]
+            for rid in rids:
+                sinks[rid].end(None, None)
+            while len(results) < 8:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert all(out == [{"token_ids": [7], "index": 0}] for out in results.values())
+
+
 async def test_requests_after_stop_admitting_are_rejected(loop_thread):
     sidecar = FakeSidecar()
     async with running_bridge(loop_thread, sidecar) as (bridge, _):

@@ -44,7 +44,10 @@ that ``submit`` refuses (conversion, admission) ends at once with its error.
 Wake-ups: one ``call_soon_threadsafe`` per chunk (a self-pipe write and a loop wake-up each) cost about
 30% of the Trio thread under load. So ``emit`` only appends to the request's deque; when the handler is
 parked waiting for it, the parked future goes on a shared ready list, and one ``call_soon_threadsafe`` per
-*batch* (scheduled only if none is pending) resolves every ready future on the loop. The handshake needs
+*batch* (scheduled only if none is pending) resolves every ready future on the loop. That call is made by
+the dispatcher task (``_poke``), which runs after the Trio tasks that were ready with it: with several gRPC
+connections, the reads that complete in one Trio scheduling batch share one loop wake-up (paced end to end:
+~1 per request instead of ~3.4). The handshake needs
 no lock under the GIL: the handler publishes its waiter *then* re-checks the deque; ``emit`` appends *then*
 reads the waiter, so at least one of them sees the other. A stale wake-up of an already-resumed waiter is
 harmless (``done()`` is checked).
@@ -211,14 +214,20 @@ class Outbox:
 
 
 class _Waker:
-    """Resolves parked handler futures on the loop, one ``call_soon_threadsafe`` per batch."""
+    """Resolves parked handler futures on the loop, one ``call_soon_threadsafe`` per batch.
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    ``poke(waker)`` (Trio thread) is called once per batch, on its first ready waiter; it calls
+    :meth:`wake_loop` now or, from the bridge's dispatcher task, once the Trio tasks that are ready now
+    have run (see "Wake-ups" in the module docstring).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, poke: Callable[[_Waker], None]) -> None:
         self._loop = loop
+        self._poke = poke
         self._ready: deque[asyncio.Future] = deque()
         self._scheduled = False
 
-    def emit(self, outbox: Outbox, item: Any) -> None:  # any thread (Trio's)
+    def emit(self, outbox: Outbox, item: Any) -> None:  # the Trio thread
         outbox.items.append(item)
         waiter = outbox.waiter
         if waiter is not None:
@@ -226,7 +235,13 @@ class _Waker:
             self._ready.append(waiter)
             if not self._scheduled:
                 self._scheduled = True
-                self._loop.call_soon_threadsafe(self._flush)
+                self._poke(self)
+
+    def wake_loop(self) -> None:  # the Trio thread
+        try:
+            self._loop.call_soon_threadsafe(self._flush)
+        except RuntimeError:  # the loop is closed: no handler waits any more
+            pass
 
     def _flush(self) -> None:  # the loop's thread
         self._scheduled = False  # before draining: a waiter appended after this schedules a new flush
@@ -500,6 +515,8 @@ class RequestBridge:
         self._submit: _Submit | None = None  # set while run_dispatcher() runs
         self._pending: list[RequestItem] = []  # handed over before run_dispatcher() ran
         self._sinks: dict[str, _Sink] = {}  # request id -> its sink, while in flight
+        self._flusher: Any = None  # the dispatcher task, while parked waiting for a poke
+        self._to_wake: list[_Waker] = []  # poked, for the dispatcher to wake their loop
         self.admitting = True
         self.in_flight: dict[str, CancelHandle] = {}  # request id -> handle (Trio thread)
         self._idle = trio.Event()
@@ -529,7 +546,7 @@ class RequestBridge:
         loop = asyncio.get_running_loop()
         waker = self._waker
         if waker is None:
-            waker = self._waker = _Waker(loop)
+            waker = self._waker = _Waker(loop, self._poke)
         outbox = Outbox()
         request_id = str(context.id())
         handle = CancelHandle()
@@ -629,6 +646,26 @@ class RequestBridge:
             LOGGER.exception("request %s failed unexpectedly", item.request_id)
             sink.end(None, exc)
 
+    def _poke(self, waker: _Waker) -> None:
+        """Wake ``waker``'s loop once the Trio tasks that are ready now have run (Trio thread).
+
+        Several connections' reads often complete in one Trio scheduling batch (vLLM answers all its
+        streams at once); their emits then cost one ``call_soon_threadsafe`` (an eventfd write and a loop
+        wake-up) instead of one each. Without a running dispatcher, the loop is woken at once.
+        """
+        if self._submit is None:
+            waker.wake_loop()
+            return
+        self._to_wake.append(waker)
+        task = self._flusher
+        if task is not None:
+            self._flusher = None
+            trio.lowlevel.reschedule(task)
+
+    def _unpark(self, _raise_cancel: Any) -> trio.lowlevel.Abort:
+        self._flusher = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
     def _finished(self, item: RequestItem) -> None:
         if self.in_flight.pop(item.request_id, None) is not None:
             self._sinks.pop(item.request_id, None)
@@ -649,9 +686,20 @@ class RequestBridge:
         for item in pending:
             self._dispatch(item)
         try:
-            await trio.sleep_forever()
+            while True:  # the loop wake-ups, deferred by _poke
+                to_wake = self._to_wake
+                if to_wake:
+                    self._to_wake = []
+                    for waker in to_wake:
+                        waker.wake_loop()
+                self._flusher = trio.lowlevel.current_task()
+                await trio.lowlevel.wait_task_rescheduled(self._unpark)
         finally:
             self._submit = None
+            self._flusher = None
+            to_wake, self._to_wake = self._to_wake, []
+            for waker in to_wake:
+                waker.wake_loop()
             for request_id, sink in list(self._sinks.items()):
                 handle = self.in_flight.get(request_id)
                 if handle is not None:
