@@ -62,6 +62,10 @@ REFUSED_STREAM_RETRIES = 5
 _REFUSED_STREAM_PAUSE = 0.005
 
 
+def _listener_failed(exc: Exception) -> RpcError:
+    return RpcError(StatusCode.INTERNAL, f"response listener failed: {exc!r}")
+
+
 def _raise_call_error(error: RpcError) -> NoReturn:
     if isinstance(error, _StreamRefused):
         raise _StreamRefused(error.code, error.message)
@@ -209,7 +213,12 @@ class _ClientConnection(Connection):
         except Exception as exc:  # a listener must not raise; if one does, only its own call fails
             LOGGER.exception("transport: a response listener failed on %s", self.description)
             call.listener = None
-            call.fail(RpcError(StatusCode.INTERNAL, f"response listener failed: {exc!r}"))
+            # The stream is abandoned: reset it now (the owner's close() does not once the call failed).
+            self.calls.pop(call.stream_id, None)
+            self.protocol.reset_stream(call.stream_id, ErrorCodes.CANCEL)
+            self.kick()
+            call.fail(_listener_failed(exc))
+            self.stream_ended()
             return
         if stop:
             call.listener = None
@@ -529,7 +538,13 @@ class ResponseStream:
         if self._response_type is not None:
             raise RuntimeError("listen() hands over serialized messages: open the stream with response_type=None")
         while call.messages:
-            if listener(call.take_message()):
+            try:
+                stop = listener(call.take_message())
+            except Exception as exc:  # as from the reader task: only this call fails
+                LOGGER.exception("transport: a response listener failed on %s", self._channel._conn.description)
+                call.close()  # resets the stream unless the server already ended it
+                raise _listener_failed(exc) from exc
+            if stop:
                 return True
         call.listener = listener
         try:
