@@ -149,13 +149,18 @@ class GenerateContext:
 class ChunkSink(Protocol):
     """Where :meth:`SidecarEngine.submit` delivers a request's output (Trio thread; must not block or raise).
 
-    ``chunk`` gets every chunk as soon as its message is read, from whichever task read it (the
-    connection's reader or the request task); ``end`` is called exactly once, last: with the final chunk
+    ``chunk`` (or, for a chunk of token ids and text only, ``tokens``) gets every chunk as soon as its
+    message is read, from whichever task read it (the connection's reader or the request task); ``end`` is
+    called exactly once, last: with the final chunk
     (terminal or cancelled) or the error (a :class:`~trio_sidecar.errors.SidecarError`, or an unexpected
     exception), the other ``None``.
     """
 
     def chunk(self, chunk: LLMEngineOutput) -> None: ...
+
+    def tokens(self, token_ids: list[int], text: str | None) -> None:
+        """A plain token chunk (the common one): the same as ``chunk(token_chunk(token_ids, text))``;
+        ``token_ids`` is a fresh list the sink may keep."""
 
     def end(self, final: LLMEngineOutput | None, error: BaseException | None) -> None: ...
 
@@ -700,7 +705,11 @@ class SidecarEngine:
         """
         builder = req.builder
         add = builder.add
-        sink_chunk = req.sink.chunk  # type: ignore[union-attr]
+        take_items = builder.take_items
+        sink = req.sink
+        assert sink is not None
+        sink_chunk = sink.chunk
+        sink_tokens = sink.tokens
         failure: list[BaseException] = []
 
         def on_message(data: bytes) -> bool:  # reader task (or this one): never awaits, never raises
@@ -708,12 +717,17 @@ class SidecarEngine:
                 return True
             try:
                 step = add(data, req.request_cancelled)
-                batch = builder.take_batch()
-                if batch is not None:
-                    chunk = batch.take()
-                    while chunk is not None:
-                        sink_chunk(chunk)
-                        chunk = batch.take()
+                items = take_items()
+                if items:
+                    for index in range(0, len(items), 2):  # (pairs: see ChunkBatch)
+                        ids = items[index]
+                        kind = type(ids)
+                        if kind is int:
+                            sink_tokens([ids], items[index + 1])
+                        elif kind is list:
+                            sink_tokens(ids, items[index + 1])
+                        else:
+                            sink_chunk(ids)
             except Exception as exc:  # a bug: reported by this task, as _pump would raise it
                 failure.append(exc)
                 return True

@@ -20,7 +20,9 @@ from trio_sidecar.dynamo.bridge import (
     QUEUE_WARN_THRESHOLD,
     SHUTTING_DOWN,
     AsyncioThread,
+    CancelHandle,
     RequestBridge,
+    RequestItem,
     merge_deltas,
 )
 from trio_sidecar.errors import (
@@ -394,6 +396,23 @@ async def test_chunks_emitted_in_one_trio_batch_wake_the_loop_once(loop_thread, 
                 await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
     assert all(out == [{"token_ids": [7], "index": 0}] for out in results.values())
+
+
+@pytest.mark.parametrize(("token_ids", "text"), [([5], None), ([5], " five"), ([5, 6, 7], "abc"), ([], "")])
+def test_the_sinks_token_fast_path_emits_the_dict_of_the_same_chunk(token_ids, text):
+    from trio_sidecar.dynamo.bridge import _Sink
+    from trio_sidecar.protocol import token_chunk
+
+    emitted: list = []
+
+    def sink_for(rid: str):
+        item = RequestItem({}, rid, emitted.append, CancelHandle(), lambda: None)
+        return _Sink(RequestBridge.__new__(RequestBridge), item)
+
+    sink_for("fast").tokens(list(token_ids), text)
+    sink_for("slow").chunk(token_chunk(list(token_ids), text))
+    assert emitted[0] == emitted[1]
+    assert type(emitted[0]["token_ids"]) is list
 
 
 async def test_requests_after_stop_admitting_are_rejected(loop_thread):

@@ -18,6 +18,7 @@ from sidecar_fakes import PREFILL_HANDOFF, sidecar_config
 
 from trio_sidecar import GenerateContext, open_sidecar
 from trio_sidecar.engine import SidecarEngine
+from trio_sidecar.protocol import token_chunk
 from trio_sidecar.errors import (
     CannotConnect,
     EngineShutdown,
@@ -80,6 +81,9 @@ class RecordingSink:
         if self._on_chunk is not None:
             self._on_chunk(self, chunk)
         self._notify()
+
+    def tokens(self, token_ids: list[int], text: str | None) -> None:
+        self.chunk(token_chunk(token_ids, text))
 
     def end(self, final: Any, error: Any) -> None:
         if self.ended.is_set():

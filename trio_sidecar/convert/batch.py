@@ -252,11 +252,19 @@ class BatchBuilder:
 
     def take_batch(self) -> ChunkBatch | None:
         """The open batch (``None`` when it has no chunk); a new one is opened."""
+        items = self.take_items()
+        if items is None:
+            return None
+        return ChunkBatch(items)
+
+    def take_items(self) -> list[Any] | None:
+        """The open batch's pairs, as :class:`ChunkBatch` holds them (``None`` when it has no chunk); a new
+        batch is opened. For a consumer that takes every chunk at once (``SidecarEngine.submit``)."""
         items = self._items
         if not items:
             return None
         self._items = []
-        return ChunkBatch(items)
+        return items
 
     def eof(self, request_cancelled: bool) -> Ending:
         """The stream ended (OK trailers) without a terminal message."""

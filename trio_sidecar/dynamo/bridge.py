@@ -476,6 +476,14 @@ class _Sink:
         if not self.ended:
             self._item.emit(chunk.to_dict())
 
+    def tokens(self, token_ids: list[int], text: str | None) -> None:
+        """``chunk(token_chunk(token_ids, text))`` without building the chunk: its dict directly."""
+        if not self.ended:
+            if text is None:
+                self._item.emit({"token_ids": token_ids, "index": 0})
+            else:
+                self._item.emit({"token_ids": token_ids, "index": 0, "text": text})
+
     def end(self, final: Any, error: BaseException | None) -> None:
         """The request's last output, then the end sentinel; only the first call counts. Never raises."""
         if self.ended:
