@@ -16,6 +16,7 @@ the same mock. Per sidecar:
 * sidecar peak RSS during the load;
 * SSE events per completion (client side): how many items the worker handed to Dynamo, plus the frontend's
   usage event;
+* client-side latency: time to the first SSE event (p50) and to the end of the completion (p50, p99);
 * for trio-sidecar, CPU per completion by thread: the Trio thread (gRPC, conversion), the other Python
   threads (the asyncio loop that runs Dynamo's handler, egress threads) and Dynamo's tokio threads.
 
@@ -40,6 +41,7 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import math
 import os
 import shutil
 import signal
@@ -68,14 +70,16 @@ def _make_tiny_model(directory: Path) -> Path:
     return module.make_tiny_model(directory)
 
 
-async def _one_stream(port: int, body: bytes, events: list[int] | None = None) -> int:
+async def _one_stream(port: int, body: bytes, stats: list[tuple[int, float, float]] | None = None) -> int:
     """One streaming completion over a fresh connection; returns the completion tokens.
 
-    ``events`` gets the number of SSE ``data: {...}`` events of the stream appended.
+    ``stats`` gets ``(SSE data events, seconds to the first event, seconds to the end)`` appended.
 
     HTTP/1.0, so the server delimits the body by closing the connection instead of chunked encoding (SSE
     lines then arrive unsplit).
     """
+    start = time.perf_counter()
+    first = None
     reader, writer = await asyncio.open_connection(local.LOOPBACK, port)
     try:
         writer.write(
@@ -91,19 +95,21 @@ async def _one_stream(port: int, body: bytes, events: list[int] | None = None) -
         count = 0
         while line := await reader.readline():
             if line.startswith(b"data: {"):
+                if first is None:
+                    first = time.perf_counter() - start
                 count += 1
                 if b'"usage":{' in line:
                     usage = json.loads(line[6:]).get("usage") or {}
                     tokens = usage.get("completion_tokens", tokens)
-        if events is not None:
-            events.append(count)
+        if stats is not None:
+            stats.append((count, first if first is not None else math.nan, time.perf_counter() - start))
         return tokens
     finally:
         writer.close()
 
 
 async def _load(port: int, requests: int, concurrency: int, max_tokens: int,
-                events: list[int] | None = None) -> tuple[float, int, int]:
+                stats: list[tuple[int, float, float]] | None = None) -> tuple[float, int, int]:
     body = json.dumps({"model": MODEL, "prompt": "benchmark prompt for the sidecar", "max_tokens": max_tokens,
                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
     queue: asyncio.Queue[int] = asyncio.Queue()
@@ -117,7 +123,7 @@ async def _load(port: int, requests: int, concurrency: int, max_tokens: int,
         while not queue.empty():
             queue.get_nowait()
             try:
-                got = await _one_stream(port, body, events)  # not `tokens += await ...`: reads before awaiting
+                got = await _one_stream(port, body, stats)  # not `tokens += await ...`: reads before awaiting
             except (OSError, RuntimeError):
                 failures += 1
             else:
@@ -252,10 +258,10 @@ def _measure(kind: str, workdir: Path, env: dict, address: str, port: int, args)
         ps = psutil.Process(proc.pid)
         cpu_before = ps.cpu_times()
         threads_before = _thread_cpu(proc.pid)
-        events: list[int] = []
+        stats: list[tuple[int, float, float]] = []
         with _RssSampler(proc.pid) as rss:
             elapsed, tokens, failures = asyncio.run(
-                _load(port, args.requests, args.concurrency, args.max_tokens, events))
+                _load(port, args.requests, args.concurrency, args.max_tokens, stats))
         cpu_after = ps.cpu_times()
         threads_after = _thread_cpu(proc.pid)
         cpu = (cpu_after.user - cpu_before.user) + (cpu_after.system - cpu_before.system)
@@ -267,7 +273,10 @@ def _measure(kind: str, workdir: Path, env: dict, address: str, port: int, args)
             "tokens_per_s": tokens / elapsed,
             "cpu_s_per_1k_tokens": cpu / max(tokens, 1) * 1000,
             "cpu_us_per_completion": cpu / done * 1e6,
-            "events_per_completion": sum(events) / max(len(events), 1),
+            "events_per_completion": sum(s[0] for s in stats) / max(len(stats), 1),
+            "ttft_p50_ms": _percentile([s[1] for s in stats], 50) * 1e3,
+            "latency_p50_ms": _percentile([s[2] for s in stats], 50) * 1e3,
+            "latency_p99_ms": _percentile([s[2] for s in stats], 99) * 1e3,
             "thread_cpu_us_per_completion": threads,
             "peak_rss_mib": rss.peak / 2**20,
             "failures": failures,
@@ -285,9 +294,19 @@ METRICS = [
     ("CPU s / 1k tokens", "cpu_s_per_1k_tokens", "{:.3f}", "≤ 2.0×"),
     ("CPU µs / completion", "cpu_us_per_completion", "{:.0f}", ""),
     ("SSE events / completion", "events_per_completion", "{:.1f}", ""),
+    ("time to first event p50 (ms)", "ttft_p50_ms", "{:.1f}", ""),
+    ("completion latency p50 (ms)", "latency_p50_ms", "{:.1f}", ""),
+    ("completion latency p99 (ms)", "latency_p99_ms", "{:.1f}", ""),
     ("peak RSS (MiB)", "peak_rss_mib", "{:.0f}", ""),
     ("startup to registered (s)", "startup_s", "{:.2f}", ""),
 ]
+
+
+def _percentile(values: list[float], pct: float) -> float:
+    values = sorted(v for v in values if v == v)
+    if not values:
+        return math.nan
+    return values[min(len(values) - 1, int(len(values) * pct / 100))]
 
 
 def _median_runs(runs: list[dict]) -> dict:
