@@ -777,3 +777,55 @@ async def test_a_full_response_channel_parks_an_egress_thread_never_the_loop(loo
     assert tokens_of(stalled.frames) == list(range(plan))
     assert stalled.closed == 1
     assert [name.startswith("dynamo-egress-") for name in stalled.send_threads] == [False, False] + [True] * 6
+
+
+async def test_push_egress_many_concurrent_streams_lose_no_chunk_and_keep_order(loop_thread):
+    """The flush's inline sends under contention (the re-published waiter handshake): 40 streams x 300
+    chunks, every frame delivered once, in order, with the window crossed to the egress threads."""
+    sidecar = FakeSidecar(plan=300)
+    async with running_bridge(loop_thread, sidecar) as (bridge, _):
+        bridge.push_inline_frames = 50
+        senders = [FakeResponseSender() for _ in range(40)]
+
+        async def push_all():
+            return await asyncio.gather(
+                *(push(bridge, {"token_ids": [i * 1000]}, FakeDynamoContext(f"p{i}"), senders[i]) for i in range(40))
+            )
+
+        with trio.fail_after(60):
+            errors = await loop_thread.run(push_all)
+            await bridge.wait_idle()
+    assert errors == [None] * 40
+    for i, sender in enumerate(senders):
+        assert tokens_of(sender.frames) == [i * 1000 + k for k in range(300)]
+        assert sender.closed == 1
+    assert bridge.completed == 40
+
+
+async def test_push_egress_raises_an_unexpected_send_failure_from_the_handler(loop_thread):
+    # A send that fails with anything but the closed-stream RuntimeError, also while the loop's flush sends
+    # for a parked handler, is raised by the handler (Dynamo reports it) and stops the Trio request.
+    class BrokenSender(FakeResponseSender):
+        def send(self, obj: dict) -> None:
+            if self.frames:
+                raise ValueError("cannot encode")
+            super().send(obj)
+
+    sidecar = FakeSidecar(plan=5, hold=True)
+    async with running_bridge(loop_thread, sidecar) as (bridge, _):
+        sender = BrokenSender()
+        ctx = FakeDynamoContext("broken")
+
+        async def drive():
+            task = asyncio.ensure_future(push(bridge, {"token_ids": [1]}, ctx, sender))
+            while not sender.frames:
+                await asyncio.sleep(0.005)
+            ctx.stop_generating()  # the next chunk (the cancelled one) is sent while the handler is parked
+            return await task
+
+        with trio.fail_after(10):
+            error = await loop_thread.run(drive)
+            await bridge.wait_idle()
+    assert isinstance(error, ValueError) and str(error) == "cannot encode"
+    assert sender.frames == [{"token_ids": [1], "index": 0}]
+    assert sidecar.contexts["broken"].stopped

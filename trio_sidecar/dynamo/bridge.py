@@ -74,6 +74,11 @@ threads (:class:`_Egress`), one frame of a request at a time: a full channel the
 thread, never a loop. Chunks queued meanwhile are merged (below), so a request that is past its window
 still pays one hand-off per batch, not per token.
 
+Within the window the handler is not even resumed per batch: while it is parked, the loop's flush calls its
+``drain`` (:class:`Outbox`), which sends the queued outputs right there and leaves the handler parked. The
+handler only runs again for the end, an error, a failed send, or an output past its window (paced end to
+end: the asyncio thread's CPU per completion fell by about a quarter).
+
 Coalescing: when several plain token chunks of one request are already queued when the handler resumes,
 they are handed over as one multi-token delta (:func:`merge_deltas`), so a lagging consumer pays Dynamo's
 per-item cost once per batch instead of once per token. Without back-pressure every chunk goes as is.
@@ -204,13 +209,18 @@ class RequestItem:
 
 
 class Outbox:
-    """One request's chunk deque plus the handler's parked waiter (see "Wake-ups" above)."""
+    """One request's chunk deque plus the handler's parked waiter (see "Wake-ups" above).
 
-    __slots__ = ("items", "waiter")
+    ``drain``, set while a push handler is parked: the loop's flush calls it instead of resuming the handler
+    (it sends what is queued inline and returns True when the handler must take over).
+    """
+
+    __slots__ = ("drain", "items", "waiter")
 
     def __init__(self) -> None:
         self.items: deque[Any] = deque()
         self.waiter: asyncio.Future | None = None
+        self.drain: Callable[[], bool] | None = None
 
 
 class _Waker:
@@ -224,7 +234,7 @@ class _Waker:
     def __init__(self, loop: asyncio.AbstractEventLoop, poke: Callable[[_Waker], None]) -> None:
         self._loop = loop
         self._poke = poke
-        self._ready: deque[asyncio.Future] = deque()
+        self._ready: deque[tuple[Outbox, asyncio.Future]] = deque()
         self._scheduled = False
 
     def emit(self, outbox: Outbox, item: Any) -> None:  # the Trio thread
@@ -232,7 +242,7 @@ class _Waker:
         waiter = outbox.waiter
         if waiter is not None:
             outbox.waiter = None
-            self._ready.append(waiter)
+            self._ready.append((outbox, waiter))
             if not self._scheduled:
                 self._scheduled = True
                 self._poke(self)
@@ -247,9 +257,19 @@ class _Waker:
         self._scheduled = False  # before draining: a waiter appended after this schedules a new flush
         ready = self._ready
         while ready:
-            waiter = ready.popleft()
-            if not waiter.done():
+            outbox, waiter = ready.popleft()
+            if waiter.done():
+                continue
+            drain = outbox.drain
+            if drain is None or drain():
                 waiter.set_result(None)
+                continue
+            # Sent inline; the handler stays parked. Re-publish its waiter, then re-check: an emit that came
+            # while it was unpublished did not queue it (the same handshake as _Stream.wait).
+            outbox.waiter = waiter
+            if outbox.items:
+                outbox.waiter = None
+                ready.append((outbox, waiter))
 
 
 class _Egress:
@@ -413,10 +433,12 @@ class _Stream:
         self.ended = False
         self.warned = False
 
-    async def wait(self) -> None:
-        """Park until Trio emits (the waiter handshake in "Wake-ups" above)."""
+    async def wait(self, drain: Callable[[], bool] | None = None) -> None:
+        """Park until Trio emits (the waiter handshake in "Wake-ups" above); with ``drain`` (push), until an
+        emit that ``drain`` cannot handle inline (see :class:`Outbox`)."""
         outbox = self.outbox
         waiter = self.loop.create_future()
+        outbox.drain = drain
         outbox.waiter = waiter
         if outbox.items:  # emitted between the caller's check and publishing the waiter
             outbox.waiter = None
@@ -451,6 +473,7 @@ class _Stream:
     def close(self) -> None:
         """Leave the request: stop the Trio side unless it already ended."""
         self.outbox.waiter = None
+        self.outbox.drain = None
         self.watcher.cancel()
         if not self.ended:
             self.request_stop()
@@ -603,24 +626,45 @@ class RequestBridge:
         items = stream.outbox.items
         send = sender.send
         inline = self.push_inline_frames
+        failed: Exception | None = None
+
+        def drain() -> bool:
+            """Send the queued outputs inline (on the loop) while the window lasts; True when the handler must
+            take over: the end sentinel or an error is next, the window is used up, or a send failed. Called
+            by the handler and, while it is parked, by the loop's flush (no task step per wake-up)."""
+            nonlocal inline, failed
+            while items:
+                head = items[0]
+                if not inline or head is END or isinstance(head, BaseException):
+                    return True
+                out = stream.take()
+                inline -= 1
+                try:
+                    send(out)
+                except Exception as exc:  # noqa: BLE001 - raised by the handler, outside the flush
+                    failed = exc
+                    return True
+            return False
+
         try:
             while True:
-                if not items:
-                    await stream.wait()
+                if not drain():
+                    await stream.wait(drain)
                     continue
-                out = stream.take()
+                if failed is not None:
+                    if isinstance(failed, RuntimeError):  # the response stream is closed: nobody reads it any more
+                        LOGGER.debug("request %s: %s", stream.request_id, failed)
+                        return
+                    raise failed
+                out = stream.take()  # the end, an error (raised), or an output past the window
                 if out is END:
                     sender.close()  # never blocks: it only drops the channel's sending end
                     return
+                egress = self._egress
+                if egress is None:
+                    egress = self._egress = _Egress(stream.loop)
                 try:
-                    if inline:
-                        inline -= 1
-                        send(out)
-                    else:
-                        egress = self._egress
-                        if egress is None:
-                            egress = self._egress = _Egress(stream.loop)
-                        await egress.send(send, out)
+                    await egress.send(send, out)
                 except RuntimeError as exc:  # the response stream is closed: nobody reads this request any more
                     LOGGER.debug("request %s: %s", stream.request_id, exc)
                     return
