@@ -190,6 +190,7 @@ async def per_request_mode(args: argparse.Namespace, console: Console) -> int:
     host, port = address.rsplit(":", 1)
     direct_us: list[float] = []
     sidecar_us: list[float] = []
+    submit_us: list[float] = []
     try:
         config = SidecarConfig(
             grpc_endpoint=address, grpc_connections=args.connections, startup_deadline=30.0, health_prober=False
@@ -219,10 +220,40 @@ async def per_request_mode(args: argparse.Namespace, console: Console) -> int:
                         chunk.to_dict()  # as the Dynamo bridge does
                 return tokens
 
+            class Sink:  # what the Dynamo bridge's sink does with the chunks (to_dict), minus the hand-over
+                __slots__ = ("tokens_seen", "done")
+
+                def __init__(self) -> None:
+                    self.tokens_seen = 0
+                    self.done = trio.Event()
+
+                def chunk(self, chunk) -> None:
+                    self.tokens_seen += len(chunk.token_ids)
+                    chunk.to_dict()
+
+                def tokens(self, token_ids, text) -> None:
+                    self.tokens_seen += len(token_ids)
+                    {"token_ids": token_ids, "index": 0, "text": text}
+
+                def end(self, final, error) -> None:
+                    if final is not None:
+                        self.tokens_seen += len(final.token_ids)
+                        final.to_dict()
+                    self.done.set()
+
+            async def submitted(i: int) -> int:
+                sink = Sink()
+                sidecar.submit(dynamo_body(per_request), GenerateContext(f"u-{i}"), sink)
+                await sink.done.wait()
+                return sink.tokens_seen
+
             await run_requests(200, concurrency, direct)  # warm-up
             await run_requests(200, concurrency, through_sidecar)
+            await run_requests(200, concurrency, submitted)
+            runs = [("direct", direct, direct_us), ("sidecar", through_sidecar, sidecar_us),
+                    ("submit", submitted, submit_us)]
             for _ in range(args.repeat):
-                for label, fn, sink in (("direct", direct, direct_us), ("sidecar", through_sidecar, sidecar_us)):
+                for label, fn, sink in runs:
                     wall, cpu, tokens = await run_requests(args.requests, concurrency, fn)
                     assert tokens == args.requests * per_request, (label, tokens)
                     sink.append(1e6 * cpu / args.requests)
@@ -239,8 +270,11 @@ async def per_request_mode(args: argparse.Namespace, console: Console) -> int:
 
     console.print(f"CPU µs/request direct:  {summary(direct_us)}")
     console.print(f"CPU µs/request sidecar: {summary(sidecar_us)}")
+    console.print(f"CPU µs/request submit:  {summary(submit_us)}")
     added = [s - d for d, s in zip(direct_us, sidecar_us)]
     console.print(f"CPU µs/request added by the sidecar: {summary(added)}")
+    added = [s - d for d, s in zip(direct_us, submit_us)]
+    console.print(f"CPU µs/request added by the sidecar through submit(): {summary(added)}")
     return 0
 
 

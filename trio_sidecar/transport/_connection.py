@@ -358,13 +358,29 @@ class Connection:
         raise NotImplementedError
 
     async def _read_loop(self) -> None:
-        receive_some = self.stream.receive_some
+        """Read the socket until it closes or fails, handing the bytes to the protocol.
+
+        Reads with ``os.read`` on the non-blocking descriptor and waits with ``wait_readable`` itself:
+        ``SocketStream.receive_some`` costs several Python frames per call and, in a loop, one read that
+        fails with EAGAIN per wake-up. A read shorter than the buffer almost always drained the socket, so
+        the next step is to wait (readiness is level-triggered: data that came meanwhile is reported at once).
+        """
+        fd = self._fileno
+        read = os.read
+        wait_readable = trio.lowlevel.wait_readable
         receive_data = self.protocol.receive_data
         h2conn = self.h2
         while True:
             try:
-                data = await receive_some(RECEIVE_SIZE)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                data = read(fd, RECEIVE_SIZE)
+            except BlockingIOError:
+                try:
+                    await wait_readable(fd)
+                except trio.ClosedResourceError as exc:
+                    self.lose(f"connection to {self.description} lost: {exc or type(exc).__name__}")
+                    return
+                continue
+            except OSError as exc:
                 self.lose(f"connection to {self.description} lost: {exc or type(exc).__name__}")
                 return
             if not data:
@@ -379,6 +395,14 @@ class Connection:
                 self.handle_events(events)
             if h2conn._data_to_send:
                 self.flush()
+            try:
+                if len(data) < RECEIVE_SIZE:
+                    await wait_readable(fd)  # (a checkpoint)
+                else:
+                    await trio.lowlevel.checkpoint()  # more may be waiting: read it after the others ran
+            except trio.ClosedResourceError as exc:
+                self.lose(f"connection to {self.description} lost: {exc or type(exc).__name__}")
+                return
 
     # -- lifetime ------------------------------------------------------------------------------------
 
