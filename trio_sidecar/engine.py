@@ -18,6 +18,13 @@ caller's scope. The caller talks to it through:
   chunk, the cancelled chunk, or the stream error. Final items never block the task, so engine shutdown
   cannot hang on a caller that stopped reading.
 
+:meth:`SidecarEngine.submit` is the same request task for a consumer that never makes it wait (the Dynamo
+bridge queues every chunk for its asyncio thread): instead of the hand-off, a ``ChunkSink``. ``_listen``
+replaces ``_pump``: the builder runs in a callback that ``ResponseStream.listen`` calls from the connection's
+reader task as each message arrives, and the chunks go straight to the sink, so a token costs no task switch
+at all; the request task only waits for the end, then calls ``sink.end`` with the final slot. Cancellation,
+the decode deferral and Abort are the same code as for ``generate()``.
+
 One cancel scope (``_Request.scope``) wraps the task's work; two signals cancel it:
 
 * engine shutdown (:meth:`SidecarEngine.cleanup`, ``cancel_shutdown``) interrupts every phase in every mode;
@@ -151,9 +158,10 @@ class ChunkSink(Protocol):
 
     ``chunk`` (or, for a chunk of token ids and text only, ``tokens``) gets every chunk as soon as its
     message is read, from whichever task read it (the connection's reader or the request task); ``end`` is
-    called exactly once, last: with the final chunk
-    (terminal or cancelled) or the error (a :class:`~trio_sidecar.errors.SidecarError`, or an unexpected
-    exception), the other ``None``.
+    called exactly once, last: with the final chunk (terminal or cancelled) or the error (a
+    :class:`~trio_sidecar.errors.SidecarError`, or an unexpected exception), the other ``None``. An
+    exception from ``chunk``/``tokens`` fails the request like a bug in the engine (logged, ``end`` with the
+    error); one from ``end`` is logged.
     """
 
     def chunk(self, chunk: LLMEngineOutput) -> None: ...
@@ -655,7 +663,10 @@ class SidecarEngine:
             if sink is not None:
                 req.ctx._unsubscribe(req.client_cancel)
                 final = req.final
-                sink.end(final, None if final is not None else req.error or req.open_error)
+                try:
+                    sink.end(final, None if final is not None else req.error or req.open_error)
+                except Exception:  # a sink must not raise; one that does must not take the engine down
+                    LOGGER.exception("the sink of request %s failed at its end", req.request_id)
 
     def _fail(self, req: _Request, exc: BaseException) -> None:
         if not req.opened.is_set():

@@ -852,3 +852,45 @@ async def test_stop_racing_the_terminal_counts_only_what_the_sink_received(fake)
     assert usage(final)[1] == received, (final.finish_reason, usage(final), received)
     assert final.finish_reason == "stop"  # the terminal was converted first: it is what the sink gets
     assert sidecar.engine.aborts_queued == 0  # the server had ended the stream
+
+
+# ---------------------------------------------------------------------------- sinks that break the rules
+
+
+async def test_a_sink_whose_chunk_raises_fails_only_its_request_with_that_error(fake, caplog_sidecar):
+    class Boom(Exception):
+        pass
+
+    class BrokenSink(RecordingSink):
+        def tokens(self, token_ids, text):
+            raise Boom("sink bug")
+
+    fake.tokens = 5
+    async with open_sidecar(sidecar_config(fake.endpoint)) as sidecar:
+        broken = BrokenSink(sidecar.engine)
+        sidecar.submit(request(), GenerateContext("broken"), broken)
+        with trio.fail_after(2):
+            await broken.ended.wait()
+        healthy = await submit_and_wait(sidecar, request(), GenerateContext("healthy"))
+        assert sidecar.engine.in_flight == 0
+    error = broken.error()
+    assert isinstance(error, Boom) and str(error) == "sink bug"
+    assert "unexpected failure in request broken" in caplog_sidecar.text
+    assert usage(healthy.final()) == (3, 5, 8)
+
+
+async def test_a_sink_whose_end_raises_is_logged_and_the_engine_carries_on(fake, caplog_sidecar):
+    class EndRaises(RecordingSink):
+        def end(self, final, error):
+            super().end(final, error)
+            raise RuntimeError("end bug")
+
+    async with open_sidecar(sidecar_config(fake.endpoint)) as sidecar:
+        sink = EndRaises(sidecar.engine)
+        sidecar.submit(request(), GenerateContext("end-raises"), sink)
+        with trio.fail_after(2):
+            await sink.ended.wait()
+        after = await submit_and_wait(sidecar, request(), GenerateContext("after"))
+    assert sink.final().finish_reason == "stop"
+    assert after.final().finish_reason == "stop"
+    assert "the sink of request end-raises failed at its end" in caplog_sidecar.text
