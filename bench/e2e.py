@@ -241,6 +241,28 @@ def _thread_cpu(pid: int) -> dict[str, float]:
 
 
 def _measure(kind: str, workdir: Path, env: dict, address: str, port: int, args) -> dict:
+    with _pinned(args.worker_cpus):  # (inherited by the worker and every thread it starts)
+        return _measure_pinned(kind, workdir, env, address, port, args)
+
+
+class _pinned:
+    """Run the block with this process's CPU affinity set to ``cpus`` (None: unchanged)."""
+
+    def __init__(self, cpus: set[int] | None) -> None:
+        self._cpus = cpus
+        self._saved: set[int] | None = None
+
+    def __enter__(self) -> None:
+        if self._cpus is not None:
+            self._saved = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, self._cpus)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._saved is not None:
+            os.sched_setaffinity(0, self._saved)
+
+
+def _measure_pinned(kind: str, workdir: Path, env: dict, address: str, port: int, args) -> dict:
     namespace = f"bench-{kind}"
     start = time.monotonic()
     if kind == "native":
@@ -251,6 +273,8 @@ def _measure(kind: str, workdir: Path, env: dict, address: str, port: int, args)
     else:
         proc = local.start_trio_sidecar(workdir, env, address, namespace=namespace, name=f"{kind}-sidecar",
                                         extra=["--log-level", "warning"])
+    if args.worker_cpus is not None:
+        os.sched_setaffinity(0, args.other_cpus)  # the load client: with the mock and the frontend
     try:
         local.wait_for_models(port, [MODEL], timeout=300, watch=[proc])
         startup = time.monotonic() - start
@@ -319,9 +343,10 @@ def _median_runs(runs: list[dict]) -> dict:
 
 def _report(results: dict[str, list[dict]], args) -> dict:
     med = {kind: _median_runs(runs) for kind, runs in results.items()}
+    pinned = f", worker pinned to CPU {sorted(args.worker_cpus)[0]}" if args.worker_cpus else ""
     print(f"\nE2E: {args.requests} streaming completions x {args.max_tokens} tokens at concurrency "
           f"{args.concurrency}, mock speedup_ratio {args.speedup_ratio:g}, median of {args.rounds} round(s), "
-          f"same frontend and mock\n")
+          f"same frontend and mock{pinned}\n")
     print("| metric | native | trio-sidecar | ratio (trio/native) | target |")
     print("|---|---:|---:|---:|---|")
     ratios = {}
@@ -377,12 +402,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speedup-ratio", type=float, default=0.0,
                         help="the mock's speedup_ratio: 0 (default) models no time, so tokens arrive in bursts "
                              "and the sidecar path dominates; 1 paces decoding like an engine, token by token")
+    parser.add_argument("--pin", action="store_true",
+                        help="give the worker being measured a CPU of its own (the last one) and run the mock, "
+                             "the frontend and the load client on the others, as on a GPU node where the "
+                             "sidecar does not compete with them (default: all share every CPU)")
     parser.add_argument("--json", type=Path, help="also write the results as JSON")
     parser.add_argument("--keep-logs", action="store_true", help="keep the temporary directory with all logs")
     parser.add_argument("--ceiling", action="store_true",
                         help="also measure Python workers that do no work (pull/push egress, one item per "
                              "token/request): per-request and per-item CPU of a Python handler on Dynamo")
     args = parser.parse_args(argv)
+    args.worker_cpus = args.other_cpus = None
+    if args.pin:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            parser.error("--pin needs at least 2 CPUs")
+        args.worker_cpus = {cpus[-1]}
+        args.other_cpus = set(cpus[:-1])
+        os.sched_setaffinity(0, args.other_cpus)  # the mock and the frontend inherit it
     if importlib.util.find_spec("dynamo") is None:
         print("error: Dynamo 1.6.1 is not installed (scripts/install-dynamo.sh .venv/bin/python)", file=sys.stderr)
         return 1
