@@ -14,6 +14,7 @@ from functools import partial
 
 import pytest
 import trio
+import trio.testing
 
 from trio_sidecar.dynamo.bridge import (
     dynamo_exception,
@@ -829,3 +830,17 @@ async def test_push_egress_raises_an_unexpected_send_failure_from_the_handler(lo
     assert isinstance(error, ValueError) and str(error) == "cannot encode"
     assert sender.frames == [{"token_ids": [1], "index": 0}]
     assert sidecar.contexts["broken"].stopped
+
+
+async def test_a_request_handed_over_after_the_dispatcher_stopped_is_refused_not_lost(loop_thread):
+    sidecar = FakeSidecar()
+    bridge = RequestBridge(loop_thread, make_context=FakeGenerateContext)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(bridge.run_dispatcher, submitter(sidecar.generate, nursery))
+        await trio.testing.wait_all_tasks_blocked()  # the dispatcher runs (and is parked)
+        nursery.cancel_scope.cancel()
+    with trio.fail_after(10):
+        out = await loop_thread.run(consume, bridge, {"token_ids": [1]}, FakeDynamoContext("late"))
+    assert len(out) == 1 and isinstance(_sidecar_error(out[0]), EngineShutdown)
+    assert str(out[0]) == SHUTTING_DOWN
+    assert sidecar.contexts == {} and bridge.in_flight == {}

@@ -544,6 +544,7 @@ class RequestBridge:
         self._thread = thread
         self._make_context = make_context or _default_context
         self._submit: _Submit | None = None  # set while run_dispatcher() runs
+        self._dispatcher_done = False  # run_dispatcher() ended: requests handed over now are refused
         self._pending: list[RequestItem] = []  # handed over before run_dispatcher() ran
         self._sinks: dict[str, _Sink] = {}  # request id -> its sink, while in flight
         self._flusher: Any = None  # the dispatcher task, while parked waiting for a poke
@@ -677,11 +678,11 @@ class RequestBridge:
 
     def _dispatch(self, item: RequestItem) -> None:
         """Start a handed-over request (Trio thread, a ``run_sync_soon`` callback: never raises)."""
-        if self._submit is None:
+        if self._submit is None and not self._dispatcher_done:
             self._pending.append(item)  # before run_dispatcher(): started when it runs
             return
         sink = _Sink(self, item)
-        if not self.admitting:
+        if not self.admitting or self._submit is None:  # (or after run_dispatcher() ended)
             sink.end(None, EngineShutdown(SHUTTING_DOWN))
             return
         self.in_flight[item.request_id] = item.handle
@@ -731,7 +732,8 @@ class RequestBridge:
         Requests are started straight from the ``run_sync_soon`` callback that hands them over (no task of
         their own on this side: the engine's request task delivers their chunks to a :class:`_Sink`); those
         handed over before this runs are started now. When cancelled, every request still in flight gets
-        stop requested and ends at once with ``EngineShutdown("trio-sidecar is shutting down")``.
+        stop requested and ends at once with ``EngineShutdown("trio-sidecar is shutting down")``, and so does
+        any request handed over later.
         """
         self._submit = submit
         pending, self._pending = self._pending, []
@@ -748,6 +750,7 @@ class RequestBridge:
                 await trio.lowlevel.wait_task_rescheduled(self._unpark)
         finally:
             self._submit = None
+            self._dispatcher_done = True
             self._flusher = None
             to_wake, self._to_wake = self._to_wake, []
             for waker in to_wake:
