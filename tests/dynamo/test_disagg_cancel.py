@@ -17,10 +17,9 @@ What the tests observe on the servers, not only on the client:
 * the mocks' ``recorded_requests`` (which request reached which mock, with which handoff) and
   ``abort_calls`` (``Control.Abort`` traffic);
 * ``active_request_count()`` and the running/waiting metrics (released work);
-* the decode mock's per-call record of the tokens it handed to the stream (``_Call.sent``) and how the call
-  ended (``_Call.claim``: the natural finish, an Abort, or a dropped stream) — private attributes of the
-  mock, read through :func:`decode_call`, because no public hook tells "the stream was dropped after the
-  first token" from "dropped before it";
+* the decode mock's per-call record (``MockServer.call_record``): the tokens it handed to the stream and how
+  the call ended (the natural finish, an Abort, or a dropped stream), which tells "the stream was dropped
+  after the first token" from "dropped before it";
 * the decode worker's log line from Dynamo's runtime (``request cancellation received``), which dates the
   arrival of the client's cancellation at the worker.
 
@@ -100,22 +99,13 @@ def new_request(mock, before: int, timeout: float = 30.0) -> Any:
     return recorded[before][1]
 
 
-def decode_call(mock, request_id: str) -> Any:
-    """The decode mock's in-flight ``_Call`` for ``request_id`` (None once its RPC ended).
-
-    The object outlives its RPC, so its ``sent`` counter and ``claim`` can be read after the release
-    (through :func:`call_state`).
-    """
-    from trio_sidecar.mock import request_uuid
-
-    uuid = request_uuid(SEED, request_id)
-    return mock.call(lambda: mock.mock._routes.get(uuid))
-
-
-def call_state(mock, call: Any) -> tuple[int, str | None]:
-    """``(tokens the mock handed to the stream, how the call ended)``; the end is ``None`` while undecided,
-    else ``"finish"`` (terminal sent), ``"abort"`` (``Control.Abort`` first) or ``"drop"`` (stream dropped)."""
-    return mock.call(lambda: (call.sent, None if call.claim is None else call.claim.value))
+def call_state(mock, request_id: str) -> tuple[int, str | None]:
+    """``(tokens the decode mock handed to the stream, how the call ended)`` for ``request_id``; the end is
+    ``None`` while undecided, else ``"finish"`` (terminal sent), ``"abort"`` (``Control.Abort`` first) or
+    ``"drop"`` (stream dropped). Fails if the mock never saw the request."""
+    record = mock.call(lambda: mock.mock.call_record(request_id))
+    assert record is not None, f"no call {request_id!r} on the mock"
+    return record.tokens_sent, record.ended
 
 
 def wait_released(mock, timeout: float) -> float:
@@ -186,8 +176,7 @@ def test_disconnect_mid_stream_releases_the_decode_request_and_aborts_it(pd):
                            "ignore_eos": True, "stream": True}, timeout=30) as events:
         decode_req = new_request(pd.decode, d0)
         rid = decode_req.request_id
-        call = decode_call(pd.decode, rid)
-        assert call is not None
+        assert call_state(pd.decode, rid)[1] is None  # in flight
         chunks = [next(events) for _ in range(3)]
         assert completion_text(chunks), chunks
         assert pd.decode.active() == 1
@@ -196,7 +185,7 @@ def test_disconnect_mid_stream_releases_the_decode_request_and_aborts_it(pd):
 
     released = wait_released(pd.decode, timeout=5.0)
     assert released < 2.0, f"the decode mock released the request after {released:.2f}s"
-    sent, ended = call_state(pd.decode, call)
+    sent, ended = call_state(pd.decode, rid)
     assert ended in ENDED_BY_SIDECAR, f"the decode stream ended by {ended!r}, not by the sidecar"
     assert completion_text(chunks).count("<token:") <= sent < 20000  # what the client got, and not all
     wait_aborted(pd.decode, rid, timeout=max(0.1, 2.0 - (time.monotonic() - start)))
@@ -219,9 +208,7 @@ def test_disconnect_before_the_first_decode_token_is_deferred_until_that_token(p
         decode_req = new_request(pd.decode, d0)
         arrived = time.monotonic()
         rid = decode_req.request_id
-        call = decode_call(pd.decode, rid)
-        assert call is not None
-        assert call_state(pd.decode, call) == (0, None)
+        assert call_state(pd.decode, rid) == (0, None)
         # Leaving the block closes the client connection before any token exists.
     disconnected = time.monotonic() - arrived
     assert disconnected < 0.5, f"the client disconnected {disconnected:.2f}s after the decode request arrived"
@@ -230,18 +217,18 @@ def test_disconnect_before_the_first_decode_token_is_deferred_until_that_token(p
     while not cancellation_logged(pd.decode_worker, rid):
         assert time.monotonic() - arrived < 1.0, "the client's cancellation did not reach the decode worker"
         time.sleep(0.01)
-    assert call_state(pd.decode, call) == (0, None)
+    assert call_state(pd.decode, rid) == (0, None)
     assert pd.decode.active() == 1
     # ... and the worker keeps the stream open: it is not dropped before the first token.
     time.sleep(max(0.0, FIRST_TOKEN_AT - 0.45 - (time.monotonic() - arrived)))
     assert pd.decode.active() == 1, "the decode stream was dropped before the first token (KV transfer cut)"
-    assert call_state(pd.decode, call) == (0, None)
+    assert call_state(pd.decode, rid) == (0, None)
     assert rid not in aborted_ids(pd.decode)
 
     # Then the first token completes the transfer, and the stream is dropped right after it.
     wait_released(pd.decode, timeout=FIRST_TOKEN_AT + 2.0)
     held = time.monotonic() - arrived
-    sent, ended = call_state(pd.decode, call)
+    sent, ended = call_state(pd.decode, rid)
     assert ended in ENDED_BY_SIDECAR, f"the decode stream ended by {ended!r}, not by the sidecar"
     assert sent >= 1, "the decode mock produced no token before the stream was dropped"
     assert sent < 20000
@@ -272,21 +259,20 @@ def test_several_early_disconnects_at_once_are_all_deferred_released_and_aborted
             time.sleep(0.005)
         arrived = time.monotonic()
         decode_reqs = [req for _, req, _, _ in pd.decode.recorded()[d0:]]
-        calls = {req.request_id: decode_call(pd.decode, req.request_id) for req in decode_reqs}
-        assert all(call is not None for call in calls.values())
-        states = {rid: call_state(pd.decode, call) for rid, call in calls.items()}
+        rids = [req.request_id for req in decode_reqs]
+        states = {rid: call_state(pd.decode, rid) for rid in rids}
         assert set(states.values()) == {(0, None)}, f"a decode token existed before the disconnect: {states}"
     assert time.monotonic() - arrived < 0.5
 
     wait_released(pd.decode, timeout=2 * FIRST_TOKEN_AT + 2.0)  # later arrivals wait out the first pass
-    for rid, call in calls.items():
-        sent, ended = call_state(pd.decode, call)
+    for rid in rids:
+        sent, ended = call_state(pd.decode, rid)
         assert ended in ENDED_BY_SIDECAR and sent >= 1, (rid, sent, ended)
         wait_aborted(pd.decode, rid)
     wait_idle_metrics(pd.decode)
 
     prefill_reqs = {req.request_id: req for _, req, _, _ in pd.prefill.recorded()[p0:]}
-    assert set(prefill_reqs) == set(calls)
+    assert set(prefill_reqs) == set(rids)
     for req in decode_reqs:
         check_handoff(pd, prefill_reqs[req.request_id], req)
 
@@ -301,16 +287,15 @@ def test_early_disconnect_when_the_first_token_is_the_last_sends_no_abort(pd):
         decode_req = new_request(pd.decode, d0)
         arrived = time.monotonic()
         rid = decode_req.request_id
-        call = decode_call(pd.decode, rid)
-        assert call is not None
+        assert call_state(pd.decode, rid) == (0, None)
     assert time.monotonic() - arrived < 0.5
     while not cancellation_logged(pd.decode_worker, rid):
         assert time.monotonic() - arrived < 1.0, "the client's cancellation did not reach the decode worker"
         time.sleep(0.01)
-    assert call_state(pd.decode, call) == (0, None)
+    assert call_state(pd.decode, rid) == (0, None)
 
     wait_released(pd.decode, timeout=FIRST_TOKEN_AT + 2.0)
-    assert call_state(pd.decode, call) == (1, "finish")
+    assert call_state(pd.decode, rid) == (1, "finish")
     time.sleep(0.5)  # an Abort would have been sent at once
     assert rid not in aborted_ids(pd.decode)
     wait_idle_metrics(pd.decode)

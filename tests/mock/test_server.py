@@ -17,7 +17,7 @@ from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar._proto.vllm import control_pb2
 from trio_sidecar._proto.vllm import inference_pb2 as pb
 from trio_sidecar.mock import MockConfig, open_mock_server, planned_tokens, request_uuid
-from trio_sidecar.mock.server import MockConfigError, parse_listen
+from trio_sidecar.mock.server import CALL_HISTORY, CallRecord, MockConfigError, parse_listen
 from trio_sidecar.status import StatusCode as C
 from trio_sidecar.transport import RpcError, check_health, watch_health
 
@@ -461,6 +461,7 @@ async def test_abort_ends_the_stream_with_an_aborted_terminal_and_ok():
         assert terminal.finish_info.num_output_tokens == sent
         assert sum(m.outputs.HasField("finish_info") for m in rest) == 1
         await wait_drained(mock)
+        assert mock.call_record("ab") == CallRecord("ab", sent, "abort")
         await abort(ch, "ab", "ab", "unknown")  # repeated and unknown: no-ops
         await abort(ch)
         assert mock.abort_calls == [["ab"], ["ab", "ab", "unknown"], []]
@@ -501,6 +502,21 @@ async def test_a_natural_finish_racing_an_abort_yields_exactly_one_terminal():
         assert mock.active_request_count() == 0
 
 
+async def test_call_records_tell_how_each_request_ended_and_are_kept_after_it():
+    async with running_mock() as (mock, ch):
+        assert mock.call_record("never") is None
+        done = await collect(ch, gen("done", max_new_tokens=3))
+        assert mock.call_record("done") == CallRecord("done", len(stream_tokens(done)), "finish") == CallRecord(
+            "done", 3, "finish"
+        )
+        await collect(ch, gen("done", max_new_tokens=1))  # the same id again: the last call is kept
+        assert mock.call_record("done") == CallRecord("done", 1, "finish")
+        for i in range(CALL_HISTORY):
+            await collect(ch, gen(f"filler-{i}", max_new_tokens=1))
+        assert mock.call_record("done") is None  # older than the last CALL_HISTORY ended calls
+        assert mock.call_record(f"filler-{CALL_HISTORY - 1}") == CallRecord(f"filler-{CALL_HISTORY - 1}", 1, "finish")
+
+
 # --- 19: duplicate in-flight id --------------------------------------------------------------------------------
 
 
@@ -528,6 +544,9 @@ async def test_dropped_stream_frees_its_slot_and_spares_the_others():
             with trio.fail_after(2):
                 while mock.active_request_count() != 1 or mock.metrics(0).running_requests != 1:
                     await trio.sleep(0.01)
+            dropped = mock.call_record("drop")
+            assert dropped.ended == "drop" and dropped.tokens_sent >= 1
+            assert mock.call_record("keep").ended is None  # still in flight
             # ...and the other one keeps streaming.
             more = [await keep.__anext__() for _ in range(3)]
             assert all(m.outputs.num_tokens == 1 for m in more) and mock.metrics(0).running_requests == 1

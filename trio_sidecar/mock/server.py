@@ -59,7 +59,9 @@ from trio_sidecar.status import StatusCode
 from trio_sidecar.transport import FramedMessages, HealthServicer, RpcError, serve_grpc
 
 __all__ = [
+    "CALL_HISTORY",
     "HEALTH_SERVICES",
+    "CallRecord",
     "MockConfig",
     "MockConfigError",
     "MockServer",
@@ -211,6 +213,9 @@ class _Call:
 
     # --- decisions (synchronous) ---------------------------------------------------------------------
 
+    def record(self) -> CallRecord:
+        return CallRecord(self.prepared.request_id, self.sent, None if self.claim is None else self.claim.value)
+
     def try_claim(self, claim: _Claim) -> bool:
         if self.claim is not None:
             return False
@@ -326,6 +331,27 @@ class _Call:
         return info
 
 
+@attrs.frozen
+class CallRecord:
+    """What the mock did for one generation request (:meth:`MockServer.call_record`).
+
+    Attributes:
+        request_id: the client's ``request_id``.
+        tokens_sent: tokens handed to the client's stream so far.
+        ended: ``None`` while the request is in flight and its end undecided; else ``"finish"`` (the terminal
+            was sent), ``"abort"`` (``Control.Abort`` came first) or ``"drop"`` (the client dropped the stream
+            first).
+    """
+
+    request_id: str
+    tokens_sent: int
+    ended: str | None
+
+
+#: Ended calls kept for :meth:`MockServer.call_record`.
+CALL_HISTORY = 1024
+
+
 class MockServer:
     """A running mock server and its test hooks (mock-server.md §17). Built by :func:`open_mock_server`."""
 
@@ -334,6 +360,7 @@ class MockServer:
         self._engines = list(engines)
         self._publishers = list(publishers)
         self._routes: dict[str, _Call] = {}
+        self._ended_calls: dict[str, CallRecord] = {}  # request id -> its last ended call (insertion order)
         self._permits = trio.Semaphore(prepared.config.max_concurrent_requests)
         self._active = trio_util.AsyncValue(0)
         self._shutting_down = False
@@ -373,6 +400,15 @@ class MockServer:
     def active_request_count(self) -> int:
         """Registered response routes (in-flight generation requests)."""
         return len(self._routes)
+
+    def call_record(self, request_id: str) -> CallRecord | None:
+        """The request's call: in flight, else the last one that ended with this id (the last
+        :data:`CALL_HISTORY` ended calls are kept), else ``None``. Tells, e.g., "the client dropped the stream
+        after the first token" from "before it" (``tokens_sent``, ``ended``)."""
+        for call in self._routes.values():
+            if call.prepared.request_id == request_id:
+                return call.record()
+        return self._ended_calls.get(request_id)
 
     def metrics(self, rank: int = 0) -> Any:
         """The rank's metrics snapshot after its last scheduler pass."""
@@ -438,6 +474,11 @@ class MockServer:
 
     def _unregister(self, call: _Call) -> None:
         if self._routes.get(call.prepared.uuid) is call:
+            ended = self._ended_calls
+            ended.pop(call.prepared.request_id, None)
+            ended[call.prepared.request_id] = call.record()
+            if len(ended) > CALL_HISTORY:
+                del ended[next(iter(ended))]
             del self._routes[call.prepared.uuid]
             self._permits.release()
             self._active.value = len(self._routes)
