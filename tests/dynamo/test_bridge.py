@@ -844,3 +844,61 @@ async def test_a_request_handed_over_after_the_dispatcher_stopped_is_refused_not
     assert len(out) == 1 and isinstance(_sidecar_error(out[0]), EngineShutdown)
     assert str(out[0]) == SHUTTING_DOWN
     assert sidecar.contexts == {} and bridge.in_flight == {}
+
+
+async def test_egress_threads_grow_so_stalled_consumers_never_hold_up_other_requests(loop_thread):
+    # Ten consumers stalled at once each park their own egress thread; a frame of another request still goes
+    # out at once; idle threads exit.
+    from trio_sidecar.dynamo.bridge import _Egress
+
+    gate = threading.Event()
+    sent: list[str] = []
+
+    def stalled_send(out):
+        gate.wait(10)
+        sent.append(out)
+
+    async def scenario():
+        egress = _Egress(asyncio.get_running_loop(), idle_exit=0.2)
+        stalled = [egress.send(stalled_send, f"stalled-{i}") for i in range(10)]
+        other = egress.send(sent.append, "other")
+        await asyncio.wait_for(other, 5)  # not behind the stalled ones
+        assert sent == ["other"] and egress.threads == 11
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(*stalled), 5)
+        while egress.threads:  # every thread exits once idle for idle_exit
+            await asyncio.sleep(0.05)
+        again = egress.send(sent.append, "again")  # and a new one starts for the next frame
+        await asyncio.wait_for(again, 5)
+        return egress.threads
+
+    with trio.fail_after(20):
+        assert await loop_thread.run(scenario) == 1
+    assert sorted(sent) == sorted(["other", "again", *(f"stalled-{i}" for i in range(10))])
+
+
+async def test_egress_at_its_thread_cap_queues_frames_for_the_next_free_thread(loop_thread):
+    from trio_sidecar.dynamo.bridge import _Egress
+
+    gate = threading.Event()
+    sent: list[str] = []
+
+    def stalled_send(out):
+        gate.wait(10)
+        sent.append(out)
+
+    async def scenario():
+        egress = _Egress(asyncio.get_running_loop(), max_threads=2)
+        stalled = [egress.send(stalled_send, f"stalled-{i}") for i in range(2)]
+        queued = egress.send(sent.append, "queued")
+        await asyncio.sleep(0.2)
+        assert not queued.done() and egress.threads == 2  # at the cap: waits for a free thread
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(queued, *stalled), 5)
+        later = [egress.send(sent.append, f"later-{i}") for i in range(3)]  # the counts are consistent again
+        await asyncio.wait_for(asyncio.gather(*later), 5)
+        return egress.threads
+
+    with trio.fail_after(20):
+        assert await loop_thread.run(scenario) == 2
+    assert sorted(sent) == sorted(["queued", "stalled-0", "stalled-1", "later-0", "later-1", "later-2"])

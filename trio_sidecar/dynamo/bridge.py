@@ -69,9 +69,9 @@ Egress: how output reaches Dynamo. Dynamo 1.6.1 has two paths, chosen per handle
 ``ResponseSender.send`` **blocks** its caller (with the GIL released) while the request's channel is full,
 i.e. when its consumer stopped reading (a client that stops reading a long stream); on this loop that would
 stall every request. So a request's first :data:`PUSH_INLINE_FRAMES` frames (fewer than the channel holds,
-so they can never block) are sent inline on the loop, and later ones by a small pool of daemon egress
-threads (:class:`_Egress`), one frame of a request at a time: a full channel then only parks an egress
-thread, never a loop. Chunks queued meanwhile are merged (below), so a request that is past its window
+so they can never block) are sent inline on the loop, and later ones by daemon egress threads
+(:class:`_Egress`, started on demand), one frame of a request at a time: a full channel then only parks an
+egress thread, never the loop, and never another request's frames. Chunks queued meanwhile are merged (below), so a request that is past its window
 still pays one hand-off per batch, not per token.
 
 Within the window the handler is not even resumed per batch: while it is parked, the loop's flush calls its
@@ -149,8 +149,11 @@ QUEUE_WARN_THRESHOLD = 1024
 # PythonPushEngine::generate) and ResponseSender.send blocks while it is full, so no send within a request's
 # first 128 can block; later frames go through the _Egress threads.
 PUSH_INLINE_FRAMES = 96
-# Egress threads: that many consumers may stall at once before other requests' late frames wait too.
-EGRESS_THREADS = 8
+# Egress threads (see _Egress): started on demand, so a stalled consumer parks one and never makes another
+# request's late frames wait; at most this many at once (then frames queue for the next free one) ...
+EGRESS_MAX_THREADS = 256
+# ... and a thread idle for this long exits (seconds).
+EGRESS_IDLE_EXIT = 30.0
 SHUTTING_DOWN = "trio-sidecar is shutting down"
 
 
@@ -279,30 +282,73 @@ class _Egress:
     only an egress thread ever waits there, never the loop, until the consumer reads again or goes away
     (then ``send`` raises ``RuntimeError``). Each request has at most one frame in here at a time (its
     handler awaits the future), so its frames stay in order. Created on the first frame past a request's
-    window; the threads live as long as the process (daemons: a thread parked on a stalled consumer never
-    holds up the exit).
+    window.
+
+    The pool is elastic: a frame queued while no thread is idle starts one more (up to ``max_threads``), so
+    consumers that stalled at once each park their own thread and the other requests' frames still go out;
+    a thread idle for ``idle_exit`` seconds exits. Daemon threads: one parked on a stalled consumer never
+    holds up the process's exit.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, threads: int = EGRESS_THREADS) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        max_threads: int = EGRESS_MAX_THREADS,
+        idle_exit: float = EGRESS_IDLE_EXIT,
+    ) -> None:
         self._loop = loop
         self._jobs: queue.SimpleQueue[tuple[Callable[[Any], None], Any, asyncio.Future]] = queue.SimpleQueue()
-        for i in range(threads):
-            threading.Thread(target=self._run, name=f"dynamo-egress-{i}", daemon=True).start()
+        self._max_threads = max_threads
+        self._idle_exit = idle_exit
+        self._lock = threading.Lock()
+        self._threads = 0  # running
+        self._free = 0  # threads waiting for a job that no queued job is counted against
+        self._backlog = 0  # jobs queued at the cap with no thread counted for them
+        self._started = 0  # ever (thread names)
+
+    @property
+    def threads(self) -> int:
+        return self._threads
 
     def send(self, send: Callable[[Any], None], out: Any) -> asyncio.Future:  # the loop's thread
         future = self._loop.create_future()
         self._jobs.put((send, out, future))
+        with self._lock:
+            if self._free:
+                self._free -= 1  # a waiting thread takes it
+                return future
+            if self._threads >= self._max_threads:
+                self._backlog += 1  # the next thread that is done takes it
+                return future
+            self._threads += 1
+            self._started += 1
+            name = f"dynamo-egress-{self._started}"
+        threading.Thread(target=self._run, name=name, daemon=True).start()
         return future
 
     def _run(self) -> None:
+        jobs = self._jobs
         while True:
-            send, out, future = self._jobs.get()
+            try:
+                send, out, future = jobs.get(timeout=self._idle_exit)
+            except queue.Empty:
+                with self._lock:
+                    if self._free and jobs.empty():  # (else a job came just now: take it)
+                        self._free -= 1
+                        self._threads -= 1
+                        return
+                continue
             try:
                 send(out)
             except BaseException as exc:  # noqa: BLE001 - handed to the awaiting handler
                 self._resolve(future, exc)
             else:
                 self._resolve(future, None)
+            with self._lock:
+                if self._backlog:
+                    self._backlog -= 1  # this thread takes a job queued at the cap
+                else:
+                    self._free += 1
 
     def _resolve(self, future: asyncio.Future, exc: BaseException | None) -> None:
         try:
