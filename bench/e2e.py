@@ -2,7 +2,7 @@
 """End-to-end benchmark: trio-sidecar vs Dynamo's native (Rust) vLLM sidecar (issue 6, "Performance").
 
 Usage: python bench/e2e.py [--requests N] [--concurrency C] [--max-tokens T] [--rounds R] [--ceiling]
-                           [--speedup-ratio S] [--json PATH]
+                           [--speedup-ratio S] [--pin] [--json PATH]
 
 One invocation, one mock vLLM server and one ``python -m dynamo.frontend``, all on 127.0.0.1. Each sidecar
 is started in turn (the native ``python -m dynamo.vllm.sidecar``, then ``trio-sidecar run``, alternating
@@ -28,6 +28,9 @@ declares ``response_sender`` and sends each item itself; uvloop, like Dynamo's o
 counts split each path's CPU into a per-request and a per-item part:
 ``per item = (one per token - one per request) / (max_tokens - 1)``. They do not use the mock (so
 ``--speedup-ratio`` does not pace them), and their tokens/s is not comparable with the sidecars'.
+
+With ``--pin`` the worker being measured runs on a CPU of its own and the mock, the frontend and the load
+client on the others (as on a GPU node, where the sidecar does not compete with them for CPU).
 
 Prints the values and trio/native ratios with the targets (throughput ≥ 1.0× native, CPU per token ≤ 2×
 native). The mock runs with ``speedup_ratio 0`` (no modelled time; ``--speedup-ratio``) so the sidecar path
