@@ -17,6 +17,8 @@ the same mock. Per sidecar:
 * SSE events per completion (client side): how many items the worker handed to Dynamo, plus the frontend's
   usage event;
 * client-side latency: time to the first SSE event (p50) and to the end of the completion (p50, p99);
+* CPU per completion of the mock, the frontend and the load client (this process) while each sidecar is
+  measured: what the whole system spends per completion;
 * for trio-sidecar, CPU per completion by thread: the Trio thread (gRPC, conversion), the other Python
   threads (the asyncio loop that runs Dynamo's handler, egress threads) and Dynamo's tokio threads.
 
@@ -243,6 +245,12 @@ def _thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
+def _cpu_s(process: psutil.Process) -> float:
+    """User + system CPU seconds of a process (its own threads only)."""
+    times = process.cpu_times()
+    return times.user + times.system
+
+
 def _measure(kind: str, workdir: Path, env: dict, address: str, port: int, args) -> dict:
     with _pinned(args.worker_cpus):  # (inherited by the worker and every thread it starts)
         return _measure_pinned(kind, workdir, env, address, port, args)
@@ -283,6 +291,9 @@ def _measure_pinned(kind: str, workdir: Path, env: dict, address: str, port: int
         startup = time.monotonic() - start
         asyncio.run(_load(port, min(args.concurrency, args.requests), args.concurrency, args.max_tokens))  # warm-up
         ps = psutil.Process(proc.pid)
+        peers = {name: psutil.Process(pid) for name, pid in args.peer_pids.items()}
+        peers["client"] = psutil.Process()
+        peers_before = {name: _cpu_s(p) for name, p in peers.items()}
         cpu_before = ps.cpu_times()
         threads_before = _thread_cpu(proc.pid)
         stats: list[tuple[int, float, float]] = []
@@ -291,6 +302,7 @@ def _measure_pinned(kind: str, workdir: Path, env: dict, address: str, port: int
                 _load(port, args.requests, args.concurrency, args.max_tokens, stats))
         cpu_after = ps.cpu_times()
         threads_after = _thread_cpu(proc.pid)
+        peers_cpu = {name: _cpu_s(p) - peers_before[name] for name, p in peers.items()}
         cpu = (cpu_after.user - cpu_before.user) + (cpu_after.system - cpu_before.system)
         done = max(args.requests - failures, 1)
         threads = {name: (value - threads_before.get(name, 0.0)) / done * 1e6 for name, value in threads_after.items()}
@@ -305,6 +317,7 @@ def _measure_pinned(kind: str, workdir: Path, env: dict, address: str, port: int
             "latency_p50_ms": _percentile([s[2] for s in stats], 50) * 1e3,
             "latency_p99_ms": _percentile([s[2] for s in stats], 99) * 1e3,
             "thread_cpu_us_per_completion": threads,
+            "peer_cpu_us_per_completion": {name: v / done * 1e6 for name, v in peers_cpu.items()},
             "peak_rss_mib": rss.peak / 2**20,
             "failures": failures,
             "tokens": tokens,
@@ -341,6 +354,10 @@ def _median_runs(runs: list[dict]) -> dict:
     names = {name for r in runs for name in r["thread_cpu_us_per_completion"]}
     med["thread_cpu_us_per_completion"] = {
         name: statistics.median(r["thread_cpu_us_per_completion"].get(name, 0.0) for r in runs) for name in names}
+    if "peer_cpu_us_per_completion" in runs[0]:
+        med["peer_cpu_us_per_completion"] = {
+            name: statistics.median(r["peer_cpu_us_per_completion"][name] for r in runs)
+            for name in runs[0]["peer_cpu_us_per_completion"]}
     return med
 
 
@@ -365,6 +382,12 @@ def _report(results: dict[str, list[dict]], args) -> dict:
     other = max(0.0, sum(threads.values()) - trio_thread - tokio - python)
     print(f"\ntrio-sidecar CPU µs per completion by thread: Trio {trio_thread:.0f}, asyncio loop and egress "
           f"{python:.0f}, Dynamo tokio {tokio:.0f}, other {other:.0f}")
+    for kind in ("native", "trio"):
+        peers = med[kind].get("peer_cpu_us_per_completion")
+        if peers:
+            total = med[kind]["cpu_us_per_completion"] + sum(peers.values())
+            print(f"with {kind}: CPU µs per completion of the worker {med[kind]['cpu_us_per_completion']:.0f}, "
+                  + ", ".join(f"{name} {value:.0f}" for name, value in peers.items()) + f"; all {total:.0f}")
     ceilings = [kind for kind in CEILINGS if kind in med]
     if ceilings:
         print("\nPython workers that do no work (--ceiling):\n")
@@ -438,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         procs.append(mock)
         frontend, port = local.start_frontend(workdir, env)
         procs.append(frontend)
+        args.peer_pids = {"mock": mock.pid, "frontend": frontend.pid}
         kinds = ("native", "trio", *CEILINGS) if args.ceiling else ("native", "trio")
         results: dict[str, list[dict]] = {kind: [] for kind in kinds}
         for round_ in range(args.rounds):
