@@ -21,6 +21,7 @@ __all__ = [
     "discover",
     "Sidecar",
     "GenerateContext",
+    "ChunkSink",
     "SidecarEngine",
     # configuration
     "SidecarConfig",
@@ -50,7 +51,7 @@ __all__ = [
 if TYPE_CHECKING:
     from .api import Sidecar, discover, open_sidecar
     from .config import DisaggregationMode, SidecarConfig, WorkerOptions
-    from .engine import GenerateContext, SidecarEngine
+    from .engine import ChunkSink, GenerateContext, SidecarEngine
     from .errors import (
         CannotConnect,
         ConnectionTimeout,
@@ -71,6 +72,7 @@ _HOMES = {
     "discover": "api",
     "Sidecar": "api",
     "GenerateContext": "engine",
+    "ChunkSink": "engine",
     "SidecarEngine": "engine",
     "SidecarConfig": "config",
     "WorkerOptions": "config",

@@ -75,7 +75,10 @@ class Sidecar:
 
     def submit(self, request: dict[str, Any] | PreprocessedRequest, ctx: GenerateContext, sink: ChunkSink) -> None:
         """Start one request whose chunks go to ``sink`` (what the Dynamo worker uses); see
-        :meth:`SidecarEngine.submit`. Raises as ``generate``'s ``__aenter__`` does, synchronously.
+        :meth:`SidecarEngine.submit`.
+
+        Raises (synchronously; the sink is not called): ``InvalidArgument`` (conversion), ``CannotConnect``
+        (admission closed), ``EngineShutdown`` (not started). Open and stream errors reach ``sink.end``.
         """
         self.engine.submit(request, ctx, sink)
 
