@@ -154,7 +154,9 @@ class GenerateContext:
 
 
 class ChunkSink(Protocol):
-    """Where :meth:`SidecarEngine.submit` delivers a request's output (Trio thread; must not block or raise).
+    """Where :meth:`SidecarEngine.submit` delivers a request's output (Trio thread; must not block or raise,
+    and should be quick: ``chunk``/``tokens`` usually run in the connection's reader task, ahead of the
+    other streams on that connection).
 
     ``chunk`` (or, for a chunk of token ids and text only, ``tokens``) gets every chunk as soon as its
     message is read, from whichever task read it (the connection's reader or the request task); ``end`` is
