@@ -15,15 +15,18 @@ from functools import partial
 import pytest
 import trio
 import trio.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from trio_sidecar.dynamo.bridge import (
-    dynamo_exception,
     QUEUE_WARN_THRESHOLD,
     SHUTTING_DOWN,
     AsyncioThread,
     CancelHandle,
+    Outbox,
     RequestBridge,
     RequestItem,
+    dynamo_exception,
     merge_deltas,
 )
 from trio_sidecar.errors import (
@@ -388,7 +391,7 @@ async def test_chunks_emitted_in_one_trio_batch_wake_the_loop_once(loop_thread, 
                 sinks[rid].chunk(Chunk({"token_ids": [7], "index": 0}))
             assert wakes == []  # deferred to the dispatcher, after the tasks that are ready now
             while not wakes:
-                await trio.sleep(0)
+                await trio.lowlevel.checkpoint()
             await trio.sleep(0.2)
             assert wakes == [1]
             for rid in rids:
@@ -902,3 +905,63 @@ async def test_egress_at_its_thread_cap_queues_frames_for_the_next_free_thread(l
     with trio.fail_after(20):
         assert await loop_thread.run(scenario) == 2
     assert sorted(sent) == sorted(["queued", "stalled-0", "stalled-1", "later-0", "later-1", "later-2"])
+
+
+# -- coalescing a run of queued deltas at once (``_Stream.take``) ------------------------------------------
+
+
+@st.composite
+def queued_chunk(draw):
+    """A chunk as the Trio side queues it: mostly plain deltas, sometimes terminal, cancelled or other."""
+    index = draw(st.sampled_from([0, 0, 0, 1]))
+    ids = draw(st.lists(st.integers(0, 9), min_size=0, max_size=3))
+    chunk = {"token_ids": ids, "index": index}
+    if draw(st.booleans()):
+        chunk["text"] = draw(st.sampled_from(["", "a", "bc"]))
+    if draw(st.integers(0, 4)) == 0:
+        chunk["log_probs"] = [-0.5] * len(ids)
+    if draw(st.integers(0, 6)) == 0:
+        chunk["top_logprobs"] = [[{"rank": 1, "token_id": t, "token": None, "logprob": -0.5}] for t in ids]
+    kind = draw(st.integers(0, 7))
+    if kind == 0:
+        chunk.update(finish_reason="length", completion_usage={"prompt_tokens": 1, "completion_tokens": 2,
+                                                               "total_tokens": 3})
+    elif kind == 1:
+        chunk["disaggregated_params"] = {}
+    return chunk
+
+
+def fold_pairwise(queue: list) -> list:
+    """What ``_Stream.take`` returned before it merged whole runs: ``merge_deltas`` one chunk at a time."""
+    from collections import deque
+
+    from trio_sidecar.dynamo.bridge import merge_deltas
+
+    items = deque(queue)
+    out = []
+    while items:
+        chunk = items.popleft()
+        while items and type(items[0]) is dict:
+            merged = merge_deltas(chunk, items[0])
+            if merged is None:
+                break
+            items.popleft()
+            chunk = merged
+        out.append(chunk)
+    return out
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(queued_chunk(), max_size=12))
+def test_taking_a_run_of_queued_deltas_equals_merging_them_one_by_one(queue):
+    from collections import deque
+
+    from trio_sidecar.dynamo.bridge import _Stream
+
+    outbox = Outbox()
+    outbox.items = deque(dict(c) for c in queue)
+    stream = _Stream(None, outbox, "r", lambda: None, None)
+    taken = []
+    while outbox.items:
+        taken.append(stream.take())
+    assert taken == fold_pairwise([dict(c) for c in queue])

@@ -508,12 +508,10 @@ class _Stream:
         if isinstance(out, BaseException):
             self.ended = True
             raise dynamo_exception(out)
-        while items and type(items[0]) is dict:
-            merged = merge_deltas(out, items[0])
-            if merged is None:
-                break
-            items.popleft()
-            out = merged
+        if items and type(items[0]) is dict:
+            run = take_delta_run(out, items)
+            if run is not None:
+                return merge_run(run)
         return out
 
     def close(self) -> None:
@@ -855,6 +853,49 @@ def merge_deltas(first: dict, second: dict) -> dict | None:
         if key in first:
             merged[key] = [*first[key], *second[key]]
     text = (first.get("text") or "") + (second.get("text") or "")
+    if text:
+        merged["text"] = text
+    return merged
+
+
+def take_delta_run(first: dict, items: deque) -> list[dict] | None:
+    """``first`` and the queued chunks that :func:`merge_deltas` would fold into it one by one, taken off
+    ``items``; ``None`` (nothing taken) when not even the next one merges."""
+    if not first.keys() <= _DELTA_KEYS or not first.get("token_ids"):
+        return None
+    index = first.get("index", 0)
+    log_probs = "log_probs" in first
+    top_logprobs = "top_logprobs" in first
+    run = [first]
+    previous = first
+    while items:
+        chunk = items[0]
+        if (
+            type(chunk) is not dict
+            or not previous.keys() <= _DELTA_KEYS  # (what merge_deltas checks of the merged so far)
+            or chunk.get("index", 0) != index
+            or not chunk.get("token_ids")
+            or ("log_probs" in chunk) != log_probs
+            or ("top_logprobs" in chunk) != top_logprobs
+        ):
+            break
+        run.append(items.popleft())
+        previous = chunk
+    return run if len(run) > 1 else None
+
+
+def merge_run(run: list[dict]) -> dict:
+    """:func:`merge_deltas` folded over ``run`` (every step merges: :func:`take_delta_run`), building each
+    list and the text once instead of once per step."""
+    merged = dict(run[-1])
+    first = run[0]
+    for key in _LIST_KEYS:
+        if key in first:
+            values: list = []
+            for chunk in run:
+                values += chunk[key]
+            merged[key] = values
+    text = "".join([chunk.get("text") or "" for chunk in run])
     if text:
         merged["text"] = text
     return merged
