@@ -965,3 +965,71 @@ def test_taking_a_run_of_queued_deltas_equals_merging_them_one_by_one(queue):
     while outbox.items:
         taken.append(stream.take())
     assert taken == fold_pairwise([dict(c) for c in queue])
+
+
+def test_a_waiter_abandoned_in_the_publish_race_is_never_drained_or_republished():
+    """An emit that lands between the handler publishing its waiter and re-checking the deque queues that
+    waiter for a flush, although the handler returns without awaiting it and parks on a new one. The flush
+    must skip the abandoned waiter: draining for it would re-publish it over the new one, and the end would
+    then wake a future nobody awaits (the request would never finish)."""
+    from trio_sidecar.dynamo.bridge import END, _Stream, _Waker
+
+    class RacyOutbox(Outbox):
+        """Trio's emit happens right after the first waiter is published (the race window)."""
+
+        __slots__ = ("_waiter", "race")
+
+        def __init__(self) -> None:
+            self._waiter = None
+            self.race = None
+            super().__init__()
+
+        @property
+        def waiter(self):
+            return self._waiter
+
+        @waiter.setter
+        def waiter(self, value) -> None:
+            self._waiter = value
+            if value is not None and self.race is not None:
+                race, self.race = self.race, None
+                race()
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        waker = _Waker(loop, lambda _waker: None)  # flushes are run by hand below
+        outbox = RacyOutbox()
+        stream = _Stream(loop, outbox, "race", lambda: None, None)
+        sent: list = []
+
+        def drain() -> bool:
+            while outbox.items:
+                if outbox.items[0] is END:
+                    return True
+                sent.append(stream.take())
+            return False
+
+        outbox.race = lambda: waker.emit(outbox, {"token_ids": [1], "index": 0})
+
+        async def handler() -> str:
+            while True:
+                if not drain():
+                    await stream.wait(drain)
+                    continue
+                assert stream.take() is END
+                return "ended"
+
+        task = asyncio.ensure_future(handler())
+        for _ in range(5):
+            await asyncio.sleep(0)  # the handler lost the race, drained the token and parks on a new waiter
+        assert sent == [{"token_ids": [1], "index": 0}] and not task.done()
+        waker._flush()  # the flush the racing emit asked for
+        waker.emit(outbox, {"token_ids": [2], "index": 0})
+        waker._flush()
+        waker.emit(outbox, END)
+        waker._flush()
+        return await asyncio.wait_for(task, 2), sent
+
+    result, sent = asyncio.run(scenario())
+    assert result == "ended"
+    assert sent == [{"token_ids": [1], "index": 0}, {"token_ids": [2], "index": 0}]

@@ -488,6 +488,9 @@ class _Stream:
         outbox.waiter = waiter
         if outbox.items:  # emitted between the caller's check and publishing the waiter
             outbox.waiter = None
+            # The emit may have queued this waiter for a flush: cancelled, that flush skips it instead of
+            # draining for it and re-publishing it over the waiter this handler parks on next.
+            waiter.cancel()
             return
         await waiter
 
