@@ -835,6 +835,31 @@ async def test_push_egress_raises_an_unexpected_send_failure_from_the_handler(lo
     assert sidecar.contexts["broken"].stopped
 
 
+async def test_push_egress_sends_nothing_after_a_failed_send(loop_thread):
+    # One frame fails to send (not a closed stream): the handler raises that error, and no later frame of the
+    # request goes out meanwhile (Dynamo would get a stream with a hole in it).
+    class FailsOnce(FakeResponseSender):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def send(self, obj: dict) -> None:
+            self.calls += 1
+            if self.calls == 2:
+                raise ValueError("cannot encode the second frame")
+            super().send(obj)
+
+    sidecar = StepSidecar(6)  # six frames (never coalesced)
+    async with running_bridge(loop_thread, sidecar) as (bridge, _):
+        sender = FailsOnce()
+        with trio.fail_after(10):
+            error = await loop_thread.run(push, bridge, {"token_ids": [10]}, FakeDynamoContext("hole"), sender)
+            await bridge.wait_idle()
+    assert isinstance(error, ValueError) and str(error) == "cannot encode the second frame"
+    assert tokens_of(sender.frames) == [10]
+    assert sender.calls == 2
+
+
 async def test_a_request_handed_over_after_the_dispatcher_stopped_is_refused_not_lost(loop_thread):
     sidecar = FakeSidecar()
     bridge = RequestBridge(loop_thread, make_context=FakeGenerateContext)

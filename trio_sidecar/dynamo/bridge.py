@@ -681,6 +681,8 @@ class RequestBridge:
             take over: the end sentinel or an error is next, the window is used up, or a send failed. Called
             by the handler and, while it is parked, by the loop's flush (no task step per wake-up)."""
             nonlocal inline, failed
+            if failed is not None:  # (a send that failed during a flush: the handler deals with it first)
+                return True
             while items:
                 head = items[0]
                 if not inline or head is END or isinstance(head, BaseException):
