@@ -405,9 +405,9 @@ class MockServer:
         """The request's call: in flight, else the last one that ended with this id (the last
         :data:`CALL_HISTORY` ended calls are kept), else ``None``. Tells, e.g., "the client dropped the stream
         after the first token" from "before it" (``tokens_sent``, ``ended``)."""
-        for call in self._routes.values():
-            if call.prepared.request_id == request_id:
-                return call.record()
+        call = self._routes.get(request_uuid(self._prepared.config.seed, request_id))
+        if call is not None:
+            return call.record()
         return self._ended_calls.get(request_id)
 
     def metrics(self, rank: int = 0) -> Any:
