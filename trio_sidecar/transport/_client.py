@@ -551,28 +551,39 @@ class ResponseStream:
             while True:
                 if call.listener is None and call.error is None:
                     return True
-                if call.end is not None:
-                    self.trailing_metadata = call.end.custom_metadata
-                    call.close()
-                    error = call.status_error()
-                    if error is not None:
-                        raise error
+                if self._ended(call):
                     return False
-                if call.error is not None:
+                if await self._wait(call) and call.listener is not None and call.end is None:
                     call.close()
-                    raise _copy_error(call.error)
-                if call.done:
-                    raise RuntimeError("the response stream is closed")
-                if self._deadline == math.inf:
-                    await call.wait()
-                else:
-                    with trio.move_on_at(self._deadline):
-                        await call.wait()
-                    if trio.current_time() >= self._deadline and call.listener is not None and call.end is None:
-                        call.close()
-                        raise _deadline_exceeded()
+                    raise _deadline_exceeded()
         finally:
             call.listener = None
+
+    def _ended(self, call: _ClientCall) -> bool:
+        """True once the call ended with OK trailers (``trailing_metadata`` set, the call closed); raises the
+        status of a non-OK end, the call's error, or ``RuntimeError`` for a call closed by its owner."""
+        if call.end is not None:
+            self.trailing_metadata = call.end.custom_metadata
+            call.close()
+            error = call.status_error()
+            if error is not None:
+                raise error
+            return True
+        if call.error is not None:
+            call.close()
+            raise _copy_error(call.error)
+        if call.done:
+            raise RuntimeError("the response stream is closed")
+        return False
+
+    async def _wait(self, call: _ClientCall) -> bool:
+        """Park until the reader wakes the call; returns whether the call's deadline has passed."""
+        if self._deadline == math.inf:
+            await call.wait()
+            return False
+        with trio.move_on_at(self._deadline):
+            await call.wait()
+        return trio.current_time() >= self._deadline
 
     async def __anext__(self) -> Any:
         call = self._call
@@ -591,26 +602,11 @@ class ResponseStream:
                     raise RpcError(
                         StatusCode.INTERNAL, f"failed to parse a response message of {self._method}"
                     ) from None
-            if call.end is not None:
-                self.trailing_metadata = call.end.custom_metadata
-                call.close()
-                error = call.status_error()
-                if error is not None:
-                    raise error
+            if self._ended(call):
                 raise StopAsyncIteration
-            if call.error is not None:
+            if await self._wait(call) and not call.messages and call.end is None:
                 call.close()
-                raise _copy_error(call.error)
-            if call.done:
-                raise RuntimeError("the response stream is closed")
-            if self._deadline == math.inf:
-                await call.wait()
-            else:
-                with trio.move_on_at(self._deadline):
-                    await call.wait()
-                if trio.current_time() >= self._deadline and not call.messages and call.end is None:
-                    call.close()
-                    raise _deadline_exceeded()
+                raise _deadline_exceeded()
 
 
 async def connect_channel(
