@@ -1022,7 +1022,7 @@ def test_a_waiter_abandoned_in_the_publish_race_is_never_drained_or_republished(
 
     async def scenario():
         loop = asyncio.get_running_loop()
-        waker = _Waker(loop, lambda _waker: None)  # flushes are run by hand below
+        waker = _Waker(loop, lambda: None)  # flushes are run by hand below
         outbox = RacyOutbox()
         stream = _Stream(loop, outbox, "race", lambda: None, None)
         sent: list = []

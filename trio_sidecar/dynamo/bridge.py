@@ -229,12 +229,12 @@ class Outbox:
 class _Waker:
     """Resolves parked handler futures on the loop, one ``call_soon_threadsafe`` per batch.
 
-    ``poke(waker)`` (Trio thread) is called once per batch, on its first ready waiter; it calls
-    :meth:`wake_loop` now or, from the bridge's dispatcher task, once the Trio tasks that are ready now
-    have run (see "Wake-ups" in the module docstring).
+    ``poke()`` (Trio thread) is called once per batch, on its first ready waiter; it calls :meth:`wake_loop`
+    now or, from the bridge's dispatcher task, once the Trio tasks that are ready now have run (see
+    "Wake-ups" in the module docstring).
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, poke: Callable[[_Waker], None]) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, poke: Callable[[], None]) -> None:
         self._loop = loop
         self._poke = poke
         self._ready: deque[tuple[Outbox, asyncio.Future]] = deque()
@@ -248,7 +248,7 @@ class _Waker:
             self._ready.append((outbox, waiter))
             if not self._scheduled:
                 self._scheduled = True
-                self._poke(self)
+                self._poke()
 
     def wake_loop(self) -> None:  # the Trio thread
         try:
@@ -595,7 +595,7 @@ class RequestBridge:
         self._pending: list[RequestItem] = []  # handed over before run_dispatcher() ran
         self._sinks: dict[str, _Sink] = {}  # request id -> its sink, while in flight
         self._flusher: Any = None  # the dispatcher task, while parked waiting for a poke
-        self._to_wake: list[_Waker] = []  # poked, for the dispatcher to wake their loop
+        self._wake_due = False  # poked: the dispatcher wakes the loop
         self.admitting = True
         self.in_flight: dict[str, CancelHandle] = {}  # request id -> handle (Trio thread)
         self._idle = trio.Event()
@@ -748,21 +748,26 @@ class RequestBridge:
             LOGGER.exception("request %s failed unexpectedly", item.request_id)
             sink.end(None, exc)
 
-    def _poke(self, waker: _Waker) -> None:
-        """Wake ``waker``'s loop once the Trio tasks that are ready now have run (Trio thread).
+    def _poke(self) -> None:
+        """Wake the loop (``_Waker.wake_loop``) once the Trio tasks that are ready now have run (Trio thread).
 
         Several connections' reads often complete in one Trio scheduling batch (vLLM answers all its
         streams at once); their emits then cost one ``call_soon_threadsafe`` (an eventfd write and a loop
         wake-up) instead of one each. Without a running dispatcher, the loop is woken at once.
         """
         if self._submit is None:
-            waker.wake_loop()
+            self._wake_loop()
             return
-        self._to_wake.append(waker)
+        self._wake_due = True
         task = self._flusher
         if task is not None:
             self._flusher = None
             trio.lowlevel.reschedule(task)
+
+    def _wake_loop(self) -> None:
+        self._wake_due = False
+        assert self._waker is not None  # (created with the first request, before anything is emitted)
+        self._waker.wake_loop()
 
     def _unpark(self, _raise_cancel: Any) -> trio.lowlevel.Abort:
         self._flusher = None
@@ -790,20 +795,16 @@ class RequestBridge:
             self._dispatch(item)
         try:
             while True:  # the loop wake-ups, deferred by _poke
-                to_wake = self._to_wake
-                if to_wake:
-                    self._to_wake = []
-                    for waker in to_wake:
-                        waker.wake_loop()
+                if self._wake_due:
+                    self._wake_loop()
                 self._flusher = trio.lowlevel.current_task()
                 await trio.lowlevel.wait_task_rescheduled(self._unpark)
         finally:
             self._submit = None
             self._dispatcher_done = True
             self._flusher = None
-            to_wake, self._to_wake = self._to_wake, []
-            for waker in to_wake:
-                waker.wake_loop()
+            if self._wake_due:
+                self._wake_loop()
             for request_id, sink in list(self._sinks.items()):
                 handle = self.in_flight.get(request_id)
                 if handle is not None:
