@@ -68,7 +68,7 @@ from trio.lowlevel import wait_task_rescheduled as _wait_task_rescheduled
 
 from ._proto.vllm import control_pb2
 from .config import DisaggregationMode, SidecarConfig, validate_sidecar_config
-from .convert.batch import END, MORE, WARN_ERROR_AFTER_CANCEL, BatchBuilder, ChunkBatch, Ending
+from .convert.batch import END, MORE, WARN_ERROR_AFTER_CANCEL, BatchBuilder, ChunkBatch, Ending, deliver_items
 from .convert.request import build_generate_request
 from .convert.response import ResponseState
 from .discovery import (
@@ -732,15 +732,7 @@ class SidecarEngine:
                 step = add(data, req.request_cancelled)
                 items = take_items()
                 if items:
-                    for index in range(0, len(items), 2):  # (pairs: see ChunkBatch)
-                        ids = items[index]
-                        kind = type(ids)
-                        if kind is int:
-                            sink_tokens([ids], items[index + 1])
-                        elif kind is list:
-                            sink_tokens(ids, items[index + 1])
-                        else:
-                            sink_chunk(ids)
+                    deliver_items(items, sink_tokens, sink_chunk)
             except Exception as exc:  # a bug: reported by this task, as _pump would raise it
                 failure.append(exc)
                 return True

@@ -25,6 +25,7 @@ from trio_sidecar.convert.batch import (
     WARN_ERROR_AFTER_CANCEL,
     BatchBuilder,
     ChunkBatch,
+    deliver_items,
 )
 from trio_sidecar.errors import ProtocolError, UnknownError
 from trio_sidecar.multimodal import HANDOFF_KEY
@@ -370,6 +371,20 @@ def test_chunk_batch_takes_drops_and_counts() -> None:
     assert "1 of 4 chunks left" in repr(batch)
     assert batch.drop() == 1
     assert len(batch) == 0 and batch.take() is None and batch.drop() == 0
+
+
+def test_deliver_items_hands_over_what_chunk_batch_would_return_in_order() -> None:
+    built = LLMEngineOutput(token_ids=[5, 6], text="b", log_probs=[-1.0, -2.0])
+    items = [1, "a", [2, 3, 4], None, built, None, 7, None]
+    expected = []
+    batch = ChunkBatch(list(items))
+    while (chunk := batch.take()) is not None:
+        expected.append(chunk)
+    got: list = []
+    deliver_items(items, lambda ids, text: got.append(("tokens", ids, text)), lambda c: got.append(("chunk", c)))
+    assert got == [("tokens", [1], "a"), ("tokens", [2, 3, 4], None), ("chunk", built), ("tokens", [7], None)]
+    as_chunks = [token_chunk(g[1], g[2]) if g[0] == "tokens" else g[1] for g in got]
+    assert as_chunks == expected
 
 
 def test_empty_open_batch_is_not_handed_over() -> None:

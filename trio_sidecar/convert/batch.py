@@ -35,6 +35,7 @@ stored as the int itself, so the request task allocates no collected object for 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -58,6 +59,7 @@ __all__ = [
     "WARN_CONVERSION_AFTER_CANCEL",
     "WARN_EOF_AFTER_CANCEL",
     "WARN_ERROR_AFTER_CANCEL",
+    "deliver_items",
 ]
 
 WARN_EOF_AFTER_CANCEL = "vLLM GenerateStream ended before transfer completion after request cancellation"
@@ -163,6 +165,23 @@ class ChunkBatch:
         return tokens
 
 
+def deliver_items(
+    items: list[Any], tokens: Callable[[list[int], str | None], None], chunk: Callable[[LLMEngineOutput], None]
+) -> None:
+    """Hand every chunk of a batch's pairs (:meth:`BatchBuilder.take_items`) over in order: a plain one as
+    ``tokens(token_ids, text)`` (a fresh list), any other as ``chunk(chunk)``; what :class:`ChunkBatch` would
+    return one at a time, without building the plain chunks."""
+    for index in range(0, len(items), 2):
+        ids = items[index]
+        kind = type(ids)
+        if kind is int:
+            tokens([ids], items[index + 1])
+        elif kind is list:
+            tokens(ids, items[index + 1])
+        else:
+            chunk(ids)
+
+
 class BatchBuilder:
     """The request task's per-message decisions and its open batch (theory of operation above).
 
@@ -259,7 +278,7 @@ class BatchBuilder:
 
     def take_items(self) -> list[Any] | None:
         """The open batch's pairs, as :class:`ChunkBatch` holds them (``None`` when it has no chunk); a new
-        batch is opened. For a consumer that takes every chunk at once (``SidecarEngine.submit``)."""
+        batch is opened. For a consumer that takes every chunk at once (:func:`deliver_items`)."""
         items = self._items
         if not items:
             return None
