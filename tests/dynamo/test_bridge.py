@@ -26,6 +26,7 @@ from trio_sidecar.dynamo.bridge import (
     Outbox,
     RequestBridge,
     RequestItem,
+    _Egress,
     dynamo_exception,
     merge_deltas,
 )
@@ -874,17 +875,24 @@ async def test_a_request_handed_over_after_the_dispatcher_stopped_is_refused_not
     assert sidecar.contexts == {} and bridge.in_flight == {}
 
 
+class GatedSends:
+    """``stalled`` is a ``ResponseSender.send`` whose consumer does not read until ``gate`` is set; what
+    was sent (by it or by ``sent.append``, a consumer that reads) is in ``sent``."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.sent: list[str] = []
+
+    def stalled(self, out: str) -> None:
+        self.gate.wait(10)
+        self.sent.append(out)
+
+
 async def test_egress_threads_grow_so_stalled_consumers_never_hold_up_other_requests(loop_thread):
     # Ten consumers stalled at once each park their own egress thread; a frame of another request still goes
     # out at once; idle threads exit.
-    from trio_sidecar.dynamo.bridge import _Egress
-
-    gate = threading.Event()
-    sent: list[str] = []
-
-    def stalled_send(out):
-        gate.wait(10)
-        sent.append(out)
+    sends = GatedSends()
+    gate, sent, stalled_send = sends.gate, sends.sent, sends.stalled
 
     async def scenario():
         egress = _Egress(asyncio.get_running_loop(), idle_exit=0.2)
@@ -906,14 +914,8 @@ async def test_egress_threads_grow_so_stalled_consumers_never_hold_up_other_requ
 
 
 async def test_egress_at_its_thread_cap_queues_frames_for_the_next_free_thread(loop_thread):
-    from trio_sidecar.dynamo.bridge import _Egress
-
-    gate = threading.Event()
-    sent: list[str] = []
-
-    def stalled_send(out):
-        gate.wait(10)
-        sent.append(out)
+    sends = GatedSends()
+    gate, sent, stalled_send = sends.gate, sends.sent, sends.stalled
 
     async def scenario():
         egress = _Egress(asyncio.get_running_loop(), max_threads=2)
