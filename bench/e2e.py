@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import json
 import math
@@ -55,6 +56,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -256,21 +258,18 @@ def _measure(kind: str, workdir: Path, env: dict, address: str, port: int, args)
         return _measure_pinned(kind, workdir, env, address, port, args)
 
 
-class _pinned:
+@contextlib.contextmanager
+def _pinned(cpus: set[int] | None) -> Iterator[None]:
     """Run the block with this process's CPU affinity set to ``cpus`` (None: unchanged)."""
-
-    def __init__(self, cpus: set[int] | None) -> None:
-        self._cpus = cpus
-        self._saved: set[int] | None = None
-
-    def __enter__(self) -> None:
-        if self._cpus is not None:
-            self._saved = os.sched_getaffinity(0)
-            os.sched_setaffinity(0, self._cpus)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._saved is not None:
-            os.sched_setaffinity(0, self._saved)
+    if cpus is None:
+        yield
+        return
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, saved)
 
 
 def _measure_pinned(kind: str, workdir: Path, env: dict, address: str, port: int, args) -> dict:
