@@ -61,6 +61,27 @@ FAST_ENGINE_ARGS: dict[str, Any] = {
 }
 
 
+PROMPT = [1, 2, 3]
+
+
+def request(**extra: Any) -> dict[str, Any]:
+    """A generation request body for the fake (3 prompt tokens, ``max_tokens`` 8), plus ``extra`` keys."""
+    body: dict[str, Any] = {"token_ids": list(PROMPT), "stop_conditions": {"max_tokens": 8}}
+    body.update(extra)
+    return body
+
+
+def decode_request(**extra: Any) -> dict[str, Any]:
+    """:func:`request` for a decode worker: with the fake prefill's handoff."""
+    return request(prefill_result={"disaggregated_params": dict(PREFILL_HANDOFF)}, **extra)
+
+
+def usage(chunk: Any) -> tuple[int, int, int]:
+    """A chunk's ``(prompt, completion, total)`` token counts."""
+    u = chunk.completion_usage
+    return (u.prompt_tokens, u.completion_tokens, u.total_tokens)
+
+
 def sidecar_config(endpoint: str, **overrides: Any) -> SidecarConfig:
     """Test defaults: 2 connections, short timeouts, no prober (tests that need it turn it on)."""
     fields: dict[str, Any] = dict(

@@ -11,7 +11,7 @@ import logging
 
 import pytest
 import trio
-from sidecar_fakes import PREFILL_HANDOFF, sidecar_config
+from sidecar_fakes import decode_request, request, sidecar_config, usage
 
 from trio_sidecar import GenerateContext, open_sidecar
 from trio_sidecar.engine import SidecarEngine
@@ -25,18 +25,6 @@ from trio_sidecar.errors import (
 )
 from trio_sidecar.status import StatusCode
 
-PROMPT = [1, 2, 3]
-
-
-def request(**extra):
-    body = {"token_ids": list(PROMPT), "stop_conditions": {"max_tokens": 8}}
-    body.update(extra)
-    return body
-
-
-def decode_request(**extra):
-    return request(prefill_result={"disaggregated_params": dict(PREFILL_HANDOFF)}, **extra)
-
 
 async def collect(sidecar, body, ctx=None):
     chunks = []
@@ -44,11 +32,6 @@ async def collect(sidecar, body, ctx=None):
         async for chunk in stream:
             chunks.append(chunk)
     return chunks
-
-
-def usage(chunk):
-    u = chunk.completion_usage
-    return (u.prompt_tokens, u.completion_tokens, u.total_tokens)
 
 
 async def test_reference_aggregated_stream_yields_one_terminal_chunk(fake):

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import trio
-from sidecar_fakes import PREFILL_HANDOFF, sidecar_config
+from sidecar_fakes import PREFILL_HANDOFF, decode_request, request, sidecar_config, usage
 
 from trio_sidecar import GenerateContext, open_sidecar
 from trio_sidecar.engine import SidecarEngine
@@ -29,23 +29,6 @@ from trio_sidecar.errors import (
 )
 from trio_sidecar.prober import HealthKind, HealthState
 from trio_sidecar.status import StatusCode
-
-PROMPT = [1, 2, 3]
-
-
-def request(**extra):
-    body = {"token_ids": list(PROMPT), "stop_conditions": {"max_tokens": 8}}
-    body.update(extra)
-    return body
-
-
-def decode_request(**extra):
-    return request(prefill_result={"disaggregated_params": dict(PREFILL_HANDOFF)}, **extra)
-
-
-def usage(chunk):
-    u = chunk.completion_usage
-    return (u.prompt_tokens, u.completion_tokens, u.total_tokens)
 
 
 class RecordingSink:
