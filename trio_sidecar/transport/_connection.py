@@ -239,7 +239,7 @@ class Connection:
 
                     await wait_task_rescheduled(abort)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            self.lose(f"connection to {self.description} lost: {exc or type(exc).__name__}")
+            self._lose_io(exc)
 
     def _wake_drain_waiters(self) -> None:
         waiters, self._drain_waiters = self._drain_waiters, []
@@ -377,11 +377,11 @@ class Connection:
                 try:
                     await wait_readable(fd)
                 except trio.ClosedResourceError as exc:
-                    self.lose(f"connection to {self.description} lost: {exc or type(exc).__name__}")
+                    self._lose_io(exc)
                     return
                 continue
             except OSError as exc:
-                self.lose(f"connection to {self.description} lost: {exc or type(exc).__name__}")
+                self._lose_io(exc)
                 return
             if not data:
                 self.lose(f"connection to {self.description} closed by the peer")
@@ -401,8 +401,12 @@ class Connection:
                 else:
                     await trio.lowlevel.checkpoint()  # more may be waiting: read it after the others ran
             except trio.ClosedResourceError as exc:
-                self.lose(f"connection to {self.description} lost: {exc or type(exc).__name__}")
+                self._lose_io(exc)
                 return
+
+    def _lose_io(self, exc: BaseException) -> None:
+        """The socket failed (or was closed under a reader or the writer)."""
+        self.lose(f"connection to {self.description} lost: {exc or type(exc).__name__}")
 
     # -- lifetime ------------------------------------------------------------------------------------
 
