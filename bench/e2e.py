@@ -2,7 +2,7 @@
 """End-to-end benchmark: trio-sidecar vs Dynamo's native (Rust) vLLM sidecar (issue 6, "Performance").
 
 Usage: python bench/e2e.py [--requests N] [--concurrency C] [--max-tokens T] [--rounds R] [--ceiling]
-                           [--speedup-ratio S] [--pin] [--json PATH]
+                           [--reference] [--speedup-ratio S] [--pin] [--json PATH]
 
 One invocation, one mock vLLM server and one ``python -m dynamo.frontend``, all on 127.0.0.1. Each sidecar
 is started in turn (the native ``python -m dynamo.vllm.sidecar``, then ``trio-sidecar run``, alternating
@@ -30,6 +30,11 @@ declares ``response_sender`` and sends each item itself; uvloop, like Dynamo's o
 counts split each path's CPU into a per-request and a per-item part:
 ``per item = (one per token - one per request) / (max_tokens - 1)``. They do not use the mock (so
 ``--speedup-ratio`` does not pace them), and their tokens/s is not comparable with the sidecars'.
+
+With ``--reference`` a third worker is measured the same way, through the same mock: the most direct Python
+design (``bench/reference_worker.py``: one uvloop loop, ``grpc.aio``, trio-sidecar's pure conversion, push
+egress; no Trio, no bridge). Its ratios to native show what any Python worker pays on Dynamo's Python
+handler path, so they separate that from what trio-sidecar's own design costs.
 
 With ``--pin`` the worker being measured runs on a CPU of its own and the mock, the frontend and the load
 client on the others (as on a GPU node, where the sidecar does not compete with them for CPU).
@@ -277,6 +282,10 @@ def _measure_pinned(kind: str, workdir: Path, env: dict, address: str, port: int
     start = time.monotonic()
     if kind == "native":
         proc = local.start_native_sidecar(workdir, env, address, namespace=namespace, name=f"{kind}-sidecar")
+    elif kind == "reference":
+        proc = local.Process(f"{kind}-worker", [sys.executable, str(REPO / "bench" / "reference_worker.py"),
+                                                args.model_dir, namespace, address, MODEL],
+                             env=env, log_path=workdir / f"{kind}-worker.log")
     elif kind in CEILINGS:
         proc = local.Process(f"{kind}-worker", [sys.executable, "-c", ECHO_WORKER, args.model_dir, namespace,
                                                 *CEILINGS[kind]], env=env, log_path=workdir / f"{kind}-worker.log")
@@ -381,12 +390,24 @@ def _report(results: dict[str, list[dict]], args) -> dict:
     other = max(0.0, sum(threads.values()) - trio_thread - tokio - python)
     print(f"\ntrio-sidecar CPU µs per completion by thread: Trio {trio_thread:.0f}, asyncio loop and egress "
           f"{python:.0f}, Dynamo tokio {tokio:.0f}, other {other:.0f}")
-    for kind in ("native", "trio"):
-        peers = med[kind].get("peer_cpu_us_per_completion")
+    for kind in ("native", "trio", "reference"):
+        peers = med.get(kind, {}).get("peer_cpu_us_per_completion")
         if peers:
             total = med[kind]["cpu_us_per_completion"] + sum(peers.values())
             print(f"with {kind}: CPU µs per completion of the worker {med[kind]['cpu_us_per_completion']:.0f}, "
                   + ", ".join(f"{name} {value:.0f}" for name, value in peers.items()) + f"; all {total:.0f}")
+    reference = med.get("reference")
+    if reference is not None:
+        native = med["native"]
+        print("\nThe reference Python worker (--reference: one uvloop loop, grpc.aio, the same conversion, no Trio):\n")
+        print("| metric | native | trio-sidecar | reference | ratio (reference/native) |")
+        print("|---|---:|---:|---:|---:|")
+        for label, key, fmt, _target in METRICS[:7]:
+            n = native[key]
+            print(f"| {label} | {fmt.format(n)} | {fmt.format(med['trio'][key])} | {fmt.format(reference[key])} | "
+                  f"{reference[key] / n if n else float('nan'):.2f}x |")
+        ratios["reference_tokens_per_s"] = reference["tokens_per_s"] / native["tokens_per_s"]
+        ratios["reference_cpu_s_per_1k_tokens"] = reference["cpu_s_per_1k_tokens"] / native["cpu_s_per_1k_tokens"]
     ceilings = [kind for kind in CEILINGS if kind in med]
     if ceilings:
         print("\nPython workers that do no work (--ceiling):\n")
@@ -433,6 +454,9 @@ def main(argv: list[str] | None = None) -> int:
                              "sidecar does not compete with them (default: all share every CPU)")
     parser.add_argument("--json", type=Path, help="also write the results as JSON")
     parser.add_argument("--keep-logs", action="store_true", help="keep the temporary directory with all logs")
+    parser.add_argument("--reference", action="store_true",
+                        help="also measure the reference Python worker (bench/reference_worker.py: Dynamo's loop, "
+                             "grpc.aio, the same conversion, no Trio) through the same mock")
     parser.add_argument("--ceiling", action="store_true",
                         help="also measure Python workers that do no work (pull/push egress, one item per "
                              "token/request): per-request and per-item CPU of a Python handler on Dynamo")
@@ -461,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         frontend, port = local.start_frontend(workdir, env)
         procs.append(frontend)
         args.peer_pids = {"mock": mock.pid, "frontend": frontend.pid}
-        kinds = ("native", "trio", *CEILINGS) if args.ceiling else ("native", "trio")
+        kinds = ("native", "trio", *(("reference",) if args.reference else ()), *(CEILINGS if args.ceiling else ()))
         results: dict[str, list[dict]] = {kind: [] for kind in kinds}
         for round_ in range(args.rounds):
             for kind in kinds:
