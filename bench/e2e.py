@@ -33,8 +33,9 @@ counts split each path's CPU into a per-request and a per-item part:
 
 With ``--reference`` a third worker is measured the same way, through the same mock: the most direct Python
 design (``bench/reference_worker.py``: one uvloop loop, ``grpc.aio``, trio-sidecar's pure conversion, push
-egress; no Trio, no bridge). Its ratios to native show what any Python worker pays on Dynamo's Python
-handler path, so they separate that from what trio-sidecar's own design costs.
+egress; no Trio, no bridge). Its ratios to native show what a Python worker reaches without trio-sidecar's
+bridge and transport, so they separate what comes with serving from Python on Dynamo from what
+trio-sidecar's own design costs.
 
 With ``--pin`` the worker being measured runs on a CPU of its own and the mock, the frontend and the load
 client on the others (as on a GPU node, where the sidecar does not compete with them for CPU).
