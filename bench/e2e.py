@@ -2,7 +2,7 @@
 """End-to-end benchmark: trio-sidecar vs Dynamo's native (Rust) vLLM sidecar (issue 6, "Performance").
 
 Usage: python bench/e2e.py [--requests N] [--concurrency C] [--max-tokens T] [--rounds R] [--ceiling]
-                           [--reference] [--speedup-ratio S] [--pin] [--json PATH]
+                           [--reference] [--candidate DIR] [--speedup-ratio S] [--pin] [--json PATH]
 
 One invocation, one mock vLLM server and one ``python -m dynamo.frontend``, all on 127.0.0.1. Each sidecar
 is started in turn (the native ``python -m dynamo.vllm.sidecar``, then ``trio-sidecar run``, alternating
@@ -36,6 +36,11 @@ design (``bench/reference_worker.py``: one uvloop loop, ``grpc.aio``, trio-sidec
 egress; no Trio, no bridge). Its ratios to native show what a Python worker reaches without trio-sidecar's
 bridge and transport, so they separate what comes with serving from Python on Dynamo from what
 trio-sidecar's own design costs.
+
+With ``--candidate DIR`` a second trio-sidecar is measured in the same rounds, imported from ``DIR`` (a
+directory holding a changed copy of the ``trio_sidecar`` package, e.g. another worktree), and its values are
+printed as ratios to this checkout's: an A/B whose pairs share the machine's state of the moment. (Six
+invocations of such pairs resolve a 1% difference in tokens/s; separate invocations drift by ±4–20%.)
 
 With ``--pin`` the worker being measured runs on a CPU of its own and the mock, the frontend and the load
 client on the others (as on a GPU node, where the sidecar does not compete with them for CPU).
@@ -287,6 +292,13 @@ def _measure_pinned(kind: str, workdir: Path, env: dict, address: str, port: int
         proc = local.Process(f"{kind}-worker", [sys.executable, str(REPO / "bench" / "reference_worker.py"),
                                                 args.model_dir, namespace, address, MODEL],
                              env=env, log_path=workdir / f"{kind}-worker.log")
+    elif kind == "candidate":
+        code = (f"import sys; sys.path.insert(0, {str(args.candidate)!r}); "
+                "from trio_sidecar.__main__ import main; sys.exit(main())")
+        proc = local.Process(f"{kind}-sidecar", [sys.executable, "-c", code, "run", "--grpc-endpoint", address,
+                                                 "--discovery-backend", "file", "--request-plane", "tcp",
+                                                 "--namespace", namespace, "--log-level", "warning"],
+                             env=env, log_path=workdir / f"{kind}-sidecar.log")
     elif kind in CEILINGS:
         proc = local.Process(f"{kind}-worker", [sys.executable, "-c", ECHO_WORKER, args.model_dir, namespace,
                                                 *CEILINGS[kind]], env=env, log_path=workdir / f"{kind}-worker.log")
@@ -391,7 +403,7 @@ def _report(results: dict[str, list[dict]], args) -> dict:
     other = max(0.0, sum(threads.values()) - trio_thread - tokio - python)
     print(f"\ntrio-sidecar CPU µs per completion by thread: Trio {trio_thread:.0f}, asyncio loop and egress "
           f"{python:.0f}, Dynamo tokio {tokio:.0f}, other {other:.0f}")
-    for kind in ("native", "trio", "reference"):
+    for kind in ("native", "trio", "candidate", "reference"):
         peers = med.get(kind, {}).get("peer_cpu_us_per_completion")
         if peers:
             total = med[kind]["cpu_us_per_completion"] + sum(peers.values())
@@ -409,6 +421,18 @@ def _report(results: dict[str, list[dict]], args) -> dict:
                   f"{reference[key] / n if n else float('nan'):.2f}x |")
         ratios["reference_tokens_per_s"] = reference["tokens_per_s"] / native["tokens_per_s"]
         ratios["reference_cpu_s_per_1k_tokens"] = reference["cpu_s_per_1k_tokens"] / native["cpu_s_per_1k_tokens"]
+    candidate = med.get("candidate")
+    if candidate is not None:
+        trio_ = med["trio"]
+        print(f"\nThe candidate (--candidate {args.candidate}) against this checkout's trio-sidecar, same rounds:\n")
+        print("| metric | trio-sidecar | candidate | ratio (candidate/trio-sidecar) |")
+        print("|---|---:|---:|---:|")
+        for label, key, fmt, _target in METRICS:
+            t = trio_[key]
+            print(f"| {label} | {fmt.format(t)} | {fmt.format(candidate[key])} | "
+                  f"{candidate[key] / t if t else float('nan'):.3f}x |")
+        ratios["candidate_tokens_per_s"] = candidate["tokens_per_s"] / trio_["tokens_per_s"]
+        ratios["candidate_cpu_s_per_1k_tokens"] = candidate["cpu_s_per_1k_tokens"] / trio_["cpu_s_per_1k_tokens"]
     ceilings = [kind for kind in CEILINGS if kind in med]
     if ceilings:
         print("\nPython workers that do no work (--ceiling):\n")
@@ -458,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference", action="store_true",
                         help="also measure the reference Python worker (bench/reference_worker.py: Dynamo's loop, "
                              "grpc.aio, the same conversion, no Trio) through the same mock")
+    parser.add_argument("--candidate", type=Path, metavar="DIR",
+                        help="also measure a trio-sidecar imported from DIR (which holds a changed trio_sidecar "
+                             "package) in the same rounds, and print its ratios to this checkout's")
     parser.add_argument("--ceiling", action="store_true",
                         help="also measure Python workers that do no work (pull/push egress, one item per "
                              "token/request): per-request and per-item CPU of a Python handler on Dynamo")
@@ -470,6 +497,10 @@ def main(argv: list[str] | None = None) -> int:
         args.worker_cpus = {cpus[-1]}
         args.other_cpus = set(cpus[:-1])
         os.sched_setaffinity(0, args.other_cpus)  # the mock and the frontend inherit it
+    if args.candidate is not None:
+        args.candidate = args.candidate.resolve()
+        if not (args.candidate / "trio_sidecar" / "__init__.py").is_file():
+            parser.error(f"--candidate {args.candidate}: no trio_sidecar package in that directory")
     if importlib.util.find_spec("dynamo") is None:
         print("error: Dynamo 1.6.1 is not installed (scripts/install-dynamo.sh .venv/bin/python)", file=sys.stderr)
         return 1
@@ -486,7 +517,8 @@ def main(argv: list[str] | None = None) -> int:
         frontend, port = local.start_frontend(workdir, env)
         procs.append(frontend)
         args.peer_pids = {"mock": mock.pid, "frontend": frontend.pid}
-        kinds = ("native", "trio", *(("reference",) if args.reference else ()), *(CEILINGS if args.ceiling else ()))
+        kinds = ("native", "trio", *(("candidate",) if args.candidate else ()),
+                 *(("reference",) if args.reference else ()), *(CEILINGS if args.ceiling else ()))
         results: dict[str, list[dict]] = {kind: [] for kind in kinds}
         for round_ in range(args.rounds):
             for kind in kinds:
