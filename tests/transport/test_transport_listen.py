@@ -464,6 +464,158 @@ async def test_raising_listener_on_a_buffered_message_fails_the_call_with_intern
     assert (error.code, error.message) == (StatusCode.INTERNAL, "response listener failed: ValueError('listener bug')")
 
 
+# -- flush: the end of each run of messages handed over together -----------------------------------------
+
+
+class RunLog:
+    """A listener and its ``flush``: logs ``m<index>`` per message and ``"flush"`` per flush, in order.
+
+    ``flush`` returns True on its ``stop_at``-th call (1-based) or raises on its ``raise_at``-th call.
+    """
+
+    def __init__(self, stop_at: int | None = None, raise_at: int | None = None) -> None:
+        self.log: list[str] = []
+        self.flushes = 0
+        self.stop_at = stop_at
+        self.raise_at = raise_at
+
+    def listener(self, data: bytes) -> bool:
+        self.log.append(f"m{R.FromString(data).outputs.index}")
+        return False
+
+    def flush(self) -> bool:
+        self.flushes += 1
+        self.log.append("flush")
+        if self.flushes == self.raise_at:
+            raise ValueError("flush bug")
+        return self.flushes == self.stop_at
+
+    def messages(self) -> list[str]:
+        return [entry for entry in self.log if entry != "flush"]
+
+
+async def test_flush_follows_the_buffered_messages_once(scripted):
+    async def script(r: Responder) -> None:
+        await r.headers()
+        await r.messages(payload(0), payload(1), payload(2))
+        await r.trailers(0)
+
+    scripted.script = script
+    runs = RunLog()
+    with trio.fail_after(5):
+        async with (
+            open_channel("127.0.0.1", scripted.port) as channel,
+            channel.unary_stream(GENERATE_STREAM, request("stream"), None) as stream,
+        ):
+            await wait_for(lambda: stream._call.end is not None)
+            assert await stream.listen(runs.listener, runs.flush) is False
+    assert runs.log == ["m0", "m1", "m2", "flush"]
+
+
+async def test_no_flush_without_messages(scripted):
+    async def script(r: Responder) -> None:
+        await r.headers()
+        await scripted.go.wait()
+        await r.trailers(0)
+
+    scripted.script = script
+    runs = RunLog()
+    with trio.fail_after(5):
+        async with (
+            open_channel("127.0.0.1", scripted.port) as channel,
+            channel.unary_stream(GENERATE_STREAM, request("stream"), None) as stream,
+        ):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(stream.listen, runs.listener, runs.flush))
+                await wait_for(lambda: stream._call.listener is not None)
+                scripted.go.set()
+    assert runs.log == []
+
+
+async def test_every_run_ends_with_a_flush_before_the_end_is_reported(channel):
+    runs = RunLog()
+    with trio.fail_after(5):
+        async with channel.unary_stream(GENERATE_STREAM, request("stream", n=30, interval_ms=1), None) as stream:
+            assert await stream.listen(runs.listener, runs.flush) is False
+    assert runs.messages() == [f"m{i}" for i in range(30)]
+    assert runs.log[-1] == "flush"  # the last run was flushed before listen() returned
+    assert runs.log[0] != "flush"
+    assert all(not (a == b == "flush") for a, b in zip(runs.log, runs.log[1:]))  # only after a run
+    assert 1 <= runs.flushes <= 30
+
+
+async def test_flush_in_the_reader_task_ends_the_run_before_the_next_messages_arrive(scripted):
+    async def script(r: Responder) -> None:
+        await r.headers()
+        await scripted.go.wait()
+        await r.messages(payload(0), payload(1))  # one write: one run
+        await wait_for(lambda: runs.flushes == 1)
+        await r.messages(payload(2))
+        await r.trailers(0)
+
+    scripted.script = script
+    runs = RunLog()
+    with trio.fail_after(5):
+        async with (
+            open_channel("127.0.0.1", scripted.port) as channel,
+            channel.unary_stream(GENERATE_STREAM, request("stream"), None) as stream,
+        ):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(partial(stream.listen, runs.listener, runs.flush))
+                await wait_for(lambda: stream._call.listener is not None)
+                scripted.go.set()
+    # (A run is what one read delivered: two messages in one write may still come in two reads.)
+    assert runs.log in (["m0", "m1", "flush", "m2", "flush"], ["m0", "flush", "m1", "flush", "m2", "flush"])
+
+
+async def test_flush_returning_true_stops_delivery_and_leaving_the_block_resets_the_stream(scripted):
+    async def script(r: Responder) -> None:
+        await r.headers()
+        await r.messages(payload(0), payload(1))
+        await scripted.go.wait()
+        await r.messages(payload(2))
+        await trio.sleep_forever()  # no trailers: the client has to reset the stream
+
+    scripted.script = script
+    runs = RunLog(stop_at=1)
+    with trio.fail_after(5):
+        async with open_channel("127.0.0.1", scripted.port) as channel:
+            async with channel.unary_stream(GENERATE_STREAM, request("stream"), None) as stream:
+                await wait_for(lambda: len(stream._call.messages) == 2)
+                assert await stream.listen(runs.listener, runs.flush) is True
+                scripted.go.set()
+                assert await stream.__anext__() == payload(2)  # for the owner, not the listener
+                stream_id = stream._call.stream_id
+            await wait_for(lambda: scripted.resets != [])
+            assert scripted.resets == [(stream_id, h2.errors.ErrorCodes.CANCEL)]
+    assert runs.log == ["m0", "m1", "flush"]
+
+
+async def test_raising_flush_fails_only_its_own_call_with_internal_and_resets_its_stream(scripted):
+    async def script(r: Responder) -> None:
+        await r.headers()
+        await scripted.go.wait()
+        await r.messages(payload(0))
+        await trio.sleep_forever()
+
+    scripted.script = script
+    runs = RunLog(raise_at=1)
+    with trio.fail_after(5):
+        async with open_channel("127.0.0.1", scripted.port) as channel:
+            with pytest.raises(RpcError) as info:
+                async with channel.unary_stream(GENERATE_STREAM, request("stream"), None) as stream:
+                    stream_id = stream._call.stream_id
+                    scripted.go.set()
+                    await stream.listen(runs.listener, runs.flush)
+            assert (info.value.code, info.value.message) == (
+                StatusCode.INTERNAL, "response listener failed: ValueError('flush bug')"
+            )
+            await wait_for(lambda: scripted.resets != [], timeout=1.0)
+            assert scripted.resets == [(stream_id, h2.errors.ErrorCodes.CANCEL)]
+            assert not channel.broken
+    assert runs.log == ["m0", "flush"]
+
+
 # -- misuse and deadlines --------------------------------------------------------------------------------
 
 

@@ -84,7 +84,7 @@ async def _pause_before_retry(attempt: int, deadline: float, timeout: float | No
 
 
 class _ClientCall(Call):
-    __slots__ = ("end", "headers", "listener")
+    __slots__ = ("end", "headers", "listener", "listener_flush")
 
     def __init__(self, conn: Connection, stream_id: int) -> None:
         super().__init__(conn, stream_id)
@@ -92,6 +92,8 @@ class _ClientCall(Call):
         self.end: ResponseEnded | None = None
         #: ``ResponseStream.listen``: messages go to it from the reader instead of queueing for the owner.
         self.listener: Callable[[bytes], bool] | None = None
+        #: ``listen``'s ``flush``: called after each run of messages handed to ``listener`` together.
+        self.listener_flush: Callable[[], bool] | None = None
 
     def close(self) -> None:
         """Forget the call; if the server has not ended the stream, reset it (RST_STREAM CANCEL) now."""
@@ -162,8 +164,12 @@ class _ClientConnection(Connection):
 
     def handle_events(self, events: list) -> None:
         calls = self.calls
+        flushing: _ClientCall | None = None  # a listening call handed messages in this run, not flushed yet
         for event in events:
             kind = type(event)
+            if flushing is not None and (kind is not MessageReceived or event.stream_id != flushing.stream_id):
+                self._flush_listener(flushing)  # the run ended: before anything else is reported
+                flushing = None
             if kind is MessageReceived:
                 call = calls.get(event.stream_id)
                 if call is None:
@@ -173,6 +179,8 @@ class _ClientConnection(Connection):
                     call.wake()
                 else:
                     self._deliver(call, event)
+                    if call.listener_flush is not None:
+                        flushing = call
             elif kind is ResponseReceived:
                 call = calls.get(event.stream_id)
                 if call is not None:
@@ -202,6 +210,8 @@ class _ClientConnection(Connection):
                 self.wake_window_waiters(0)
             elif kind is GoAway:
                 self._goaway(event)
+        if flushing is not None:
+            self._flush_listener(flushing)
         if self._slot_waiters:
             self.stream_ended()
 
@@ -211,18 +221,35 @@ class _ClientConnection(Connection):
         try:
             stop = call.listener(event.data)  # type: ignore[misc]
         except Exception as exc:  # a listener must not raise; if one does, only its own call fails
-            LOGGER.exception("transport: a response listener failed on %s", self.description)
-            call.listener = None
-            # The stream is abandoned: reset it now (the owner's close() does not once the call failed).
-            self.calls.pop(call.stream_id, None)
-            self.protocol.reset_stream(call.stream_id, ErrorCodes.CANCEL)
-            self.kick()
-            call.fail(_listener_failed(exc))
-            self.stream_ended()
+            self._listener_raised(call, exc)
             return
         if stop:
-            call.listener = None
+            call.listener = call.listener_flush = None
             call.wake()
+
+    def _flush_listener(self, call: _ClientCall) -> None:
+        """The end of a run of messages handed to ``call``'s listener: its ``flush`` (if still listening)."""
+        flush = call.listener_flush
+        if flush is None:
+            return
+        try:
+            stop = flush()
+        except Exception as exc:  # as from the listener itself: only its own call fails
+            self._listener_raised(call, exc)
+            return
+        if stop:
+            call.listener = call.listener_flush = None
+            call.wake()
+
+    def _listener_raised(self, call: _ClientCall, exc: Exception) -> None:
+        LOGGER.exception("transport: a response listener failed on %s", self.description)
+        call.listener = call.listener_flush = None
+        # The stream is abandoned: reset it now (the owner's close() does not once the call failed).
+        self.calls.pop(call.stream_id, None)
+        self.protocol.reset_stream(call.stream_id, ErrorCodes.CANCEL)
+        self.kick()
+        call.fail(_listener_failed(exc))
+        self.stream_ended()
 
     def _goaway(self, event: GoAway) -> None:
         if event.error_code:
@@ -515,7 +542,9 @@ class ResponseStream:
             call.close()
             raise RpcError(StatusCode.INTERNAL, f"failed to parse a response message of {self._method}") from None
 
-    async def listen(self, listener: Callable[[bytes], bool]) -> bool:
+    async def listen(
+        self, listener: Callable[[bytes], bool], flush: Callable[[], bool] | None = None
+    ) -> bool:
         """Hand every response message (serialized) to ``listener(data)`` as it is received, instead of
         iterating, until ``listener`` returns True or the stream ends. Only with ``response_type=None``.
 
@@ -523,6 +552,12 @@ class ResponseStream:
         connection's reader task, as soon as they are read: no task switch per message. Each is counted as
         consumed (HTTP/2 flow control) when handed over, so the listener is the back-pressure: it must not
         block, await or raise (an exception fails this call with INTERNAL, as a stream error).
+
+        ``flush()``, if given, is called after each run of messages handed over together (those already
+        buffered; those of one read from the socket), before anything else about the stream is reported,
+        in the same task and without a checkpoint in between, so a listener may collect a run and hand it on
+        at once. Its contract is the listener's: True stops delivery as the listener's True does; it must not
+        block, await or raise.
 
         Returns:
             True: ``listener`` returned True (the stream stays open; messages after it are not delivered).
@@ -537,16 +572,19 @@ class ResponseStream:
             raise RuntimeError("use 'async with channel.unary_stream(...) as stream:' before listening")
         if self._response_type is not None:
             raise RuntimeError("listen() hands over serialized messages: open the stream with response_type=None")
-        while call.messages:
-            try:
-                stop = listener(call.take_message())
-            except Exception as exc:  # as from the reader task: only this call fails
-                LOGGER.exception("transport: a response listener failed on %s", self._channel._conn.description)
-                call.close()  # resets the stream unless the server already ended it
-                raise _listener_failed(exc) from exc
-            if stop:
+        buffered = bool(call.messages)
+        try:
+            while call.messages:
+                if listener(call.take_message()):
+                    return True
+            if buffered and flush is not None and flush():
                 return True
+        except Exception as exc:  # as from the reader task: only this call fails
+            LOGGER.exception("transport: a response listener failed on %s", self._channel._conn.description)
+            call.close()  # resets the stream unless the server already ended it
+            raise _listener_failed(exc) from exc
         call.listener = listener
+        call.listener_flush = flush
         try:
             while True:
                 if call.listener is None and call.error is None:
@@ -557,7 +595,7 @@ class ResponseStream:
                     call.close()
                     raise _deadline_exceeded()
         finally:
-            call.listener = None
+            call.listener = call.listener_flush = None
 
     def _ended(self, call: _ClientCall) -> bool:
         """True once the call ended with OK trailers (``trailing_metadata`` set, the call closed); raises the
