@@ -373,18 +373,48 @@ def test_chunk_batch_takes_drops_and_counts() -> None:
     assert len(batch) == 0 and batch.take() is None and batch.drop() == 0
 
 
+def deliver(items: list) -> list:
+    got: list = []
+    deliver_items(items, lambda ids, text: got.append(("tokens", ids, text)), lambda c: got.append(("chunk", c)))
+    return got
+
+
 def test_deliver_items_hands_over_what_chunk_batch_would_return_in_order() -> None:
     built = LLMEngineOutput(token_ids=[5, 6], text="b", log_probs=[-1.0, -2.0])
-    items = [1, "a", [2, 3, 4], None, built, None, 7, None]
+    items = [1, "a", built, None, [2, 3, 4], None, built, None, 7, None]
     expected = []
     batch = ChunkBatch(list(items))
     while (chunk := batch.take()) is not None:
         expected.append(chunk)
-    got: list = []
-    deliver_items(items, lambda ids, text: got.append(("tokens", ids, text)), lambda c: got.append(("chunk", c)))
-    assert got == [("tokens", [1], "a"), ("tokens", [2, 3, 4], None), ("chunk", built), ("tokens", [7], None)]
+    got = deliver(items)
+    assert got == [("tokens", [1], "a"), ("chunk", built), ("tokens", [2, 3, 4], None), ("chunk", built),
+                   ("tokens", [7], None)]
     as_chunks = [token_chunk(g[1], g[2]) if g[0] == "tokens" else g[1] for g in got]
     assert as_chunks == expected
+
+
+def test_deliver_items_merges_consecutive_plain_chunks_into_one_tokens_call() -> None:
+    # Ids in order (single ids and lists alike), texts joined; what bridge.merge_run would make of the deltas.
+    assert deliver([1, "a", [2, 3], None, 4, "c"]) == [("tokens", [1, 2, 3, 4], "ac")]
+    assert deliver([[1, 2], None, [3], None]) == [("tokens", [1, 2, 3], None)]  # no text at all: None
+    assert deliver([1, "", 2, ""]) == [("tokens", [1, 2], None)]
+    assert deliver([[1, 2], "x"]) == [("tokens", [1, 2], "x")]  # a single chunk as it is
+
+
+def test_deliver_items_never_merges_across_a_built_chunk() -> None:
+    built = LLMEngineOutput(token_ids=[5], text="b", log_probs=[-1.0])
+    final = LLMEngineOutput(token_ids=[9], finish_reason="stop")
+    got = deliver([1, "a", 2, "b", built, None, 3, None, [4, 5], "c", final, None])
+    assert got == [("tokens", [1, 2], "ab"), ("chunk", built), ("tokens", [3, 4, 5], "c"), ("chunk", final)]
+
+
+def test_merged_tokens_equal_the_deltas_merged_by_the_bridge() -> None:
+    from trio_sidecar.dynamo.bridge import merge_run
+
+    items = [1, "a", [2, 3], None, 4, "c", [5], ""]
+    [(_, ids, text)] = deliver(list(items))
+    one_by_one = [token_chunk([i] if type(i) is int else i, t).to_dict() for i, t in zip(items[::2], items[1::2])]
+    assert token_chunk(ids, text).to_dict() == merge_run(one_by_one)
 
 
 def test_empty_open_batch_is_not_handed_over() -> None:

@@ -170,16 +170,37 @@ def deliver_items(
 ) -> None:
     """Hand every chunk of a batch's pairs (:meth:`BatchBuilder.take_items`) over in order: a plain one as
     ``tokens(token_ids, text)`` (a fresh list), any other as ``chunk(chunk)``; what :class:`ChunkBatch` would
-    return one at a time, without building the plain chunks."""
-    for index in range(0, len(items), 2):
+    return one at a time, without building the plain chunks. Consecutive plain chunks go over as one
+    ``tokens`` call: their ids in order, their texts joined (``None`` when all are empty), as the Dynamo
+    bridge would merge the deltas anyway (``bridge.merge_run``)."""
+    index = 0
+    size = len(items)
+    while index < size:
         ids = items[index]
         kind = type(ids)
-        if kind is int:
-            tokens([ids], items[index + 1])
-        elif kind is list:
-            tokens(ids, items[index + 1])
-        else:
+        if kind is not int and kind is not list:
             chunk(ids)
+            index += 2
+            continue
+        text = items[index + 1]
+        index += 2
+        if index < size and type(items[index]) in _PLAIN_KINDS:  # a run: merged
+            merged = [ids] if kind is int else ids
+            texts = [text]
+            while index < size and type(items[index]) in _PLAIN_KINDS:
+                more = items[index]
+                if type(more) is int:
+                    merged.append(more)
+                else:
+                    merged += more
+                texts.append(items[index + 1])
+                index += 2
+            tokens(merged, "".join([t for t in texts if t]) or None)
+        else:
+            tokens([ids] if kind is int else ids, text)
+
+
+_PLAIN_KINDS = (int, list)
 
 
 class BatchBuilder:
