@@ -21,8 +21,9 @@ caller's scope. The caller talks to it through:
 :meth:`SidecarEngine.submit` is the same request task for a consumer that never makes it wait (the Dynamo
 bridge queues every chunk for its asyncio thread): instead of the hand-off, a ``ChunkSink``. ``_listen``
 replaces ``_pump``: the builder runs in a callback that ``ResponseStream.listen`` calls from the connection's
-reader task as each message arrives, and the chunks go straight to the sink, so a token costs no task switch
-at all; the request task only waits for the end, then calls ``sink.end`` with the final slot. Cancellation,
+reader task as each message arrives, and at the end of each run of messages read together their chunks go
+straight to the sink (consecutive plain token chunks merged into one), so a token costs no task switch at
+all; the request task only waits for the end, then calls ``sink.end`` with the final slot. Cancellation,
 the decode deferral and Abort are the same code as for ``generate()``.
 
 One cancel scope (``_Request.scope``) wraps the task's work; two signals cancel it:
@@ -159,7 +160,8 @@ class ChunkSink(Protocol):
     other streams on that connection).
 
     ``chunk`` (or, for a chunk of token ids and text only, ``tokens``) gets every chunk as soon as its
-    message is read, from whichever task read it (the connection's reader or the request task); ``end`` is
+    message is read, from whichever task read it (the connection's reader or the request task); plain token
+    chunks of messages read together come as one ``tokens`` call (ids in order, texts joined); ``end`` is
     called exactly once, last: with the final chunk (terminal or cancelled) or the error (a
     :class:`~trio_sidecar.errors.SidecarError`, or an unexpected exception), the other ``None``. An
     exception from ``chunk``/``tokens`` fails the request like a bug in the engine (logged, ``end`` with the
@@ -571,8 +573,9 @@ class SidecarEngine:
 
         The same request, cancellation (``ctx.stop()``, decode deferral, engine shutdown) and Abort
         behaviour as :meth:`generate`, for a consumer that never makes the engine wait (the Dynamo bridge
-        queues every chunk for its asyncio thread): no consumer task and no hand-over. Each chunk is
-        delivered as soon as its message is read (``ResponseStream.listen``), so there is no back-pressure
+        queues every chunk for its asyncio thread): no consumer task and no hand-over. Chunks are
+        delivered as soon as their messages are read (``ResponseStream.listen``), those of messages read
+        together at once and a run of plain token chunks as one ``tokens`` call, so there is no back-pressure
         beyond the sink's; an open failure reaches ``sink.end`` as the error.
 
         Raises (nothing was sent, ``sink`` is not called):
@@ -713,8 +716,13 @@ class SidecarEngine:
 
     async def _listen(self, req: _Request, stream: Any) -> bool:
         """``submit()``'s ``_pump``: each message goes through ``req.builder`` as the connection's reader
-        receives it and its chunks straight to the sink (``ResponseStream.listen``); this task only waits
-        for the end. Returns whether the *server* ended the stream.
+        receives it, and the chunks of the messages read together go to the sink at once, at the end of
+        their run (``ResponseStream.listen``'s ``flush``; :func:`deliver_items` merges plain token chunks);
+        this task only waits for the end. Returns whether the *server* ended the stream.
+
+        Converted and delivered stay equal for the cancellation's usage: a run is converted and delivered
+        in one go of the reader (no checkpoint between them), and the terminal message delivers the chunks
+        before it at once.
         """
         builder = req.builder
         add = builder.add
@@ -725,20 +733,31 @@ class SidecarEngine:
         sink_tokens = sink.tokens
         failure: list[BaseException] = []
 
-        def on_message(data: bytes) -> bool:  # reader task (or this one): never awaits, never raises
-            if req.cancelling:  # the scope is cancelled: this task ends at its next checkpoint
-                return True
+        def deliver() -> bool:  # never raises
             try:
-                step = add(data, req.request_cancelled)
                 items = take_items()
                 if items:
                     deliver_items(items, sink_tokens, sink_chunk)
             except Exception as exc:  # a bug: reported by this task, as _pump would raise it
                 failure.append(exc)
                 return True
-            return step is END
+            return False
 
-        stopped = await stream.listen(on_message)
+        def on_message(data: bytes) -> bool:  # reader task (or this one): never awaits, never raises
+            if req.cancelling:  # the scope is cancelled: this task ends at its next checkpoint
+                return True
+            try:
+                step = add(data, req.request_cancelled)
+            except Exception as exc:  # a bug: reported by this task, as _pump would raise it
+                failure.append(exc)
+                deliver()  # what the run converted before it
+                return True
+            if step is END:
+                deliver()
+                return True
+            return False
+
+        stopped = await stream.listen(on_message, deliver)
         if failure:
             raise failure[0]
         ending = builder.ending

@@ -35,9 +35,10 @@ naive "list that will later hold the cancel scope" loses it).
 
 Trio side: ``_dispatch`` (the ``run_sync_soon`` callback itself) creates the request's context, binds the
 handle and calls ``sidecar.submit(request, ctx, sink)``, which starts the engine's request task; there is no
-task per request on this side and no hand-over between tasks. The engine delivers each chunk to the
-request's :class:`_Sink` as soon as its message is read (from the connection's reader task:
-``ResponseStream.listen``), which emits ``chunk.to_dict()``; then the final chunk or the error (a
+task per request on this side and no hand-over between tasks. The engine delivers the chunks to the
+request's :class:`_Sink` as their messages are read (from the connection's reader task:
+``ResponseStream.listen``; those of messages read together at the end of their run, consecutive plain token
+chunks as one), which emits ``chunk.to_dict()``; then the final chunk or the error (a
 :class:`~trio_sidecar.errors.SidecarError` as an exception object), and always the end sentinel. A request
 that ``submit`` refuses (conversion, admission) ends at once with its error.
 
