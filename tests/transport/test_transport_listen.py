@@ -493,6 +493,26 @@ class RunLog:
     def messages(self) -> list[str]:
         return [entry for entry in self.log if entry != "flush"]
 
+    def flushes_follow_runs(self) -> bool:
+        """No flush without a message before it since the previous flush, and the last run flushed."""
+        return self.log[-1:] == ["flush"] and self.log[0] != "flush" and all(
+            not (a == b == "flush") for a, b in zip(self.log, self.log[1:])
+        )
+
+
+async def listen_then_go(scripted: ScriptedServer, runs: RunLog) -> None:
+    """Open a stream, listen with ``runs`` from the reader task, then let the script go on (``scripted.go``);
+    returns once the stream ended."""
+    with trio.fail_after(5):
+        async with (
+            open_channel("127.0.0.1", scripted.port) as channel,
+            channel.unary_stream(GENERATE_STREAM, request("stream"), None) as stream,
+            trio.open_nursery() as nursery,
+        ):
+            nursery.start_soon(partial(stream.listen, runs.listener, runs.flush))
+            await wait_for(lambda: stream._call.listener is not None)
+            scripted.go.set()
+
 
 async def test_flush_follows_the_buffered_messages_once(scripted):
     async def script(r: Responder) -> None:
@@ -520,15 +540,7 @@ async def test_no_flush_without_messages(scripted):
 
     scripted.script = script
     runs = RunLog()
-    with trio.fail_after(5):
-        async with (
-            open_channel("127.0.0.1", scripted.port) as channel,
-            channel.unary_stream(GENERATE_STREAM, request("stream"), None) as stream,
-        ):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(partial(stream.listen, runs.listener, runs.flush))
-                await wait_for(lambda: stream._call.listener is not None)
-                scripted.go.set()
+    await listen_then_go(scripted, runs)
     assert runs.log == []
 
 
@@ -538,9 +550,7 @@ async def test_every_run_ends_with_a_flush_before_the_end_is_reported(channel):
         async with channel.unary_stream(GENERATE_STREAM, request("stream", n=30, interval_ms=1), None) as stream:
             assert await stream.listen(runs.listener, runs.flush) is False
     assert runs.messages() == [f"m{i}" for i in range(30)]
-    assert runs.log[-1] == "flush"  # the last run was flushed before listen() returned
-    assert runs.log[0] != "flush"
-    assert all(not (a == b == "flush") for a, b in zip(runs.log, runs.log[1:]))  # only after a run
+    assert runs.flushes_follow_runs()  # (the last run was flushed before listen() returned)
     assert 1 <= runs.flushes <= 30
 
 
@@ -555,21 +565,12 @@ async def test_flush_in_the_reader_task_ends_the_run_before_the_next_messages_ar
 
     scripted.script = script
     runs = RunLog()
-    with trio.fail_after(5):
-        async with (
-            open_channel("127.0.0.1", scripted.port) as channel,
-            channel.unary_stream(GENERATE_STREAM, request("stream"), None) as stream,
-        ):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(partial(stream.listen, runs.listener, runs.flush))
-                await wait_for(lambda: stream._call.listener is not None)
-                scripted.go.set()
+    await listen_then_go(scripted, runs)
     # A run is what one read delivered (two messages in one write may still come in two reads), but m2 was
     # only sent after a flush, so a flush separates it from m0, and the last run was flushed too.
     assert runs.messages() == ["m0", "m1", "m2"]
     assert "flush" in runs.log[runs.log.index("m0"):runs.log.index("m2")]
-    assert runs.log[-1] == "flush"
-    assert all(not (a == b == "flush") for a, b in zip(runs.log, runs.log[1:]))
+    assert runs.flushes_follow_runs()
 
 
 async def test_flush_returning_true_stops_delivery_and_leaving_the_block_resets_the_stream(scripted):
