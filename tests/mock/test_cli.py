@@ -49,11 +49,13 @@ def test_help_documents_every_flag(capsys):
         (["--extra-engine-args", "{not json"], "invalid engine args JSON"),
         (["--extra-engine-args", '{"block_size": 4} x'], "trailing data"),
         (["--extra-engine-args", '{"bogus": 1}'], "unknown engine arg 'bogus'"),
+        (["--extra-engine-args", '{"speedup_ration": 0}'], "did you mean 'speedup_ratio'?"),
+        (["--extra-engine-args", "[1,2]"], "engine args must be a JSON object"),
         (["--extra-engine-args", '{"dp_size": 0}'], "dp_size"),
         (["--extra-engine-args", '{"engine_type": "sglang"}'], "engine_type"),
         (["--extra-engine-args", '{"worker_type": "decode"}'], "worker_type"),
         (["--extra-engine-args", '{"num_gpu_blocks": 0}'], "num_gpu_blocks"),
-        (["--max-concurrent-requests", "0"], "max_concurrent_requests"),
+        (["--max-concurrent-requests", "0"], "max_concurrent_requests (--max-concurrent-requests) must be greater than 0"),
         (["--extra-engine-args", "/nonexistent/engine.json"], "cannot read engine args file"),
         (["--listen", "localhost:50051"], "invalid listen address"),
         (["--listen", "127.0.0.1:70000"], "port"),
@@ -64,7 +66,9 @@ def test_help_documents_every_flag(capsys):
 )
 def test_configuration_errors_exit_2(argv, fragment, capsys):
     assert main(argv) == 2
-    assert fragment in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert fragment in err
+    assert err.startswith("error: ") and err.count("\n") == 1, err  # one line, run's convention
 
 
 def test_engine_args_from_a_file(tmp_path, capsys):
