@@ -183,6 +183,15 @@ def _option_help(opt: Option) -> str:
     return text.replace("%", "%%")
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Never breaks a word at its hyphen (``trio-sidecar``, ``--no-health-prober`` stay whole)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 EXIT_CODES_HELP = """exit codes:
   0    clean shutdown after serving (SIGINT/SIGTERM, graceful drain); --help, --version
   1    failure after startup began (vLLM unreachable or not serving within the deadline, identity
@@ -200,7 +209,7 @@ def _build_run_parser() -> _Parser:
         description="Serve a vLLM gRPC engine as an NVIDIA Dynamo worker.",
         epilog=EXIT_CODES_HELP,
         allow_abbrev=False,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     for opt in OPTIONS:
