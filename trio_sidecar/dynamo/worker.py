@@ -22,7 +22,7 @@ to ``drain_timeout`` — after it, every remaining request is stopped (it ends w
 an Abort is queued, clarification #14) — then leave ``open_sidecar`` (cleanup), stop the loop, join the
 thread. A second SIGINT/SIGTERM exits 1 at once.
 
-Exit codes (docs/operations.md): 0 after a graceful shutdown; 1 for a startup failure (printed as
+Exit codes (docs/deployment.md, "Exit codes and signals"): 0 after a graceful shutdown; 1 for a startup failure (printed as
 ``error: {message}; hint: ...``), a fatal identity change after recovery, or a runtime that stopped by
 itself; 128 + the signal number (130, 143) when SIGINT/SIGTERM arrives before the worker serves — one line
 ``received SIGTERM during {phase}: runtime shut down during sidecar initialization; ...`` and the process
