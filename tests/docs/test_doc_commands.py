@@ -142,6 +142,8 @@ def clone(tmp_path_factory) -> Path:
 def _environment(clone: Path, workdir: Path) -> dict[str, str]:
     env = local.dynamo_env(workdir / "file-kv")
     env.pop("DYN_DISCOVERY_BACKEND", None)  # the documented flags must say it themselves
+    for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):  # "offline" must hold without these switches
+        env.pop(key, None)
     env["PATH"] = f"{clone / '.venv' / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = str(clone)
     env["TMPDIR"] = str(workdir)
