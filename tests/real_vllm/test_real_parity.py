@@ -78,7 +78,7 @@ def shape(outcome) -> list[dict]:
 
 
 def check_rank_invariants(outcome) -> None:
-    """Per token: candidates sorted by rank from 1; the sampled token is listed with its own rank (#6)."""
+    """Per token: candidates sorted by rank from 1; the sampled token is listed with its own rank (docs/reference/mock.md#text-logprobs-and-candidates)."""
     for m in outcome.messages:
         o = m.outputs
         for i, token in enumerate(o.token_ids):
