@@ -1,6 +1,6 @@
 """Issue 6 test 5: differential test against Dynamo's native sidecar (``python -m dynamo.vllm.sidecar``).
 
-Both sidecars serve the *same* mock (engine argument ``token_seed_source: "prompt"``, clarification #9, so
+Both sidecars serve the *same* mock (engine argument ``token_seed_source: "prompt"``, docs/reference/mock.md#token-seed-and-request-uuid, so
 the same prompt yields the same tokens whatever the frontend's request id), each behind its own frontend
 (the frontend's ``--namespace`` scopes discovery to one sidecar). trio-sidecar runs with
 ``--no-abort-on-cancel`` (upstream behaviour). For a matrix of requests we compare:
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.dynamo
 ENGINE_ARGS = {**FAST_ENGINE_ARGS, "token_seed_source": "prompt"}
 # Known, deliberate differences of the model card (docs/dynamo.md): the native sidecar advertises
 # engine-native generate and LoRA capabilities in runtime_data; trio-sidecar sets
-# kv_event_publishing_enabled (dynamo-worker.md §7 step 4).
+# kv_event_publishing_enabled (docs/reference/worker.md#registration).
 CARD_IGNORED = {"runtime_data", "kv_event_publishing_enabled"}
 
 
@@ -104,7 +104,7 @@ def _sent(mock, request_id: str) -> tuple[dict, dict]:
     req, metadata = found[0]
     as_dict = MessageToDict(req, preserving_proto_field_name=True)
     as_dict.pop("request_id")
-    # sidecar.md §14.3 lists what may differ by design: priority negation and the temperature default.
+    # The native 1.6.1 sidecar has post-stack upstream features, so these differ by design: priority negation and the temperature default.
     as_dict.pop("priority", None)
     as_dict.pop("temperature", None)
     meta = {k: v for k, v in metadata if k.startswith("x-")}
@@ -112,7 +112,7 @@ def _sent(mock, request_id: str) -> tuple[dict, dict]:
 
 
 def _prompt_seeded_tokens(request, n: int, seed: int = 42) -> list[int]:
-    """The mock's tokens under ``token_seed_source: "prompt"`` (clarification #9)."""
+    """The mock's tokens under ``token_seed_source: "prompt"`` (docs/reference/mock.md#token-seed-and-request-uuid)."""
     from trio_sidecar.mock.generation import prompt_token_seed, token_at
 
     value = prompt_token_seed(seed, list(request.token_ids.ids))

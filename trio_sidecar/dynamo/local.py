@@ -1,7 +1,7 @@
 """A local Dynamo deployment on loopback: processes, ports and a small HTTP client (stdlib only).
 
 Used by ``examples/demo.py``, ``bench/e2e.py`` and the Dynamo end-to-end tests. Everything binds 127.0.0.1,
-uses file discovery in a private directory (dynamo-worker.md §11), and every process this module starts is
+uses file discovery in a private directory (docs/reference/worker.md#local-setup-for-tests), and every process this module starts is
 stopped by its own PID (SIGTERM, then SIGKILL after a grace period).
 
 Synchronous on purpose: these helpers drive separate processes and are called from scripts and plain
