@@ -58,9 +58,24 @@ def _is_trio_test(item: pytest.Item) -> bool:
     return isinstance(item, pytest.Function) and inspect.iscoroutinefunction(item.obj)
 
 
+# The long reliability, scale and stress suites: `make test-fast` leaves them out (`-m "not slow"`).
+SLOW_MODULES = frozenset(
+    {
+        "tests/reliability/test_scale.py",
+        "tests/reliability/test_health_flaps.py",
+        "tests/reliability/test_mock_restart.py",
+        "tests/reliability/test_slow_consumer.py",
+        "tests/transport/test_transport_stress.py",
+        "tests/sidecar/test_sidecar_stress.py",
+    }
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # pytest-trio takes the runner from the closest `trio(run=...)` marker; this one goes first.
     for item in items:
+        if os.path.relpath(item.path, _REPO) in SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)
+        # pytest-trio takes the runner from the closest `trio(run=...)` marker; this one goes first.
         if _is_trio_test(item):
             item.add_marker(pytest.mark.trio(run=functools.partial(_run_with_deadline, item)), append=False)
 
