@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import re
-import sys
 import threading
 import time
 import uuid
@@ -28,8 +27,7 @@ import trio
 
 from trio_sidecar.dynamo import local
 
-sys.path.append(str(Path(__file__).resolve().parents[1] / "dynamo"))
-from dynamo_harness import MockThread, make_tiny_model, require_dynamo  # noqa: E402
+from dynamo_harness import MockThread, make_tiny_model, require_dynamo
 
 pytestmark = pytest.mark.dynamo
 

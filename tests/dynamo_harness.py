@@ -1,4 +1,5 @@
-"""Helpers for the Dynamo end-to-end tests: an in-process mock on a thread and a per-module deployment."""
+"""Helpers for the Dynamo end-to-end tests (tests/dynamo, tests/launch): an in-process mock on a thread and a
+per-module deployment. It sits beside the root conftest, whose directory pytest puts on the import path."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import trio
 
 from trio_sidecar.dynamo import local
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 FAST_ENGINE_ARGS = {
     "block_size": 4,
