@@ -31,8 +31,8 @@ ENGINE_ARGS = {**FAST_ENGINE_ARGS, "token_seed_source": "prompt"}
 # engine-native generate and LoRA capabilities in runtime_data; trio-sidecar sets
 # kv_event_publishing_enabled (dynamo-worker.md §7 step 4).
 CARD_IGNORED = {"runtime_data", "kv_event_publishing_enabled"}
-# The native decode worker's process also runs an embedded KV router whose active-sequence replica sync
-# registers this channel on the decode component (docs/dynamo.md: not part of the worker's serving path).
+# The native worker process (aggregated and decode) also registers an active-sequence event channel on its
+# component, from a KV router embedded in the process; trio-sidecar has none (docs/dynamo.md).
 NATIVE_ONLY_EVENTS = {("event_channels", "backend", "generate", "active_sequences_events")}
 
 
