@@ -139,9 +139,9 @@ class Deployment:
         self.mocks.append(mock)
         return mock
 
-    def frontend(self, **kw: Any) -> local.Process:
+    def frontend(self, env_overrides: dict[str, str] | None = None, **kw: Any) -> local.Process:
         kw.setdefault("namespace", self.namespace)
-        proc, self.http_port = local.start_frontend(self.workdir, self.env, **kw)
+        proc, self.http_port = local.start_frontend(self.workdir, {**self.env, **(env_overrides or {})}, **kw)
         self.processes.append(proc)
         return proc
 

@@ -133,3 +133,21 @@ def test_an_error_before_any_output_has_the_native_sidecars_http_status(pair, na
     status, body = local.post_json(pair.ports["trio"], "/v1/completions",
                                    {"model": "tiny", "prompt": "hi", "max_tokens": 2})
     assert status == 200, body
+
+
+@pytest.fixture(scope="module")
+def unreachable_pair(deployment_factory):
+    """Both sidecars registered, then their mock stopped: vLLM is unreachable."""
+    dep = deployment_factory()
+    mock = dep.mock(served_model_name="tiny", engine_args={**FAST_ENGINE_ARGS, "token_seed_source": "prompt"})
+    pair = start_pair(dep, {"native": ((),), "trio": ((),)}, [mock])
+    mock.stop()
+    return pair
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "streaming"])
+def test_an_unreachable_engine_has_the_native_sidecars_http_status(unreachable_pair, stream):
+    payload = {"model": "tiny", "prompt": "hello", "max_tokens": 3, "stream": stream}
+    results = unreachable_pair.post("/v1/completions", payload)
+    (n_status, n_body), (t_status, t_body) = results["native"], results["trio"]
+    assert (t_status, n_status) == (503, 503), (n_body, t_body)
