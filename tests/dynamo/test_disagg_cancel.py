@@ -26,8 +26,8 @@ What the tests observe on the servers, not only on the client:
 
 The mocks move no KV: "the transfer completed" is what docs/reference/sidecar.md#decode-deferral step 2 says, a response with a token or a
 ``finish_info``. The frontend answers the HTTP request (status and headers) only once the prefill worker has
-returned, so a client that disconnects as soon as it has the headers leaves during the decode phase; a
-disconnect during the prefill phase is not covered here.
+returned (its pre-commit error peek is off here), so a client that disconnects as soon as it has the
+headers leaves during the decode phase; a disconnect during the prefill phase is not covered here.
 
 The tests run in file order on one module-scoped deployment (about 12 s in all); the last one checks that
 the deployment still serves normally after the cancellations.
@@ -76,7 +76,10 @@ def pd(deployment_factory) -> PD:
                        engine_args=PREFILL_ENGINE_ARGS)
     decode = dep.mock(served_model_name="tiny", disaggregation_mode="decode", seed=SEED,
                       engine_args=DECODE_ENGINE_ARGS)
-    dep.frontend()
+    # Without the pre-commit error peek (docs/dynamo.md, "Errors before the first output"): with it the
+    # frontend holds the HTTP headers until the first decode token (or the window), and these tests
+    # disconnect as soon as they have the headers, before that token.
+    dep.frontend(env_overrides={"DYN_HTTP_PRE_COMMIT_ERROR_PEEK_MS": "0"})
     prefill_worker = dep.trio_sidecar(prefill, "--disaggregation-mode", "prefill", name="prefill-sidecar")
     decode_worker = dep.trio_sidecar(decode, "--disaggregation-mode", "decode", name="decode-sidecar")
     dep.wait_ready("tiny")
