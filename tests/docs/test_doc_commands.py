@@ -1,7 +1,7 @@
-"""The shell blocks of README.md and docs/*.md run as written, in a fresh clone, so the docs cannot rot.
+"""The shell blocks of README.md and docs/**/*.md run as written, in a fresh clone, so the docs cannot rot.
 
 Convention (docs/contributing.md, "Documented commands"): every ```bash / ```sh / ```console block in
-README.md and docs/*.md is preceded by one marker line saying how this test treats it:
+README.md and docs/**/*.md is preceded by one marker line saying how this test treats it:
 
 ``<!-- doc-test: run -->``
     Run as a bash script (``set -euo pipefail``) in the clone's root; it must exit 0 within 5 minutes.
@@ -46,7 +46,7 @@ import pytest
 from trio_sidecar.dynamo import local
 
 REPO = Path(__file__).resolve().parents[2]
-DOCS = ("README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md")))
+DOCS = ("README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").rglob("*.md")))
 SHELL_LANGS = ("bash", "sh", "shell", "console")
 PORTS = ("50051", "8000")
 
