@@ -12,10 +12,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run ``trio-sidecar`` with ``argv`` (default ``sys.argv[1:]``) and return its exit code."""
     try:
         from .cli import main as cli_main
-    except KeyboardInterrupt:  # SIGINT while the CLI's modules are still being imported
+
+        return cli_main(argv)
+    except KeyboardInterrupt:  # SIGINT before the CLI installed its own handlers (its modules still loading)
         sys.stderr.write("interrupted by SIGINT before serving; exiting with code 130\n")
         return 130
-    return cli_main(argv)
 
 
 if __name__ == "__main__":

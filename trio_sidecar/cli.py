@@ -26,6 +26,7 @@ from . import __version__
 from .config import DisaggregationMode, SidecarConfig, WorkerOptions, discovery_banner, prepare
 from .endpoint import GrpcEndpoint
 from .errors import SidecarError
+from ._signals import Interrupted, install_interrupt_handlers, interrupted_exit, restore_handlers
 
 __all__ = ["main", "parse_run_args", "UsageError", "OPTIONS", "parse_bool"]
 
@@ -382,8 +383,6 @@ def main(argv: Sequence[str] | None = None, *, environ: Mapping[str, str] | None
     Until a command's Trio run takes the signals over, SIGINT and SIGTERM end the process with one line and
     128 + the signal number (130, 143), never a traceback.
     """
-    from ._signals import Interrupted, install_interrupt_handlers, interrupted_exit, restore_handlers
-
     previous = install_interrupt_handlers()
     try:
         return _main(argv, environ)
