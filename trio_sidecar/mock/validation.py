@@ -9,14 +9,13 @@ server state stay in the server and bracket the pure part:
 * row 19 (duplicate in-flight id) and row 20 (KV capacity): the server's routes and the scheduler.
 
 Differences from the §6 table adopted from clarifications.md #11 (parity with vLLM): a wrong model is
-``NOT_FOUND`` ``model `{name}` not found``; ``lora_name`` is ``FAILED_PRECONDITION``; ``top_p`` outside
-(0, 1] and an empty stop string are rejected (after row 11, where vLLM checks sampling parameters).
+``NOT_FOUND`` ``model `{name}` not found``; ``lora_name`` is ``FAILED_PRECONDITION``; an empty stop string,
+then vLLM's float sampling checks (``trio_sidecar.sampling_checks``: temperature, top_p, min_p and the
+penalties, with vLLM's texts) are rejected after row 11, where vLLM checks sampling parameters.
 """
 
 from __future__ import annotations
 
-import math
-import struct
 import uuid as _uuid
 from collections.abc import Callable, Sequence
 
@@ -36,6 +35,7 @@ from trio_sidecar.mock.generation import (
     token_seed,
 )
 from trio_sidecar.mock.handoff import Role
+from trio_sidecar.sampling_checks import format_f32, sampling_error
 from trio_sidecar.status import StatusCode
 
 __all__ = [
@@ -84,25 +84,6 @@ def parse_dp_rank(metadata: Sequence[tuple[str, str]], dp_size: int) -> int | No
             f"connected ranks: [{ranks}]"
         )
     return rank
-
-
-def format_f32(value: float) -> str:
-    """Format a float32 the way Rust's ``Display`` does (``2`` not ``2.0``; shortest round-trip digits)."""
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    f32 = struct.unpack("<f", struct.pack("<f", value))[0]
-    for digits in range(1, 10):
-        text = f"{f32:.{digits}g}"
-        if struct.unpack("<f", struct.pack("<f", float(text)))[0] == f32:
-            break
-    as_float = float(text)
-    if as_float.is_integer() and abs(as_float) < 1e16:
-        return str(int(as_float)) if as_float != 0 or not math.copysign(1, as_float) < 0 else "-0"
-    if "e" in text:  # Rust never prints exponents for Display
-        return f"{as_float:.{abs(int(text.split('e')[1])) + digits}f}".rstrip("0").rstrip(".")
-    return text
 
 
 @attrs.frozen(kw_only=True)
@@ -185,11 +166,12 @@ def prepare_request(
     # Row 11, then vLLM's sampling checks (clarifications.md #11).
     if request.sampling.num_sequences > 1:
         raise _invalid("num_sequences must be 0 or 1")
-    top_p = request.sampling.top_p
-    if top_p != 0.0 and not (0.0 < top_p <= 1.0):
-        raise _invalid(f"top_p must be in (0, 1], got {format_f32(top_p)}")
     if any(s == "" for s in request.stopping.stop_strings):
         raise _invalid("stop strings cannot be empty")
+    # vLLM's float sampling checks, in its order and with its texts (docs/conformance.md).
+    sampling_problem = sampling_error(request)
+    if sampling_problem is not None:
+        raise _invalid(sampling_problem)
     # Rows 12–13 are accepted (clarifications.md #7); rows 14–15.
     kv_params = request.kv.kv_transfer_params if request.kv.HasField("kv_transfer_params") else None
     role = handoff.classify_kv_transfer_params(kv_params)
