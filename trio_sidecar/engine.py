@@ -161,7 +161,7 @@ class ChunkSink(Protocol):
 
     ``chunk`` (or, for a chunk of token ids and text only, ``tokens``) gets every chunk as soon as its
     message is read, from whichever task read it (the connection's reader or the request task); plain token
-    chunks of messages read together come as one ``tokens`` call (ids in order, texts joined); ``end`` is
+    chunks of messages read together come as one ``tokens`` call (ids in order, texts concatenated); ``end`` is
     called exactly once, last: with the final chunk (terminal or cancelled) or the error (a
     :class:`~trio_sidecar.errors.SidecarError`, or an unexpected exception), the other ``None``. An
     exception from ``chunk``/``tokens`` fails the request like a bug in the engine (logged, ``end`` with the
@@ -170,9 +170,9 @@ class ChunkSink(Protocol):
 
     def chunk(self, chunk: LLMEngineOutput) -> None: ...
 
-    def tokens(self, token_ids: list[int], text: str | None) -> None:
+    def tokens(self, token_ids: list[int], text: str) -> None:
         """A plain token chunk (the common one): the same as ``chunk(token_chunk(token_ids, text))``;
-        ``token_ids`` is a fresh list the sink may keep."""
+        ``token_ids`` is a fresh list the sink may keep; ``text`` is ``""`` when vLLM sent none."""
 
     def end(self, final: LLMEngineOutput | None, error: BaseException | None) -> None: ...
 

@@ -450,7 +450,11 @@ class CompletionUsage:
 
 @attrs.define(kw_only=True)
 class LLMEngineOutput:
-    """One output chunk (§14.4). ``to_dict()`` gives the Dynamo dict with ``None`` keys omitted."""
+    """One output chunk (§14.4). ``to_dict()`` gives the Dynamo dict with ``None`` keys omitted.
+
+    ``text`` is a string on every chunk except prefill's (``""`` when vLLM sent no text for the message):
+    Dynamo's frontend detokenizes a chunk without ``text`` itself, which corrupts partial UTF-8 sequences.
+    """
 
     token_ids: list[int] = attrs.field(factory=list)
     index: int = 0
@@ -495,7 +499,7 @@ _output_converter.register_structure_hook(Union[int, str, None], lambda v, _t: v
 _new_object = object.__new__
 
 
-def token_chunk(token_ids: list[int], text: str | None) -> LLMEngineOutput:
+def token_chunk(token_ids: list[int], text: str) -> LLMEngineOutput:
     """``LLMEngineOutput(token_ids=token_ids, text=text)``, the streaming hot path (one per token).
 
     Built field by field: calling the class with keywords costs twice as much. Every field is set here

@@ -595,7 +595,7 @@ def plain_values(resp: pb.GenerateResponse) -> tuple[Any, ...] | None:
     if not 0 < seq.num_tokens == len(seq.token_ids):
         return None
     ids = list(seq.token_ids)
-    return (ids[0] if len(ids) == 1 else ids), seq.text or None
+    return (ids[0] if len(ids) == 1 else ids), seq.text
 
 
 @given(resp=st.one_of(token_responses(), responses()))

@@ -171,8 +171,8 @@ def deliver_items(
     """Hand every chunk of a batch's pairs (:meth:`BatchBuilder.take_items`) over in order: a plain one as
     ``tokens(token_ids, text)`` (a fresh list), any other as ``chunk(chunk)``; what :class:`ChunkBatch` would
     return one at a time, without building the plain chunks. Consecutive plain chunks go over as one
-    ``tokens`` call: their ids in order, their texts joined (``None`` when all are empty), as the Dynamo
-    bridge would merge the deltas anyway (``bridge.merge_run``)."""
+    ``tokens`` call: their ids in order, their texts concatenated exactly (``""`` when all are empty), as
+    the Dynamo bridge would merge the deltas anyway (``bridge.merge_run``)."""
     index = 0
     size = len(items)
     while index < size:
@@ -195,7 +195,7 @@ def deliver_items(
                     merged += more
                 texts.append(items[index + 1])
                 index += 2
-            tokens(merged, "".join([t for t in texts if t]) or None)
+            tokens(merged, "".join(texts))
         else:
             tokens([ids] if kind is int else ids, text)
 

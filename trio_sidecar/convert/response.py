@@ -54,8 +54,8 @@ def plain_token_fields(data: bytes) -> tuple[int | list[int], str | None] | None
     It skips the ``GenerateResponse`` objects that parsing and reading fields of (~1 µs) cost per token.
 
     Returns:
-        ``(token_ids, text)``: ``token_ids`` the id itself for one token, else a list; ``text`` ``None``
-        when empty.
+        ``(token_ids, text)``: ``token_ids`` the id itself for one token, else a list; ``text`` the
+        message's text, ``""`` when it has none.
     """
     try:
         size = len(data)
@@ -70,7 +70,7 @@ def plain_token_fields(data: bytes) -> tuple[int | list[int], str | None] | None
             pos = 3
         if pos + length != size:
             return None
-        text = None
+        text = ""
         if data[pos] == 0x12:  # SequenceOutput.text (field 2)
             length = data[pos + 1]
             pos += 2
@@ -80,7 +80,7 @@ def plain_token_fields(data: bytes) -> tuple[int | list[int], str | None] | None
                 length = (length & 0x7F) | (data[pos] << 7)
                 pos += 1
             end = pos + length
-            text = data[pos:end].decode() or None  # (beyond the end: the reads below fail)
+            text = data[pos:end].decode()  # (beyond the end: the reads below fail)
             pos = end
         # num_tokens (field 3, varint), then token_ids (field 4, packed): their length reaches the end.
         if data[pos] != 0x18 or data[pos + 2] != 0x22:
@@ -167,8 +167,12 @@ class ResponseState:
         return 0 if self.is_prefill else self.completion_tokens
 
     def cancelled_chunk(self) -> LLMEngineOutput:
-        """The §14.4 cancelled chunk with the usage accumulated so far."""
-        return cancelled_chunk(self.prompt_tokens, self.reported_completion_tokens())
+        """The §14.4 cancelled chunk with the usage accumulated so far (``text`` ``""`` unless prefill, like
+        every other output chunk)."""
+        chunk = cancelled_chunk(self.prompt_tokens, self.reported_completion_tokens())
+        if not self.is_prefill:
+            chunk.text = ""
+        return chunk
 
     @staticmethod
     def completes_transfer(response: inference_pb2.GenerateResponse) -> bool:
@@ -188,8 +192,8 @@ class ResponseState:
 
         Returns:
             ``(token_ids, text)`` after counting the tokens, ``token_ids`` being the id itself for a single
-            token (no list to allocate; see ``convert.batch``) and ``text`` ``None`` when empty, as in
-            :meth:`convert`; or ``None``, counting nothing, for any other message: parse and
+            token (no list to allocate; see ``convert.batch``) and ``text`` ``""`` when the message has none,
+            as in :meth:`convert`; or ``None``, counting nothing, for any other message: parse and
             :meth:`convert` it then (it runs the checks and raises where one fails).
         """
         if self.finished or not self._plain_chunks:
@@ -224,7 +228,10 @@ class ResponseState:
             chunk = LLMEngineOutput()
         else:
             # (built with its fields at once: cheaper than assigning them after construction)
-            chunk = LLMEngineOutput(token_ids=list(token_ids), text=outputs.text or None)
+            # ``text`` is always a string, ``""`` when vLLM sent none (its incremental detokenizer holds back
+            # an incomplete UTF-8 sequence): without it Dynamo's frontend would detokenize the chunk's tokens
+            # itself and a partial multi-byte character would come out as U+FFFD (docs/dynamo.md).
+            chunk = LLMEngineOutput(token_ids=list(token_ids), text=outputs.text)
             if self.output_logprobs is not None:
                 self._output_logprobs(outputs, chunk)
 

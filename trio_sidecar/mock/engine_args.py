@@ -31,6 +31,7 @@ __all__ = [
     "EngineArgs",
     "EngineArgsError",
     "PreemptionMode",
+    "TextMode",
     "TokenSeedSource",
     "engine_args_from_mapping",
     "load_engine_args_text",
@@ -58,6 +59,13 @@ class EngineArgsError(Exception):
 class PreemptionMode(enum.Enum):
     LIFO = "lifo"  # evict the newest running request (default, as vLLM)
     FIFO = "fifo"  # evict the oldest
+
+
+class TextMode(enum.Enum):
+    """How the mock turns output tokens into text (``text_mode``; see ``mock.generation``)."""
+
+    TAGS = "tags"  # ``<token:{id}>`` per token: every message carries its token's text
+    BYTES = "bytes"  # tokens are UTF-8 bytes, detokenized incrementally as vLLM does (text held back)
 
 
 class TokenSeedSource(enum.Enum):
@@ -96,6 +104,7 @@ class EngineArgs:
     zmq_replay_port: int | None = None
     # Project keys (clarifications.md #1 and #9).
     token_seed_source: TokenSeedSource = TokenSeedSource.REQUEST_ID
+    text_mode: TextMode = TextMode.TAGS
     image_token_id: int = 31999
     tokens_per_image: int = 16
 
@@ -181,6 +190,7 @@ _KEYS: dict[str, tuple[Callable[[str, Any], Any], bool] | object] = {
     "zmq_kv_events_port": (_int, True),
     "zmq_replay_port": (_int, True),
     "token_seed_source": (_enum(TokenSeedSource), False),
+    "text_mode": (_enum(TextMode), False),
     "image_token_id": (_int, False),
     "tokens_per_image": (_int, False),
     "planner_profile_data": _IGNORED,

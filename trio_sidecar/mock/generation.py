@@ -16,6 +16,11 @@ Everything a request produces is a function of values the client controls, so te
   when it is read.
 * Text, logprobs and candidates are synthetic functions of the token id (§7.4); the protobuf pieces of the
   responses are built here too, so the server only moves them.
+* Engine argument ``text_mode = "bytes"`` replaces the ``<token:{id}>`` text by a byte-level one
+  (:func:`token_bytes`, :class:`ByteDetokenizer`): each token is one to three bytes of UTF-8, some of them
+  pieces of multi-byte characters, and the text of each message is what vLLM's incremental detokenizer
+  would send: ``""`` while the text decoded so far ends with an incomplete character (U+FFFD), then the
+  completed characters; at the finish the bytes still held back are flushed (an incomplete tail as U+FFFD).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ __all__ = [
     "OutputPlan",
     "RequestRejected",
     "TokenPlan",
+    "ByteDetokenizer",
     "build_prompt_info",
     "build_sequence_output",
     "candidates_for",
@@ -49,6 +55,7 @@ __all__ = [
     "token_logprob",
     "token_response_encoder",
     "token_seed",
+    "token_bytes",
     "token_text",
 ]
 
@@ -215,6 +222,53 @@ def token_text(token: int) -> str:
     return f"<token:{token}>"
 
 
+# text_mode "bytes": what a token is, by ``token % 8``. Random tokens make a mix of ASCII, whole two-byte
+# characters, lead bytes whose character a later continuation byte completes, and stray continuation bytes
+# (invalid: U+FFFD), like the partial-UTF-8 byte tokens of a byte-level BPE vocabulary.
+_ASCII = b"abcdefghijklmnopqrstuvwxyz "
+
+
+def token_bytes(token: int) -> bytes:
+    """The UTF-8 bytes of ``token`` in ``text_mode = "bytes"`` (a pure function of the id)."""
+    kind, value = token % 8, token >> 3
+    if kind < 2:  # an ASCII letter or space
+        return _ASCII[value % len(_ASCII) : value % len(_ASCII) + 1]
+    if kind == 2:  # a whole two-byte character, U+00E0..U+00FF
+        return chr(0xE0 + value % 32).encode()
+    if kind == 3:  # the lead byte of a two-byte character (U+00C0..U+00FF): a continuation completes it
+        return b"\xc3"
+    if kind == 4:  # the first two bytes of a three-byte CJK character: a continuation completes it
+        return bytes((0xE4, 0xB8 + value % 4))
+    return bytes((0x80 + value % 64,))  # a continuation byte
+
+
+class ByteDetokenizer:
+    """One request's incremental detokenizer for ``text_mode = "bytes"``, with vLLM's rule: the text of a
+    message is ``""`` while everything not sent yet decodes to a text ending with U+FFFD (an incomplete
+    character, or an invalid byte that more bytes may still explain), else all of it; :meth:`finish`
+    flushes what is held back (decoded with U+FFFD replacements)."""
+
+    __slots__ = ("_pending",)
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def step(self, tokens: Iterable[int]) -> str:
+        """The text of the message that carries ``tokens``."""
+        pending = self._pending + b"".join([token_bytes(t) for t in tokens])
+        text = pending.decode("utf-8", "replace")
+        if not text or text.endswith("\ufffd"):
+            self._pending = pending
+            return ""
+        self._pending = b""
+        return text
+
+    def finish(self) -> str:
+        """The held-back bytes, decoded (an incomplete tail as U+FFFD); nothing is held back afterwards."""
+        pending, self._pending = self._pending, b""
+        return pending.decode("utf-8", "replace")
+
+
 def token_logprob(token: int) -> float:
     """Synthetic logprob: ``−0.1 × ((id mod 10) + 1)``; the rank is always 1."""
     return -0.1 * ((token % 10) + 1)
@@ -288,11 +342,14 @@ class OutputOptions:
         )
 
 
-def fill_sequence_output(out: pb.SequenceOutput, tokens: Sequence[int], options: OutputOptions) -> None:
-    """Fill an empty ``SequenceOutput`` in place (no copy: the hot path of streaming)."""
+def fill_sequence_output(
+    out: pb.SequenceOutput, tokens: Sequence[int], options: OutputOptions, text: str | None = None
+) -> None:
+    """Fill an empty ``SequenceOutput`` in place (no copy: the hot path of streaming). ``text``: the text
+    when the options ask for it (``text_mode = "bytes"``: the detokenizer's); ``None``: the tokens' tags."""
     out.num_tokens = len(tokens)
     if options.text:
-        out.text = "".join([f"<token:{t}>" for t in tokens])
+        out.text = "".join([f"<token:{t}>" for t in tokens]) if text is None else text
     if options.token_ids:
         out.token_ids.extend(tokens)
     if options.logprobs or options.candidates_requested:
@@ -359,10 +416,10 @@ def token_response_encoder(options: OutputOptions) -> Callable[[int], bytes]:
     return encode
 
 
-def build_sequence_output(tokens: Sequence[int], options: OutputOptions) -> pb.SequenceOutput:
+def build_sequence_output(tokens: Sequence[int], options: OutputOptions, text: str | None = None) -> pb.SequenceOutput:
     """One ``SequenceOutput`` delta carrying ``tokens`` as the options ask (no ``finish_info``)."""
     out = pb.SequenceOutput()
-    fill_sequence_output(out, tokens, options)
+    fill_sequence_output(out, tokens, options, text)
     return out
 
 

@@ -45,6 +45,7 @@ from trio_sidecar.mock import engine_args as _engine_args
 from trio_sidecar.mock.generation import (
     TOKEN_BASE,
     TOKEN_SPAN,
+    ByteDetokenizer,
     OutputOptions,
     RequestRejected,
     build_prompt_info,
@@ -365,6 +366,7 @@ class MockServer:
         self._active = trio_util.AsyncValue(0)
         self._shutting_down = False
         self._record = prepared.config.record_requests
+        self._byte_text = prepared.args.text_mode is _engine_args.TextMode.BYTES
         self.health = HealthServicer({name: SERVING for name in HEALTH_SERVICES})
         self.host = prepared.host
         self.port = 0
@@ -525,7 +527,13 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
                 tokens.extend(chunk)
                 if terminal is not None:
                     break
-            outputs = build_sequence_output(tokens, call.prepared.output)
+            text = None
+            if self._server._byte_text:
+                detokenizer = ByteDetokenizer()
+                text = detokenizer.step(tokens)
+                if terminal.finish_reason != FinishReason.ABORTED:
+                    text += detokenizer.finish()
+            outputs = build_sequence_output(tokens, call.prepared.output, text)
             outputs.finish_info.CopyFrom(terminal)
             return pb.GenerateResponse(
                 prompt_info=build_prompt_info(call.prepared.prompt, request.response), outputs=outputs
@@ -541,7 +549,8 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
             if rejection is not None:
                 raise rejection
             options = call.prepared.output
-            encode = _framed_token_encoder(options)
+            detokenizer = ByteDetokenizer() if self._server._byte_text else None
+            encode = _framed_token_encoder(options) if detokenizer is None else _byte_text_encoder(options, detokenizer)
             while True:
                 tokens, terminal = await call.next_output()
                 if terminal is None or terminal.finish_reason == FinishReason.ABORTED:
@@ -554,8 +563,11 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
                     message = pb.GenerateResponse()
                     if last_token is None:
                         message.outputs.SetInParent()  # the ABORTED terminal carries no token
-                    else:
+                    elif detokenizer is None:
                         fill_sequence_output(message.outputs, (last_token,), options)
+                    else:  # the finish flushes what the detokenizer holds back
+                        text = detokenizer.step((last_token,)) + detokenizer.finish()
+                        fill_sequence_output(message.outputs, (last_token,), options, text)
                     message.outputs.finish_info.CopyFrom(terminal)
                     framed.append(FramedMessages.frame(message.SerializeToString()))
                 if framed:
@@ -590,6 +602,19 @@ def _framed_token_encoder(options: OutputOptions) -> Callable[[int], bytes]:
                 data = table[index] = frame(encode(token))
             return data
         return frame(encode(token))
+
+    return framed
+
+
+def _byte_text_encoder(options: OutputOptions, detokenizer: ByteDetokenizer) -> Callable[[int], bytes]:
+    """``token -> framed GenerateResponse`` in ``text_mode = "bytes"``: the text is the request's
+    detokenizer's, so nothing is cached."""
+    frame = FramedMessages.frame
+
+    def framed(token: int) -> bytes:
+        message = pb.GenerateResponse()
+        fill_sequence_output(message.outputs, (token,), options, detokenizer.step((token,)))
+        return frame(message.SerializeToString())
 
     return framed
 
