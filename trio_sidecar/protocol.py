@@ -16,6 +16,7 @@ import cattrs
 from cattrs.errors import ClassValidationError, IterableValidationError
 
 from .errors import InvalidArgument
+from .jsonstruct import int_text
 
 __all__ = [
     "StopConditions",
@@ -143,7 +144,7 @@ def _int_hook(lo: int, hi: int, name: str):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"expected an integer ({name}), got {type(value).__name__}")
         if not lo <= value <= hi:
-            raise ValueError(f"{value} is outside the {name} range")
+            raise ValueError(f"{int_text(value)} is outside the {name} range")
         return int(value)
 
     return hook

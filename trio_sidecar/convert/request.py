@@ -340,7 +340,10 @@ def _kv_transfer_params(request: PreprocessedRequest, extras: _Extras, mode: Dis
         forwarded = {k: v for k, v in params.items() if k != HANDOFF_KEY}
         port = forwarded.get("remote_port")
         if _is_whole_non_negative(port):
-            forwarded["remote_port"] = str(int(port))
+            try:
+                forwarded["remote_port"] = str(int(port))
+            except ValueError:  # beyond Python's 4300-digit limit: left as a number, which Struct refuses
+                pass
         return json_to_struct(forwarded)
     if mode is DisaggregationMode.PREFILL:
         if caller is None:
