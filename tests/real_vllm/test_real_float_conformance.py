@@ -15,6 +15,7 @@ from trio_sidecar.status import StatusCode
 
 from real_vllm_client import open_direct_channel
 from real_vllm_helpers import collect, generate_request, unique_id
+from real_vllm_server import MAX_MODEL_LEN
 from vllm_float_table import BAD, LOGIT_BIASES, ORDER, TABLE
 
 
@@ -68,3 +69,22 @@ async def test_real_server_never_checks_logit_bias_values(channel):
         message.decoding.logit_bias[token] = bias
     assert await answer(channel, message) is None
     assert sampling_error(message) is None
+
+
+# Checks vLLM runs before the float ones (the mock keeps this order; its texts for the first two differ by
+# design, docs/conformance.md).
+EARLIER = {
+    "empty stop string": (lambda m: m.stopping.stop_strings.append(""), "stop strings cannot be empty"),
+    "min_tokens above max_tokens": (lambda m: setattr(m.stopping, "min_new_tokens", 5), "`min_tokens` must be"),
+    "prompt too long": (lambda m: m.token_ids.ids.extend([5] * MAX_MODEL_LEN), "this model's maximum context length"),
+}
+
+
+@pytest.mark.parametrize("earlier", list(EARLIER))
+async def test_real_server_runs_the_float_checks_after_stopping_and_context_checks(channel, earlier):
+    make_bad, text = EARLIER[earlier]
+    message = generate_request(unique_id("earlier"), max_new_tokens=2)
+    message.temperature = float("nan")
+    make_bad(message)
+    got = await answer(channel, message)
+    assert got is not None and text in got, got

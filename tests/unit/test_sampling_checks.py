@@ -144,3 +144,27 @@ def test_attrs_request_with_a_bad_float_is_rejected_too():
 def test_format_f32_like_rust_display(value, text):
     assert format_f32(value) == text
 
+
+
+# vLLM runs these checks before the float ones (measured; the real-server test asserts it too).
+EARLIER = {
+    "empty stop string": (lambda m: m.stopping.stop_strings.append(""), "stop strings cannot be empty"),
+    "min_tokens above max_tokens": (
+        lambda m: setattr(m.stopping, "min_new_tokens", 5),
+        "min_new_tokens (5) must not exceed effective max_new_tokens (4)",
+    ),
+    "prompt too long": (
+        lambda m: m.token_ids.ids.extend([7] * 20),
+        "this model's maximum context length is 16 tokens, but the prompt contains 23 input tokens",
+    ),
+}
+
+
+@pytest.mark.parametrize("earlier", list(EARLIER))
+def test_mock_reports_vllms_earlier_checks_before_the_float_ones(earlier):
+    make_bad, message = EARLIER[earlier]
+    request = wire("temperature", NAN)
+    make_bad(request)
+    with pytest.raises(RequestRejected) as info:
+        prepare_request(request, RequestPolicy(served_model_name="m", max_model_len=16))
+    assert (info.value.code, info.value.message) == (StatusCode.INVALID_ARGUMENT, message)

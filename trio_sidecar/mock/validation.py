@@ -9,9 +9,10 @@ server state stay in the server and bracket the pure part:
 * row 19 (duplicate in-flight id) and row 20 (KV capacity): the server's routes and the scheduler.
 
 Differences from the §6 table adopted from clarifications.md #11 (parity with vLLM): a wrong model is
-``NOT_FOUND`` ``model `{name}` not found``; ``lora_name`` is ``FAILED_PRECONDITION``; an empty stop string,
-then vLLM's float sampling checks (``trio_sidecar.sampling_checks``: temperature, top_p, min_p and the
-penalties, with vLLM's texts) are rejected after row 11, where vLLM checks sampling parameters.
+``NOT_FOUND`` ``model `{name}` not found``; ``lora_name`` is ``FAILED_PRECONDITION``; an empty stop string
+is rejected after row 11; vLLM's float sampling checks (``trio_sidecar.sampling_checks``: temperature,
+top_p, min_p and the penalties, with vLLM's texts) run after row 18 (context length and ``min_new_tokens``),
+where vLLM runs them.
 """
 
 from __future__ import annotations
@@ -168,10 +169,6 @@ def prepare_request(
         raise _invalid("num_sequences must be 0 or 1")
     if any(s == "" for s in request.stopping.stop_strings):
         raise _invalid("stop strings cannot be empty")
-    # vLLM's float sampling checks, in its order and with its texts (docs/conformance.md).
-    sampling_problem = sampling_error(request)
-    if sampling_problem is not None:
-        raise _invalid(sampling_problem)
     # Rows 12–13 are accepted (clarifications.md #7); rows 14–15.
     kv_params = request.kv.kv_transfer_params if request.kv.HasField("kv_transfer_params") else None
     role = handoff.classify_kv_transfer_params(kv_params)
@@ -192,6 +189,11 @@ def prepare_request(
         raise _invalid(
             f"min_new_tokens ({stopping.min_new_tokens}) must not exceed effective max_new_tokens ({max_tokens})"
         )
+    # vLLM's float sampling checks, with its texts; vLLM runs them after the context-length and
+    # min_tokens checks (docs/conformance.md).
+    sampling_problem = sampling_error(request)
+    if sampling_problem is not None:
+        raise _invalid(sampling_problem)
     # clarifications.md #22: without chunked prefill a prompt must fit one pass.
     budget = policy.max_num_batched_tokens
     if not policy.enable_chunked_prefill and budget is not None and len(prompt) > budget:
