@@ -1,4 +1,4 @@
-"""Dynamo's request and output shapes as attrs models (sidecar.md §12.1, §14.4). PURE: no I/O, no Trio.
+"""Dynamo's request and output shapes as attrs models (docs/reference/sidecar.md#input, docs/reference/sidecar.md#output-chunks). PURE: no I/O, no Trio.
 
 ``PreprocessedRequest`` is structured from the request dict with a strict cattrs converter: unknown keys
 are ignored (the 1.6.1 dict carries many fields the sidecar does not read), ``null`` equals absent, and a
@@ -118,7 +118,7 @@ class PrefillResult:
 
 @attrs.define(kw_only=True)
 class PreprocessedRequest:
-    """The fields of Dynamo's ``PreprocessedRequest`` the sidecar reads (§12.1); opaque ones stay JSON."""
+    """The fields of Dynamo's ``PreprocessedRequest`` the sidecar reads (docs/reference/sidecar.md#input); opaque ones stay JSON."""
 
     token_ids: list[U32] = attrs.field(factory=list)
     prompt_embeds: Any = None
@@ -451,7 +451,7 @@ class CompletionUsage:
 
 @attrs.define(kw_only=True)
 class LLMEngineOutput:
-    """One output chunk (§14.4). ``to_dict()`` gives the Dynamo dict with ``None`` keys omitted.
+    """One output chunk (docs/reference/sidecar.md#output-chunks). ``to_dict()`` gives the Dynamo dict with ``None`` keys omitted.
 
     ``text`` is a string on every chunk except prefill's (``""`` when vLLM sent no text for the message):
     Dynamo's frontend detokenizes a chunk without ``text`` itself, which corrupts partial UTF-8 sequences.
@@ -521,7 +521,7 @@ def token_chunk(token_ids: list[int], text: str) -> LLMEngineOutput:
 
 
 def cancelled_chunk(prompt_tokens: int, completion_tokens: int) -> LLMEngineOutput:
-    """The §14.4 cancelled chunk: no tokens, ``finish_reason "cancelled"``, usage."""
+    """The cancelled chunk (docs/reference/sidecar.md#output-chunks): no tokens, ``finish_reason "cancelled"``, usage."""
     return LLMEngineOutput(
         token_ids=[],
         finish_reason="cancelled",

@@ -1,4 +1,4 @@
-"""The asyncio-thread bridge (dynamo-worker.md §10), with a fake Dynamo context and a fake sidecar.
+"""The asyncio-thread bridge (docs/reference/worker.md#the-asyncio-thread-bridge), with a fake Dynamo context and a fake sidecar.
 
 These tests need no Dynamo install: the bridge only sees a context with ``id()``,
 ``async_killed_or_stopped()`` and ``notify_first_token()``, and a ``generate(request, ctx)`` context manager.

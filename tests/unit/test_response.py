@@ -1,4 +1,4 @@
-"""Response conversion (sidecar.md §14, clarification #6): every check, logprobs, terminal, handoff."""
+"""Response conversion (docs/reference/sidecar.md#response-conversion, docs/reference/sidecar.md#per-message-checks): every check, logprobs, terminal, handoff."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def fails(st: ResponseState, resp: pb.GenerateResponse, message: str) -> None:
     assert info.value.kind is ErrorKind.UNKNOWN
 
 
-# ------------------------------------------------------------------- reference example (§14.5)
+# ------------------------------------------------------------------- reference example (docs/reference/sidecar.md#reference-example)
 
 
 def test_reference_aggregated_example() -> None:
@@ -121,7 +121,7 @@ def test_engine_data_only_on_the_terminal() -> None:
     assert last is not None and last.engine_data == {"prompt_logprobs": [None, {"6": {"logprob": -1.5, "rank": 4}}]}
 
 
-# ------------------------------------------------------------------- top logprobs (clarification #6)
+# ------------------------------------------------------------------- top logprobs (docs/reference/sidecar.md#per-message-checks)
 
 
 @pytest.mark.parametrize(
@@ -177,7 +177,7 @@ def test_logprob_floor_keeps_finite_values_above() -> None:
     assert chunk is not None and chunk.log_probs == [-9998.5]
 
 
-# ------------------------------------------------------------------- consistency checks (§14.2)
+# ------------------------------------------------------------------- consistency checks (docs/reference/sidecar.md#per-message-checks)
 
 
 def test_prompt_count_mismatch() -> None:
@@ -230,7 +230,7 @@ def test_eof_message_is_a_protocol_error() -> None:
     assert str(err) == "invalid vLLM gRPC response: GenerateStream ended before a terminal response"
 
 
-# ------------------------------------------------------------------- finish / stop reasons (§14.2 item 8)
+# ------------------------------------------------------------------- finish / stop reasons (docs/reference/sidecar.md#per-message-checks item 5)
 
 
 @pytest.mark.parametrize(

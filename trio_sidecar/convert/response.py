@@ -1,4 +1,4 @@
-"""``GenerateResponse`` stream → ``LLMEngineOutput`` chunks (sidecar.md §14, §19.5). PURE: no I/O, no Trio.
+"""``GenerateResponse`` stream → ``LLMEngineOutput`` chunks (docs/reference/sidecar.md#response-conversion, docs/reference/sidecar.md#multimodal-requests). PURE: no I/O, no Trio.
 
 Theory of operation: :class:`ResponseState` is fed each received message in order (``convert``) and
 returns at most one chunk per message; it never reads a socket. It checks every message against the
@@ -135,7 +135,7 @@ def _length_error(kind: str, expected: int, token_ids: int, logprobs: int, ranks
 
 
 class ResponseState:
-    """Per-request response conversion state (§14.1).
+    """Per-request response conversion state (docs/reference/sidecar.md#per-message-checks).
 
     Attributes:
         prompt_tokens: usage prompt count (with media: vLLM's ``num_prompt_tokens``, once seen).
@@ -167,8 +167,8 @@ class ResponseState:
         return 0 if self.is_prefill else self.completion_tokens
 
     def cancelled_chunk(self) -> LLMEngineOutput:
-        """The §14.4 cancelled chunk with the usage accumulated so far (``text`` ``""`` unless prefill, like
-        every other output chunk)."""
+        """The cancelled chunk (docs/reference/sidecar.md#output-chunks) with the usage accumulated so far
+        (``text`` ``""`` unless prefill, like every other output chunk)."""
         chunk = cancelled_chunk(self.prompt_tokens, self.reported_completion_tokens())
         if not self.is_prefill:
             chunk.text = ""
@@ -176,7 +176,7 @@ class ResponseState:
 
     @staticmethod
     def completes_transfer(response: inference_pb2.GenerateResponse) -> bool:
-        """Decode deferral (§17.3): a token arrived or the request finished."""
+        """Decode deferral (docs/reference/sidecar.md#decode-deferral): a token arrived or the request finished."""
         if not response.HasField("outputs"):
             return False
         outputs = response.outputs
@@ -187,7 +187,7 @@ class ResponseState:
 
         A *plain* message carries outputs with token ids, a matching ``num_tokens`` and optionally text,
         and nothing else (:func:`plain_token_fields`), in a request whose chunks carry tokens and text
-        without logprobs (aggregated or decode mode). For it every §14.2 check passes and :meth:`convert`
+        without logprobs (aggregated or decode mode). For it every check (docs/reference/sidecar.md#per-message-checks) passes and :meth:`convert`
         would return ``LLMEngineOutput(token_ids=..., text=...)`` with nothing else set.
 
         Returns:
@@ -205,10 +205,10 @@ class ResponseState:
         return fields
 
     def convert(self, response: inference_pb2.GenerateResponse) -> LLMEngineOutput | None:
-        """Convert one message (§14.2); ``None`` when it yields no chunk.
+        """Convert one message (docs/reference/sidecar.md#per-message-checks); ``None`` when it yields no chunk.
 
         Raises:
-            ProtocolError: a §14.2 / §19.5 consistency check failed.
+            ProtocolError: a consistency check failed (docs/reference/sidecar.md#per-message-checks, docs/reference/sidecar.md#multimodal-requests).
         """
         if self.finished:
             return None  # anything after the terminal is ignored
@@ -249,7 +249,7 @@ class ResponseState:
 
     def _prompt_info(self, info: inference_pb2.PromptInfo) -> None:
         if self.has_media:
-            # vLLM's expanded prompt is authoritative (§19.3).
+            # vLLM's expanded prompt is authoritative (docs/reference/sidecar.md#multimodal-requests).
             self.prompt_tokens = info.num_prompt_tokens
         elif info.num_prompt_tokens != self.prompt_tokens:
             raise ProtocolError(
@@ -274,7 +274,7 @@ class ResponseState:
         for token_id, logprob, rank, candidates in zip(
             outputs.token_ids, outputs.logprobs, outputs.ranks, outputs.candidate_tokens
         ):
-            # Clarification #6: the server's candidates in its order; the sampled token first only if absent.
+            # docs/reference/sidecar.md#per-message-checks: the server's candidates in its order; the sampled token first only if absent.
             position = [
                 TopLogprob(rank=c.rank, token_id=c.id, logprob=normalize_logprob(c.logprob))
                 for c in candidates.tokens

@@ -1,4 +1,4 @@
-"""The asyncio-thread bridge between Dynamo's runtime and the Trio sidecar (dynamo-worker.md §10).
+"""The asyncio-thread bridge between Dynamo's runtime and the Trio sidecar (docs/reference/worker.md#the-asyncio-thread-bridge).
 
 Theory of operation
 -------------------
@@ -832,7 +832,7 @@ class RequestBridge:
         )
 
 
-# Keys a chunk may carry and still be merged with its successor (a plain token delta, sidecar.md §14.4).
+# Keys a chunk may carry and still be merged with its successor (a plain token delta, docs/reference/sidecar.md#output-chunks).
 _DELTA_KEYS = frozenset({"token_ids", "index", "text", "log_probs", "top_logprobs"})
 _LIST_KEYS = ("token_ids", "log_probs", "top_logprobs")
 

@@ -1,6 +1,6 @@
-"""``trio-sidecar mock``: run the mock vLLM gRPC server as a process (mock-server.md §2, §4).
+"""``trio-sidecar mock``: run the mock vLLM gRPC server as a process (docs/reference/mock.md#cli, docs/reference/mock.md#startup-and-shutdown).
 
-Exit codes (clarifications.md #12): 0 after SIGINT/SIGTERM (graceful shutdown); 2 for a usage or
+Exit codes (docs/reference/sidecar.md#exit-codes): 0 after SIGINT/SIGTERM (graceful shutdown); 2 for a usage or
 configuration error found before any socket is opened (bad flag, bad engine JSON, invalid engine
 arguments); 1 for a failure after that (e.g. the listen address cannot be bound); a second SIGINT/SIGTERM
 during shutdown exits 1 at once.

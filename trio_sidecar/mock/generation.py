@@ -1,4 +1,4 @@
-"""Deterministic synthetic generation for the mock server (mock-server.md §7–§8). PURE: no I/O, no Trio.
+"""Deterministic synthetic generation for the mock server (docs/reference/mock.md#deterministic-generation, docs/reference/mock.md#termination). PURE: no I/O, no Trio.
 
 Theory of operation
 -------------------
@@ -7,14 +7,14 @@ Everything a request produces is a function of values the client controls, so te
 * ``blake3(seed as u64 LE ‖ request_id UTF-8)`` gives a 32-byte digest. Its first 16 bytes, with the UUID
   version/variant bits forced, are the **request UUID** (the scheduler's key; ``Abort`` maps ids the same way).
   Its first 8 bytes as a little-endian u64 are the **token seed**.
-* With engine argument ``token_seed_source = "prompt"`` (clarifications.md #9) the token seed comes from
+* With engine argument ``token_seed_source = "prompt"`` (docs/reference/mock.md#token-seed-and-request-uuid) the token seed comes from
   ``blake3(seed as u64 LE ‖ prompt ids as u32 LE)`` instead, so the same prompt always yields the same tokens
   whatever the request id. The UUID still comes from the request id.
 * Token ``p`` is splitmix64's finaliser over ``token_seed + p × golden ratio``, folded into [1000, 32000).
   Positions are independent, so the output plan (its length already cut by stop tokens and the context
   cap) is decided up front and handed to the scheduler as a :class:`TokenPlan`, which computes each token
   when it is read.
-* Text, logprobs and candidates are synthetic functions of the token id (§7.4); the protobuf pieces of the
+* Text, logprobs and candidates are synthetic functions of the token id (docs/reference/mock.md#text-logprobs-and-candidates); the protobuf pieces of the
   responses are built here too, so the server only moves them.
 * Engine argument ``text_mode = "bytes"`` replaces the ``<token:{id}>`` text by a byte-level one
   (:func:`token_bytes`, :class:`ByteDetokenizer`): each token is one to three bytes of UTF-8, some of them
@@ -66,9 +66,9 @@ _MIX2 = 0x94D049BB133111EB
 
 TOKEN_BASE = 1000
 TOKEN_SPAN = 31000
-DEFAULT_MAX_NEW_TOKENS = 20  # StoppingCriteria.max_new_tokens == 0 means this (vllm-grpc-contract §8)
-MAX_NEW_TOKENS_LIMIT = 32768  # the upstream stack's limit (mock-server §6 row 16)
-MAX_CANDIDATES = 20  # per position; more are truncated, not rejected (§7.4)
+DEFAULT_MAX_NEW_TOKENS = 20  # StoppingCriteria.max_new_tokens == 0 means this (docs/reference/wire.md#default-values)
+MAX_NEW_TOKENS_LIMIT = 32768  # the upstream stack's limit (docs/reference/mock.md#request-validation row 16)
+MAX_CANDIDATES = 20  # per position; more are truncated, not rejected (docs/reference/mock.md#text-logprobs-and-candidates)
 
 FinishReason = pb.FinishInfo.FinishReason
 
@@ -89,7 +89,7 @@ class RequestRejected(Exception):
         return f"RequestRejected({self.code.name}, {self.message!r})"
 
 
-# --- identity and seeds (§7.1) ------------------------------------------------------------------------
+# --- identity and seeds (docs/reference/mock.md#token-seed-and-request-uuid) ------------------------------------------------------------------------
 
 
 def _digest(seed: int, request_id: str) -> bytes:
@@ -97,7 +97,7 @@ def _digest(seed: int, request_id: str) -> bytes:
 
 
 def request_uuid(seed: int, request_id: str) -> str:
-    """The request UUID of §7.1: the digest's first 16 bytes with the version-4 and RFC 4122 variant bits."""
+    """The request UUID of docs/reference/mock.md#token-seed-and-request-uuid: the digest's first 16 bytes with the version-4 and RFC 4122 variant bits."""
     b = bytearray(_digest(seed, request_id)[:16])
     b[6] = (b[6] & 0x0F) | 0x40
     b[8] = (b[8] & 0x3F) | 0x80
@@ -105,12 +105,12 @@ def request_uuid(seed: int, request_id: str) -> str:
 
 
 def token_seed(seed: int, request_id: str) -> int:
-    """The token seed of §7.1: the raw digest's first 8 bytes as a little-endian u64."""
+    """The token seed of docs/reference/mock.md#token-seed-and-request-uuid: the raw digest's first 8 bytes as a little-endian u64."""
     return int.from_bytes(_digest(seed, request_id)[:8], "little")
 
 
 def prompt_token_seed(seed: int, prompt: Iterable[int]) -> int:
-    """The token seed for ``token_seed_source = "prompt"`` (clarifications.md #9).
+    """The token seed for ``token_seed_source = "prompt"`` (docs/reference/mock.md#token-seed-and-request-uuid).
 
     ``blake3(seed as u64 LE ‖ each prompt id as u32 LE)``, first 8 bytes little-endian.
     """
@@ -119,7 +119,7 @@ def prompt_token_seed(seed: int, prompt: Iterable[int]) -> int:
     return int.from_bytes(hasher.digest()[:8], "little")
 
 
-# --- tokens (§7.2) ------------------------------------------------------------------------------------
+# --- tokens (docs/reference/mock.md#tokens) ------------------------------------------------------------------------------------
 
 
 def token_at(seed_value: int, position: int) -> int:
@@ -140,7 +140,7 @@ def planned_tokens(seed: int, request_id: str, n: int) -> list[int]:
 class TokenPlan(Sequence[int]):
     """The planned output tokens of one request, computed on access.
 
-    Positions are independent (§7.2), so a plan is just ``(token seed, length)``: creating one costs
+    Positions are independent (docs/reference/mock.md#tokens), so a plan is just ``(token seed, length)``: creating one costs
     nothing and holds no per-token memory, however large ``max_new_tokens`` is. Indexing and slicing
     behave like a tuple's.
     """
@@ -189,7 +189,7 @@ class TokenPlan(Sequence[int]):
 
 @attrs.frozen(eq=False)
 class OutputPlan:
-    """What the scheduler will emit for one request, decided up front (§8)."""
+    """What the scheduler will emit for one request, decided up front (docs/reference/mock.md#termination)."""
 
     tokens: Sequence[int]
     finish_reason: int  # FinishReason.LENGTH or FinishReason.STOP
@@ -215,7 +215,7 @@ def plan_output(
     return OutputPlan(TokenPlan(seed_value, max_tokens), FinishReason.LENGTH)
 
 
-# --- text, logprobs, candidates (§7.4) ----------------------------------------------------------------
+# --- text, logprobs, candidates (docs/reference/mock.md#text-logprobs-and-candidates) ----------------------------------------------------------------
 
 
 def token_text(token: int) -> str:
@@ -296,7 +296,7 @@ class CandidateSpec:
 
 
 def candidates_for(token: int, logprob: float, spec: CandidateSpec | None) -> list[tuple[int, float, int]]:
-    """The candidate list ``(id, logprob, rank)`` for a selected token (§7.4 with clarifications.md #6).
+    """The candidate list ``(id, logprob, rank)`` for a selected token (docs/reference/mock.md#text-logprobs-and-candidates with docs/reference/sidecar.md#per-message-checks).
 
     ``top_n = n`` matches real vLLM: the sampled token first (rank 1, its own logprob), then the next
     ``n − 1`` synthetic ids. ``token_ids`` and ``all`` list synthetic alternatives only: candidate ``i``
@@ -424,7 +424,7 @@ def build_sequence_output(tokens: Sequence[int], options: OutputOptions, text: s
 
 
 def build_prompt_info(prompt: Sequence[int], response: pb.ResponseOptions) -> pb.PromptInfo:
-    """``PromptInfo`` of §7.5: the count, and ids/logprobs/ranks/candidates when asked."""
+    """``PromptInfo`` of docs/reference/mock.md#prompt-info: the count, and ids/logprobs/ranks/candidates when asked."""
     info = pb.PromptInfo(num_prompt_tokens=len(prompt))
     if response.prompt_token_ids or response.prompt_logprobs:
         info.token_ids.extend(prompt)
