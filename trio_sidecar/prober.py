@@ -55,7 +55,7 @@ from .config import SidecarConfig
 from .endpoint import GrpcEndpoint
 from .errors import ProtocolError, SidecarError, status_to_error
 from .model import DiscoveredModel
-from .pool import MAX_MESSAGE_LENGTH, cause_chain
+from .pool import cause_chain, channel_options
 from .routing import KvEventSource, validate_kv_event_sources
 from .status import StatusCode
 from .transport import Channel, ConnectionLostError, RpcError, check_health, connect_channel, watch_health
@@ -224,7 +224,7 @@ class _Prober:
         with trio.move_on_after(self.config.connect_attempt_timeout):
             try:
                 return await connect_channel(
-                    nursery, self.endpoint.host, self.endpoint.port, max_message_length=MAX_MESSAGE_LENGTH
+                    nursery, self.endpoint.host, self.endpoint.port, **channel_options(self.config)
                 )
             except _IO_ERRORS as exc:
                 cause = cause_chain(exc)
