@@ -111,6 +111,7 @@ async def test_sigstopped_engine_is_detected_and_serving_resumes_after_sigcont(t
                 rejected.check_invariant()
                 assert not rejected.admitted and isinstance(rejected.error, CannotConnect)
                 assert rejected.error.message.startswith("vLLM is not serving: "), rejected.error.message
+                print(f"a new request rejected in {fail_fast * 1000:.1f} ms")
                 assert fail_fast < 0.5, fail_fast
 
                 # The process resumes: the prober reconnects, re-checks the identity, and reopens admission.
