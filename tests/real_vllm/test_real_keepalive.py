@@ -14,6 +14,7 @@ measures.
 
 from __future__ import annotations
 
+import pytest
 import trio
 
 from trio_sidecar import SidecarConfig
@@ -102,3 +103,82 @@ async def test_real_vllm_has_no_ping_rate_policy(nursery, real_server):
     assert info.served_model_name == SERVED_MODEL_NAME
     await watch.aclose()
     await channel.aclose()
+
+
+async def test_sigstopped_real_vllm_is_detected_within_15_s_with_the_defaults_and_serves_after_sigcont(real_server):
+    """The whole vLLM process tree (its own session: the supervisor, the Rust frontend, the engine) is
+    stopped with streams in flight, then continued; the sidecar runs with the default keepalive."""
+    import os
+    import signal
+
+    from trio_sidecar import CannotConnect, GenerateContext, HealthKind, open_sidecar
+
+    config = SidecarConfig(
+        grpc_endpoint=real_server.endpoint, grpc_connections=2, startup_deadline=120.0,
+        connect_attempt_timeout=10.0, retry_interval=0.5,
+    )
+    request = {
+        "token_ids": [5, 6, 7, 8],
+        "stop_conditions": {"max_tokens": 240, "ignore_eos": True},
+        "sampling_options": {"temperature": 0.0},
+    }
+    concurrent = 4
+    errors: list[BaseException] = []
+    ended: list[float] = []
+    streaming = 0
+    all_streaming = trio.Event()
+
+    async def one(sidecar, i: int) -> None:
+        nonlocal streaming
+        try:
+            async with sidecar.generate(request, GenerateContext(f"hung-{i}")) as chunks:
+                first = True
+                async for chunk in chunks:
+                    assert chunk.finish_reason is None, "finished before the stop: make the request longer"
+                    if first:
+                        first = False
+                        streaming += 1
+                        if streaming == concurrent:
+                            all_streaming.set()
+        except CannotConnect as exc:
+            errors.append(exc)
+        ended.append(trio.current_time())
+
+    stopped_group = False
+    try:
+        with trio.fail_after(240):
+            async with open_sidecar(config) as sidecar:
+                async with trio.open_nursery() as nursery:
+                    for i in range(concurrent):
+                        nursery.start_soon(one, sidecar, i)
+                    with trio.fail_after(120):
+                        await all_streaming.wait()
+                    os.killpg(real_server.pid, signal.SIGSTOP)  # the server's own session, started by the fixture
+                    stopped_group = True
+                    stopped = trio.current_time()
+                detected = max(ended) - stopped
+                print(f"\nreal vLLM stopped: {concurrent} streams failed {detected:.2f} s after SIGSTOP")
+                assert len(errors) == concurrent and len(ended) == concurrent
+                for exc in errors:
+                    assert "keepalive PING not acknowledged within 4s" in exc.message, exc.message
+                assert detected <= 15.0, detected
+                with trio.fail_after(15.0 - (trio.current_time() - stopped) + 1.0):
+                    await sidecar.health.wait_value(lambda s: s.kind is HealthKind.UNREACHABLE)
+                started = trio.current_time()
+                with pytest.raises(CannotConnect, match="vLLM is not serving"):
+                    async with sidecar.generate(request, GenerateContext("while-stopped")):
+                        pass
+                assert trio.current_time() - started < 0.5
+                os.killpg(real_server.pid, signal.SIGCONT)
+                stopped_group = False
+                with trio.fail_after(120):
+                    await sidecar.health.wait_value(lambda s: s.kind is HealthKind.SERVING)
+                tokens = []
+                async with sidecar.generate({**request, "stop_conditions": {"max_tokens": 4, "ignore_eos": True}},
+                                            GenerateContext("after-sigcont")) as chunks:
+                    async for chunk in chunks:
+                        tokens.extend(chunk.token_ids)
+                assert len(tokens) == 4
+    finally:
+        if stopped_group:
+            os.killpg(real_server.pid, signal.SIGCONT)
