@@ -9,6 +9,12 @@ real processes (the mock, SIGSTOP/SIGCONT by PID) is in tests/reliability/test_h
 from __future__ import annotations
 
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import attrs
 import h2.config
@@ -16,11 +22,13 @@ import h2.connection
 import h2.events
 import pytest
 import trio
+from transport_peers import GENERATE_STREAM, request
 
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar.status import StatusCode
 from trio_sidecar.transport import ConnectionLostError, RpcError, connect_channel
 
+HERE = Path(__file__).parent
 WATCH = "/grpc.health.v1.Health/Watch"
 REQUEST = health_pb2.HealthCheckRequest(service="")
 TIME, TIMEOUT = 10.0, 4.0
@@ -197,3 +205,54 @@ async def test_keepalive_is_off_by_default(nursery, autojump_clock):
 async def test_keepalive_values_must_be_positive(nursery, time, timeout):
     with pytest.raises(ValueError, match="keepalive_time and keepalive_timeout must be positive"):
         await connect_channel(nursery, "127.0.0.1", 9, keepalive_time=time, keepalive_timeout=timeout)
+
+
+@pytest.fixture
+async def peer_process_port():
+    """Our echo server in its own process (it answers while this process is stalled); killed by PID."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    process = subprocess.Popen(
+        [sys.executable, str(HERE / "peer_process.py"), "ours"], stdout=subprocess.PIPE, env=env, text=True
+    )
+    try:
+        with trio.fail_after(60):
+            line = await trio.to_thread.run_sync(process.stdout.readline)
+        yield int(line)
+    finally:
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+        process.wait(10)
+        process.stdout.close()
+
+
+async def test_a_stall_of_this_process_is_not_taken_for_a_hung_peer(nursery, peer_process_port):
+    """The ACK arrives while this process's event loop is blocked past the keepalive timeout; afterwards the
+    keepalive task and the reader become runnable together (in either order): the unread ACK counts."""
+    channel = await connect_channel(nursery, "127.0.0.1", peer_process_port, keepalive_time=0.2, keepalive_timeout=0.2)
+    conn = channel._conn
+    sent: list[float] = []
+    ping, flush = conn.h2.ping, conn.flush
+
+    def counting_ping(data: bytes) -> None:
+        sent.append(time.monotonic())
+        ping(data)
+
+    def stalling_flush() -> None:
+        flush()
+        if len(sent) > stalls:  # the PING just went out: stall the whole event loop past its timeout
+            time.sleep(0.5)  # (fault injection: the ACK arrives meanwhile, unread)
+
+    stalls = 0
+    conn.h2.ping = counting_ping
+    conn.flush = stalling_flush
+    async with channel.unary_stream(GENERATE_STREAM, request("silent", n=2, interval_ms=600_000), None) as stream:
+        await stream.__anext__()  # the first message; the second one is ten minutes away
+        for _ in range(12):
+            with trio.fail_after(10):
+                while len(sent) == stalls:
+                    await trio.sleep(0.002)
+            stalls += 1
+            await trio.sleep(0.05)  # the keepalive task has looked at its PING by now
+            assert not channel.broken, conn.lost
+    assert len(sent) >= 12
+    await channel.aclose()
