@@ -137,7 +137,7 @@ class Connection:
         #: Client keepalive ``(time, timeout)`` in seconds, or None (see ``_keepalive_loop``).
         self.keepalive: tuple[float, float] | None = None
         self.last_read = -math.inf  # trio.current_time() of the last bytes read from the socket
-        self._keepalive_waiter = None  # the keepalive task while it waits for a call to start
+        self._keepalive_waiter: trio.lowlevel.Task | None = None  # the keepalive task, waiting for a call
 
     # -- writing -------------------------------------------------------------------------------------
 
