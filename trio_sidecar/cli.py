@@ -122,8 +122,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("--abort-on-cancel", "TRIO_SIDECAR_ABORT_ON_CANCEL", "abort_on_cancel", "sidecar", True, "pair",
            "send Control.Abort for abandoned streams (default on)"),
     Option("--grpc-keepalive-time-secs", "TRIO_SIDECAR_GRPC_KEEPALIVE_TIME_SECS", "keepalive_time", "sidecar", 10.0,
-           "secs", "HTTP/2 PING a vLLM connection that has requests open but read nothing this long; 0 disables "
-           "(default 10)", metavar="SECS"),
+           "secs", "HTTP/2 PING a vLLM connection that has calls open (the health prober's always has) but read "
+           "nothing this long; 0 disables (default 10)", metavar="SECS"),
     Option("--grpc-keepalive-timeout-secs", "TRIO_SIDECAR_GRPC_KEEPALIVE_TIMEOUT_SECS", "keepalive_timeout",
            "sidecar", 4.0, "pos_secs", "close the connection when nothing answers the PING this long; its "
            "requests fail as Unavailable, which Dynamo migrates (default 4)", metavar="SECS"),
