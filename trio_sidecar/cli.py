@@ -63,7 +63,8 @@ class Option:
     target: str  # "sidecar" | "worker"
     default: Any
     # str | opt_str | opt_int | choice | opt_choice | bool_value (takes a value) | switch (flag) |
-    # pair (--x/--no-x) | count (integer >= 1) | secs (seconds >= 0) | mode | endpoint_types
+    # pair (--x/--no-x) | count (integer >= 1) | secs (seconds >= 0) | pos_secs (seconds > 0) | mode |
+    # endpoint_types
     kind: str
     help: str
     choices: tuple[str, ...] = ()
@@ -126,6 +127,12 @@ OPTIONS: tuple[Option, ...] = (
            "continuous Health.Watch prober"),
     Option("--abort-on-cancel", "TRIO_SIDECAR_ABORT_ON_CANCEL", "abort_on_cancel", "sidecar", True, "pair",
            "send Control.Abort for abandoned streams"),
+    Option("--grpc-keepalive-time-secs", "TRIO_SIDECAR_GRPC_KEEPALIVE_TIME_SECS", "keepalive_time", "sidecar", 10.0,
+           "secs", "HTTP/2 PING a vLLM connection that has calls open (the health prober's always has) but read "
+           "nothing this long; 0 disables", metavar="SECS"),
+    Option("--grpc-keepalive-timeout-secs", "TRIO_SIDECAR_GRPC_KEEPALIVE_TIMEOUT_SECS", "keepalive_timeout",
+           "sidecar", 4.0, "pos_secs", "close the connection when nothing answers the PING this long; its "
+           "requests fail as Unavailable, which Dynamo migrates", metavar="SECS"),
     Option("--unserving-grace-secs", "TRIO_SIDECAR_UNSERVING_GRACE_SECS", "unserving_grace", "worker", 5.0,
            "secs", "take the instance out of rotation after vLLM is not serving this long",
            metavar="SECS"),
@@ -250,11 +257,13 @@ def _convert(opt: Option, raw: Any, source: str) -> Any:
         if value < 1:
             raise UsageError(f"`{opt.flag}` must be at least 1" + _from_env(source))
         return value
-    if kind == "secs":
+    if kind in ("secs", "pos_secs"):
         try:
             value = float(text.strip())
         except ValueError:
             raise UsageError(f"invalid value `{text}` for {source}: expected a number of seconds") from None
+        if kind == "pos_secs" and not value > 0:
+            raise UsageError(f"`{opt.flag}` must be a finite, positive number of seconds" + _from_env(source))
         if not value >= 0 or value == float("inf"):
             raise UsageError(f"`{opt.flag}` must be a finite, non-negative number of seconds" + _from_env(source))
         return value

@@ -79,6 +79,11 @@ class SidecarConfig:
     health_prober: bool = True
     abort_on_cancel: bool = True
     abort_timeout: float = 30.0
+    #: Project addition (gRPC's client keepalive): PING a connection that has calls open but read nothing
+    #: for this long; 0 disables. With the timeout, a hung vLLM is detected within 14 s.
+    keepalive_time: float = 10.0
+    #: ... and lose it (every call on it fails UNAVAILABLE) when nothing is read this long after the PING.
+    keepalive_timeout: float = 4.0
 
 
 def _endpoint_types(value: object) -> tuple[str, ...]:
@@ -147,6 +152,10 @@ def _check_transport(config: SidecarConfig) -> None:
         raise InvalidArgument("startup_deadline must be positive")
     if not _is_number(config.abort_timeout) or not config.abort_timeout > 0:
         raise InvalidArgument("abort_timeout must be positive")
+    if not _is_number(config.keepalive_time) or not 0 <= config.keepalive_time < math.inf:
+        raise InvalidArgument("keepalive_time must be a finite number of seconds, 0 or more")
+    if not _is_number(config.keepalive_timeout) or not 0 < config.keepalive_timeout < math.inf:
+        raise InvalidArgument("keepalive_timeout must be positive")
 
 
 def _is_number(value: object) -> bool:

@@ -19,6 +19,8 @@ __all__ = [
     "IMAGE_KEY",
     "UUID_LENGTH",
     "MEDIA_EXTRA_ARGS_KEYS",
+    "MEDIA_SOURCE_ERROR",
+    "classify_media_source",
     "has_media",
     "build_media_items",
     "pad_uuid",
@@ -33,6 +35,10 @@ UUID_LENGTH = 64
 MEDIA_EXTRA_ARGS_KEYS = ("messages", "formatted_prompt", "mm_hashes")
 
 _U32_MAX = 2**32 - 1
+MEDIA_SOURCE_ERROR = "vLLM gRPC image input must use an http://, https://, or data: URI"
+# URI schemes are case-insensitive (RFC 3986 section 3.1): `DATA:` is a data URI, `HTTPS://` a URL.
+_DATA_SCHEME = "data:"
+_URL_SCHEMES = ("http://", "https://")
 
 
 def has_media(multi_modal_data: Any) -> bool:
@@ -80,10 +86,7 @@ def build_media_items(
     for raw in raw_items:
         item = inference_pb2.MediaItem(modality=inference_pb2.MODALITY_IMAGE, mime_type="")
         source = _media_source(raw)
-        if source.startswith("data:"):
-            item.data_uri = source
-        else:
-            item.url = source
+        setattr(item, classify_media_source(source), source)
         items.append(item)
 
     uuids = _uuids(multi_modal_uuids, len(items), uuids_given)
@@ -110,11 +113,26 @@ def _media_source(raw: Any) -> str:
             raise InvalidArgument(f"unsupported multi_modal_data.{IMAGE_KEY} item `{tag}`")
     else:
         raise InvalidArgument(f"unsupported multi_modal_data.{IMAGE_KEY} item")
-    if isinstance(source, str):
-        lowered = source[:8].lower()
-        if lowered.startswith("data:") or lowered.startswith(("http://", "https://")):
-            return source
-    raise InvalidArgument("vLLM gRPC image input must use an http://, https://, or data: URI")
+    if not isinstance(source, str):
+        raise InvalidArgument(MEDIA_SOURCE_ERROR)
+    return source
+
+
+def classify_media_source(source: str) -> str:
+    """The ``MediaItem`` source field for an image source: ``"data_uri"`` or ``"url"``.
+
+    The one classification used for both the scheme check and the field, case-insensitively, so
+    ``DATA:image/png;base64,...`` is sent as ``data_uri`` and ``HTTPS://host/x`` as ``url``.
+
+    Raises:
+        InvalidArgument: ``vLLM gRPC image input must use an http://, https://, or data: URI``.
+    """
+    scheme = source[:8].lower()
+    if scheme.startswith(_DATA_SCHEME):
+        return "data_uri"
+    if scheme.startswith(_URL_SCHEMES):
+        return "url"
+    raise InvalidArgument(MEDIA_SOURCE_ERROR)
 
 
 def _uuids(multi_modal_uuids: Any, count: int, given: bool) -> list[str] | None:

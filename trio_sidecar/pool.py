@@ -44,6 +44,7 @@ __all__ = [
     "connect_with_retry",
     "MAX_MESSAGE_LENGTH",
     "cause_chain",
+    "channel_options",
 ]
 
 LOGGER = logging.getLogger("trio_sidecar.pool")
@@ -96,13 +97,20 @@ class _RateLimitedLog:
             self._suppressed += 1
 
 
-async def _attempt(nursery: trio.Nursery, endpoint: GrpcEndpoint, timeout: float) -> Any:
+def channel_options(config: SidecarConfig) -> dict[str, Any]:
+    """``connect_channel``'s options for every connection to vLLM: message limit and keepalive."""
+    return {
+        "max_message_length": MAX_MESSAGE_LENGTH,
+        "keepalive_time": config.keepalive_time or None,  # 0: no keepalive
+        "keepalive_timeout": config.keepalive_timeout,
+    }
+
+
+async def _attempt(nursery: trio.Nursery, endpoint: GrpcEndpoint, config: SidecarConfig, timeout: float) -> Any:
     """One TCP connect + HTTP/2 preface exchange, bounded by ``timeout``; raises on failure."""
     transport = _transport()
     with trio.move_on_after(timeout) as scope:
-        return await transport.connect_channel(
-            nursery, endpoint.host, endpoint.port, max_message_length=MAX_MESSAGE_LENGTH
-        )
+        return await transport.connect_channel(nursery, endpoint.host, endpoint.port, **channel_options(config))
     assert scope.cancelled_caught
     raise TimeoutError(f"the connection attempt timed out after {format_duration(timeout)}")
 
@@ -134,7 +142,7 @@ async def connect_with_retry(
         attempts += 1
         cut_by_deadline = remaining < config.connect_attempt_timeout
         try:
-            return await _attempt(nursery, endpoint, min(config.connect_attempt_timeout, remaining))
+            return await _attempt(nursery, endpoint, config, min(config.connect_attempt_timeout, remaining))
         except TimeoutError as exc:
             cause = DEFAULT_CAUSE if cut_by_deadline else cause_chain(exc)
             log.failure(cause)
@@ -290,7 +298,9 @@ class ChannelPool:
             with trio.CancelScope(shield=True):
                 await old.aclose()
             try:
-                new = await _attempt(self._nursery, self.endpoint, self._config.connect_attempt_timeout)
+                new = await _attempt(
+                    self._nursery, self.endpoint, self._config, self._config.connect_attempt_timeout
+                )
             except (OSError, SidecarError, _transport().RpcError) as exc:
                 detail = f"reconnecting {self.name} pool slot {slot.index} to {self.endpoint.canonical} failed: "
                 raise status_to_error(rpc, StatusCode.UNAVAILABLE, detail + cause_chain(exc)) from exc

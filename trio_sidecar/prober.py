@@ -22,6 +22,10 @@ One *session* is the lifetime of one connection:
 4. A stream that ends with OK (vLLM's graceful shutdown) or fails ends the session
    (``NOT_SERVING("vLLM Health.Watch ended")`` / ``UNREACHABLE(detail)``); after ``retry_interval`` a
    new session starts.
+5. ``Watch`` is silent while nothing changes, so silence alone proves nothing: the connection's keepalive
+   (``keepalive_time`` / ``keepalive_timeout``, the pool's settings) PINGs it after ``keepalive_time``
+   without reads, and a hung vLLM (stopped, wedged) that does not answer fails both watchers with
+   ``UNAVAILABLE``, i.e. ``UNREACHABLE``, within ``keepalive_time + keepalive_timeout``.
 
 Recovery (docs/reference/sidecar.md#recovery) starts whenever both services report ``SERVING`` while the published state is not
 ``SERVING``: the state becomes ``RECOVERING`` and a recovery task rediscovers the model on the prober's
@@ -55,7 +59,7 @@ from .config import SidecarConfig
 from .endpoint import GrpcEndpoint
 from .errors import ProtocolError, SidecarError, status_to_error
 from .model import DiscoveredModel
-from .pool import MAX_MESSAGE_LENGTH, cause_chain
+from .pool import cause_chain, channel_options
 from .routing import KvEventSource, validate_kv_event_sources
 from .status import StatusCode
 from .transport import Channel, ConnectionLostError, RpcError, check_health, connect_channel, watch_health
@@ -224,7 +228,7 @@ class _Prober:
         with trio.move_on_after(self.config.connect_attempt_timeout):
             try:
                 return await connect_channel(
-                    nursery, self.endpoint.host, self.endpoint.port, max_message_length=MAX_MESSAGE_LENGTH
+                    nursery, self.endpoint.host, self.endpoint.port, **channel_options(self.config)
                 )
             except _IO_ERRORS as exc:
                 cause = cause_chain(exc)
@@ -445,7 +449,8 @@ async def run_health_prober(
     Args:
         endpoint: where vLLM listens; the prober opens its own connection there.
         config: ``connect_attempt_timeout`` bounds each connect attempt, each first Watch status and each
-            rediscovery RPC; ``retry_interval`` spaces reconnects, Check polls and recovery retries.
+            rediscovery RPC; ``retry_interval`` spaces reconnects, Check polls and recovery retries;
+            ``keepalive_time`` / ``keepalive_timeout`` bound how long a hung vLLM goes unnoticed.
         model: the model found at start; recovery compares identity and DP size against it.
         kv_sources: the KV-event sources found at start (already rewritten, docs/reference/sidecar.md#kv-event-sources).
         health: published state; the caller initialises it (``SERVING`` after a successful start).

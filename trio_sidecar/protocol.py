@@ -8,6 +8,7 @@ being coerced (cattrs' default would turn ``"3"`` or ``3.7`` into ``3``).
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Union
 
 import attrs
@@ -15,6 +16,7 @@ import cattrs
 from cattrs.errors import ClassValidationError, IterableValidationError
 
 from .errors import InvalidArgument
+from .jsonstruct import int_text
 
 __all__ = [
     "StopConditions",
@@ -142,7 +144,7 @@ def _int_hook(lo: int, hi: int, name: str):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"expected an integer ({name}), got {type(value).__name__}")
         if not lo <= value <= hi:
-            raise ValueError(f"{value} is outside the {name} range")
+            raise ValueError(f"{int_text(value)} is outside the {name} range")
         return int(value)
 
     return hook
@@ -156,7 +158,10 @@ converter.register_structure_hook(I64, _int_hook(-(2**63), 2**63 - 1, "i64"))
 def _float_hook(value: Any, _type: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"expected a number, got {type(value).__name__}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond the f64 range (JSON allows any length of digits)
+        raise ValueError("integer too large to convert to a float") from None
 
 
 def _bool_hook(value: Any, _type: Any) -> bool:
@@ -292,9 +297,15 @@ def _fast_i64(value: Any) -> Any:
     return value if type(value) is int and _I64_MIN <= value <= _I64_MAX else _NOT_FAST
 
 
+_F64_INT_MAX = int(sys.float_info.max)
+
+
 def _fast_float(value: Any) -> Any:
     kind = type(value)
-    return value if kind is float else float(value) if kind is int else _NOT_FAST
+    if kind is float:
+        return value
+    # An int beyond the f64 range goes to the converter, which rejects it with the typed error.
+    return float(value) if kind is int and -_F64_INT_MAX <= value <= _F64_INT_MAX else _NOT_FAST
 
 
 def _fast_bool(value: Any) -> Any:

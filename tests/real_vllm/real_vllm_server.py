@@ -325,12 +325,15 @@ class RealVllmServer:
 class AttachedServer(RealVllmServer):
     """A server started outside the test run (developer iteration: ``TRIO_SIDECAR_REAL_VLLM_ATTACH``).
 
-    The value is ``PORT:LOG_PATH`` of a server started with this module's settings; it is never stopped.
+    The value is ``PORT:LOG_PATH`` (or ``PORT,HTTP_PORT:LOG_PATH``, for the tests that also use vLLM's
+    OpenAI HTTP server) of a server started with this module's settings; it is never stopped.
     """
 
     def __init__(self, env: RealVllmEnv, spec: str):  # noqa: super().__init__ would start a process
-        port, log = spec.split(":", 1)
+        ports, log = spec.split(":", 1)
+        port, _, http_port = ports.partition(",")
         self.env, self.launch, self.host, self.grpc_port = env, "attached", HOST, int(port)
+        self.http_port = int(http_port) if http_port else None
         self.log_path = Path(log)
         self.pid = -1
         self.ready_after_s = 0.0

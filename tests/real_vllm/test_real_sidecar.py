@@ -372,6 +372,10 @@ async def test_stopping_a_request_aborts_it_on_the_server_and_spares_a_concurren
             pytest.fail("could not cancel a request while another was in flight (every attempt raced)")
         last = victim_chunks[-1].to_dict()
         streamed = sum(len(c.token_ids) for c in victim_chunks)
+        # Like every non-prefill chunk it carries text: "" or what vLLM's detokenizer flushed with the
+        # ABORTED terminal (pending partial UTF-8 as U+FFFD; docs/conformance.md "What differs").
+        text = last.pop("text")
+        assert isinstance(text, str) and set(text) <= {"\ufffd"}, text
         assert last == {
             "token_ids": [], "index": 0, "finish_reason": "cancelled",
             "completion_usage": {"prompt_tokens": 4, "completion_tokens": streamed, "total_tokens": 4 + streamed},

@@ -178,11 +178,26 @@ async def test_a_concurrent_cleanup_returns_only_once_the_first_has_closed_every
     assert sorted(returned) == ["first", "second"]
 
 
-async def test_conversion_error_is_raised_before_any_rpc(fake):
+BAD_BODIES = [
+    ({"token_ids": []}, "token_ids must not be empty"),
+    # An int beyond the f64 range (JSON has no limit): a typed error, not an OverflowError.
+    ({"token_ids": [1], "sampling_options": {"temperature": 10**400}},
+     "invalid PreprocessedRequest: integer too large to convert to a float @ $.sampling_options.temperature"),
+    ({"token_ids": [1], "sampling_options": {"min_p": -10**400}},
+     "invalid PreprocessedRequest: integer too large to convert to a float @ $.sampling_options.min_p"),
+    # vLLM's own check and text (docs/conformance.md), before any RPC.
+    ({"token_ids": [1], "sampling_options": {"temperature": float("nan")}},
+     "temperature must be a finite number, got NaN"),
+]
+
+
+@pytest.mark.parametrize(("body", "message"), BAD_BODIES, ids=["empty", "huge-int", "huge-negative-int", "nan"])
+async def test_conversion_error_is_raised_before_any_rpc(fake, body, message):
     async with open_sidecar(sidecar_config(fake.endpoint)) as sidecar:
-        with pytest.raises(InvalidArgument, match="token_ids must not be empty"):
-            async with sidecar.generate({"token_ids": []}):
+        with pytest.raises(InvalidArgument) as info:
+            async with sidecar.generate(body):
                 pass  # pragma: no cover
+    assert str(info.value) == message
     assert fake.requests == []
 
 

@@ -233,11 +233,23 @@ async def test_four_concurrent_submits_on_a_pool_of_two(fake):
 # ---------------------------------------------------------------------------- synchronous refusals
 
 
-async def test_conversion_error_is_raised_by_submit_before_any_rpc(fake):
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"token_ids": []}, "token_ids must not be empty"),
+        ({"token_ids": [1], "sampling_options": {"top_p": 10**400}},
+         "invalid PreprocessedRequest: integer too large to convert to a float @ $.sampling_options.top_p"),
+        ({"token_ids": [1], "sampling_options": {"repetition_penalty": float("-inf")}},
+         "repetition_penalty must be a finite number, got -inf"),
+    ],
+    ids=["empty", "huge-int", "negative-infinity"],
+)
+async def test_conversion_error_is_raised_by_submit_before_any_rpc(fake, body, message):
     async with open_sidecar(sidecar_config(fake.endpoint)) as sidecar:
         sink = RecordingSink()
-        with pytest.raises(InvalidArgument, match="token_ids must not be empty"):
-            sidecar.submit({"token_ids": []}, GenerateContext("bad-body"), sink)
+        with pytest.raises(InvalidArgument) as info:
+            sidecar.submit(body, GenerateContext("bad-body"), sink)
+        assert str(info.value) == message
         assert sidecar.engine.in_flight == 0
         # the engine still works
         ok = await submit_and_wait(sidecar, request(), GenerateContext("ok"))

@@ -37,6 +37,7 @@ def test_defaults() -> None:
     )
     assert cfg.disaggregation_mode is DisaggregationMode.AGG
     assert cfg.health_prober and cfg.abort_on_cancel and cfg.abort_timeout == 30.0
+    assert (cfg.keepalive_time, cfg.keepalive_timeout) == (10.0, 4.0)
     opts = WorkerOptions()
     assert (opts.namespace, opts.component, opts.endpoint) == ("dynamo", "backend", "generate")
     assert opts.endpoint_types == ("chat", "completions")
@@ -105,6 +106,11 @@ def test_prepare_checks_in_order(cfg_kw: dict, opt_kw: dict, message: str) -> No
             "gRPC startup deadline 10000000000s exceeds the supported monotonic clock range",
         ),
         (dict(abort_timeout=0), "abort_timeout must be positive"),
+        (dict(keepalive_time=-1.0), "keepalive_time must be a finite number of seconds, 0 or more"),
+        (dict(keepalive_time=math.inf), "keepalive_time must be a finite number of seconds, 0 or more"),
+        (dict(keepalive_time=math.nan), "keepalive_time must be a finite number of seconds, 0 or more"),
+        (dict(keepalive_timeout=0), "keepalive_timeout must be positive"),
+        (dict(keepalive_timeout=math.inf), "keepalive_timeout must be positive"),
     ],
 )
 def test_transport_values(kw: dict, message: str) -> None:

@@ -206,6 +206,20 @@ def test_project_durations() -> None:
         parse_run_args(EP + ["--drain-timeout-secs", "-1"], environ={})
 
 
+def test_keepalive_flags_and_environment() -> None:
+    config, _ = parse_run_args(EP, environ={})
+    assert (config.keepalive_time, config.keepalive_timeout) == (10.0, 4.0)
+    env = {"TRIO_SIDECAR_GRPC_KEEPALIVE_TIME_SECS": "2.5", "TRIO_SIDECAR_GRPC_KEEPALIVE_TIMEOUT_SECS": "1"}
+    config, _ = parse_run_args(EP, environ=env)
+    assert (config.keepalive_time, config.keepalive_timeout) == (2.5, 1.0)
+    config, _ = parse_run_args(EP + ["--grpc-keepalive-time-secs", "0", "--grpc-keepalive-timeout-secs", "0.5"], environ=env)
+    assert (config.keepalive_time, config.keepalive_timeout) == (0.0, 0.5)  # flags win; 0 disables keepalive
+    with pytest.raises(UsageError, match="`--grpc-keepalive-timeout-secs` must be a finite, positive"):
+        parse_run_args(EP + ["--grpc-keepalive-timeout-secs", "0"], environ={})
+    with pytest.raises(UsageError, match="TRIO_SIDECAR_GRPC_KEEPALIVE_TIME_SECS"):
+        parse_run_args(EP, environ={"TRIO_SIDECAR_GRPC_KEEPALIVE_TIME_SECS": "-1"})
+
+
 NUMERIC = [
     ("--grpc-connections", "DYN_SIDECAR_GRPC_CONNECTIONS"),
     ("--grpc-connect-attempt-timeout-secs", "DYN_SIDECAR_GRPC_CONNECT_ATTEMPT_TIMEOUT_SECS"),

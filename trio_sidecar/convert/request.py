@@ -27,6 +27,7 @@ from ..multimodal import (
 )
 from ..protocol import PreprocessedRequest
 from ..routing import dp_rank_metadata, select_dp_rank
+from ..sampling_checks import sampling_error
 
 __all__ = ["BuiltRequest", "build_generate_request", "CACHE_SALT_PREFIX", "F32_EPSILON", "I32_MAX"]
 
@@ -202,6 +203,12 @@ def build_generate_request(
     if send_media:
         message.media.extend(items)
 
+    # vLLM's float sampling checks, on the f32 values it will see, with its texts (docs/conformance.md).
+    if not _vllm_rejects_stopping_first(st):
+        problem = sampling_error(message)
+        if problem is not None:
+            raise InvalidArgument(problem)
+
     rank = select_dp_rank(routing, mode)
     return BuiltRequest(
         message=message,
@@ -209,6 +216,17 @@ def build_generate_request(
         prompt_tokens=len(token_ids),
         has_media=send_media,
         dp_rank=rank,
+    )
+
+
+def _vllm_rejects_stopping_first(stopping: inference_pb2.StoppingCriteria) -> bool:
+    """Whether vLLM may reject the stopping criteria (an empty stop string, ``min_tokens`` above
+    ``max_tokens``) before it checks the float sampling fields. Such a request is sent as it is, so the
+    caller sees the error vLLM reports first, whichever it is."""
+    if any(text == "" for text in stopping.stop_strings):
+        return True
+    return stopping.min_new_tokens > 0 and (
+        stopping.max_new_tokens == 0 or stopping.min_new_tokens > stopping.max_new_tokens
     )
 
 
@@ -322,7 +340,10 @@ def _kv_transfer_params(request: PreprocessedRequest, extras: _Extras, mode: Dis
         forwarded = {k: v for k, v in params.items() if k != HANDOFF_KEY}
         port = forwarded.get("remote_port")
         if _is_whole_non_negative(port):
-            forwarded["remote_port"] = str(int(port))
+            try:
+                forwarded["remote_port"] = str(int(port))
+            except ValueError:  # beyond Python's 4300-digit limit: left as a number, which Struct refuses
+                pass
         return json_to_struct(forwarded)
     if mode is DisaggregationMode.PREFILL:
         if caller is None:

@@ -9,14 +9,14 @@ server state stay in the server and bracket the pure part:
 * row 19 (duplicate in-flight id) and row 20 (KV capacity): the server's routes and the scheduler.
 
 Differences from the upstream mocker's order, adopted for parity with vLLM (docs/reference/mock.md#request-validation): a wrong model is
-``NOT_FOUND`` ``model `{name}` not found``; ``lora_name`` is ``FAILED_PRECONDITION``; ``top_p`` outside
-(0, 1] and an empty stop string are rejected (after row 11, where vLLM checks sampling parameters).
+``NOT_FOUND`` ``model `{name}` not found``; ``lora_name`` is ``FAILED_PRECONDITION``; an empty stop string
+is rejected after row 11; vLLM's float sampling checks (``trio_sidecar.sampling_checks``: temperature,
+top_p, min_p and the penalties, with vLLM's texts) run after row 18 (context length and ``min_new_tokens``),
+where vLLM runs them (docs/conformance.md).
 """
 
 from __future__ import annotations
 
-import math
-import struct
 import uuid as _uuid
 from collections.abc import Callable, Sequence
 
@@ -36,6 +36,7 @@ from trio_sidecar.mock.generation import (
     token_seed,
 )
 from trio_sidecar.mock.handoff import Role
+from trio_sidecar.sampling_checks import format_f32, sampling_error
 from trio_sidecar.status import StatusCode
 
 __all__ = [
@@ -84,25 +85,6 @@ def parse_dp_rank(metadata: Sequence[tuple[str, str]], dp_size: int) -> int | No
             f"connected ranks: [{ranks}]"
         )
     return rank
-
-
-def format_f32(value: float) -> str:
-    """Format a float32 the way Rust's ``Display`` does (``2`` not ``2.0``; shortest round-trip digits)."""
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    f32 = struct.unpack("<f", struct.pack("<f", value))[0]
-    for digits in range(1, 10):
-        text = f"{f32:.{digits}g}"
-        if struct.unpack("<f", struct.pack("<f", float(text)))[0] == f32:
-            break
-    as_float = float(text)
-    if as_float.is_integer() and abs(as_float) < 1e16:
-        return str(int(as_float)) if as_float != 0 or not math.copysign(1, as_float) < 0 else "-0"
-    if "e" in text:  # Rust never prints exponents for Display
-        return f"{as_float:.{abs(int(text.split('e')[1])) + digits}f}".rstrip("0").rstrip(".")
-    return text
 
 
 @attrs.frozen(kw_only=True)
@@ -185,9 +167,6 @@ def prepare_request(
     # Row 11, then vLLM's sampling checks (docs/reference/mock.md#request-validation).
     if request.sampling.num_sequences > 1:
         raise _invalid("num_sequences must be 0 or 1")
-    top_p = request.sampling.top_p
-    if top_p != 0.0 and not (0.0 < top_p <= 1.0):
-        raise _invalid(f"top_p must be in (0, 1], got {format_f32(top_p)}")
     if any(s == "" for s in request.stopping.stop_strings):
         raise _invalid("stop strings cannot be empty")
     # Rows 12–13 are accepted (docs/reference/mock.md#kv-cache-and-kv-events); rows 14–15.
@@ -210,6 +189,11 @@ def prepare_request(
         raise _invalid(
             f"min_new_tokens ({stopping.min_new_tokens}) must not exceed effective max_new_tokens ({max_tokens})"
         )
+    # vLLM's float sampling checks, with its texts; vLLM runs them after the context-length and
+    # min_tokens checks (docs/conformance.md).
+    sampling_problem = sampling_error(request)
+    if sampling_problem is not None:
+        raise _invalid(sampling_problem)
     # docs/reference/mock.md#scheduler: without chunked prefill a prompt must fit one pass.
     budget = policy.max_num_batched_tokens
     if not policy.enable_chunked_prefill and budget is not None and len(prompt) > budget:

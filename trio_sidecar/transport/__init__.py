@@ -45,6 +45,11 @@ Rules that close the measured defects:
    single failure leaves the package as an ExceptionGroup.
 7. *Resources.* Closing a channel sends GOAWAY and closes its socket; the server binds exactly the host
    it is given, without SO_REUSEPORT, and closes every connection when cancelled.
+8. *Keepalive* (client, opt-in: ``keepalive_time``/``keepalive_timeout``, gRPC's semantics). A hung peer
+   closes nothing, so while calls are open a connection that read nothing for ``keepalive_time`` sends a
+   PING; when nothing is read within ``keepalive_timeout`` after it, the connection is lost as in rule 2.
+   A third task per connection (parked while the connection has no calls) does this; the reader only
+   records the time of each read.
 """
 
 from __future__ import annotations

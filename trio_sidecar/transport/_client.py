@@ -32,12 +32,15 @@ from ._protocol import (
 from ._util import collapse_single_exception
 from trio_sidecar.status import StatusCode
 
-__all__ = ["Channel", "ResponseStream", "connect_channel", "open_channel"]
+__all__ = ["DEFAULT_KEEPALIVE_TIMEOUT", "Channel", "ResponseStream", "connect_channel", "open_channel"]
 
 LOGGER = logging.getLogger("trio_sidecar.transport")
 
 _REQUEST_HEADERS_TAIL = (("te", "trailers"), ("content-type", "application/grpc"))
 _USER_AGENT = ("user-agent", "trio-sidecar (purerpc 0.8.0 core)")
+
+#: gRPC's default ``GRPC_ARG_KEEPALIVE_TIMEOUT_MS`` (20 s), used when only ``keepalive_time`` is given.
+DEFAULT_KEEPALIVE_TIMEOUT = 20.0
 
 _RESET_CODES = {
     ErrorCodes.CANCEL: (StatusCode.CANCELLED, "stream cancelled by the server"),
@@ -271,10 +274,18 @@ class Channel:
     (UNAVAILABLE); the owner replaces it.
     """
 
-    def __init__(self, stream: trio.SocketStream, host: str, port: int, max_message_length: int) -> None:
+    def __init__(
+        self,
+        stream: trio.SocketStream,
+        host: str,
+        port: int,
+        max_message_length: int,
+        keepalive: tuple[float, float] | None = None,
+    ) -> None:
         description = f"{host}:{port}"
         protocol = GrpcProtocol(GRPCConfiguration(client_side=True, max_message_length=max_message_length))
         self._conn = _ClientConnection(stream, protocol, description)
+        self._conn.keepalive = keepalive
         authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._head = ((":method", "POST"), (":scheme", "http"), (":authority", authority))
         self.max_message_length = max_message_length
@@ -323,6 +334,8 @@ class Channel:
             raise ConnectionLostError(conn.goaway) from None
         call = _ClientCall(conn, stream_id)
         conn.calls[stream_id] = call
+        if conn._keepalive_waiter is not None:
+            conn.call_started()
         return call
 
     async def _open_call(
@@ -653,10 +666,17 @@ async def connect_channel(
     port: int,
     *,
     max_message_length: int = DEFAULT_MAX_MESSAGE_LENGTH,
+    keepalive_time: float | None = None,
+    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
 ) -> Channel:
     """Connect over TCP and exchange the HTTP/2 preface; returns once the server's SETTINGS arrived.
 
     The channel's reader and writer run in ``nursery``; ``await channel.aclose()`` ends them.
+
+    Keepalive (gRPC's client keepalive; off when ``keepalive_time`` is None, as in gRPC): while a call is
+    open and nothing was read for ``keepalive_time`` seconds, a PING is sent; when nothing is read within
+    ``keepalive_timeout`` seconds after it, the connection is lost and every open call fails with
+    ``ConnectionLostError`` (UNAVAILABLE) naming the keepalive.
 
     Raises:
         OSError: the TCP connection failed (refused, unreachable, ...).
@@ -664,9 +684,12 @@ async def connect_channel(
 
     Cancellation: the caller bounds the attempt with a cancel scope; a cancelled attempt closes its socket.
     """
+    if keepalive_time is not None and not (keepalive_time > 0 and keepalive_timeout > 0):
+        raise ValueError("keepalive_time and keepalive_timeout must be positive")
+    keepalive = None if keepalive_time is None else (keepalive_time, keepalive_timeout)
     stream = await trio.open_tcp_stream(host, port)
     try:
-        channel = Channel(stream, host, port, max_message_length)
+        channel = Channel(stream, host, port, max_message_length, keepalive)
         conn = channel._conn
         conn.protocol.initiate_connection()
         await stream.send_all(conn.h2.data_to_send())
@@ -703,12 +726,24 @@ async def connect_channel(
 
 @asynccontextmanager
 async def open_channel(
-    host: str, port: int, *, max_message_length: int = DEFAULT_MAX_MESSAGE_LENGTH
+    host: str,
+    port: int,
+    *,
+    max_message_length: int = DEFAULT_MAX_MESSAGE_LENGTH,
+    keepalive_time: float | None = None,
+    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
 ) -> AsyncIterator[Channel]:
     """``connect_channel`` with its own nursery; the channel is closed when the block exits."""
     with collapse_single_exception():
         async with trio.open_nursery() as nursery:
-            channel = await connect_channel(nursery, host, port, max_message_length=max_message_length)
+            channel = await connect_channel(
+                nursery,
+                host,
+                port,
+                max_message_length=max_message_length,
+                keepalive_time=keepalive_time,
+                keepalive_timeout=keepalive_timeout,
+            )
             try:
                 yield channel
             finally:
