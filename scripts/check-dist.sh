@@ -41,7 +41,14 @@ grep -q "/LICENSE$" "$WORK/sdist.list" || { echo "error: the sdist has no LICENS
 
 echo "==> installing the wheel into a clean venv"
 "$PY" -m venv "$WORK/venv"
-"$WORK/venv/bin/python" -m pip install --quiet --disable-pip-version-check "$WHEEL"
+"$WORK/venv/bin/python" -m pip install --disable-pip-version-check "$WHEEL" >"$WORK/pip.log" 2>&1 ||
+  { tail -n 40 "$WORK/pip.log" >&2; echo "error: installing the wheel failed" >&2; exit 1; }
+if [ ! -x "$WORK/venv/bin/trio-sidecar" ]; then
+  tail -n 40 "$WORK/pip.log" >&2
+  ls -l "$WORK/venv/bin" >&2
+  echo "error: the wheel installed no trio-sidecar script" >&2
+  exit 1
+fi
 
 got=$("$WORK/venv/bin/trio-sidecar" --version)
 [ "$got" = "trio-sidecar $VERSION" ] || { echo "error: --version printed '$got'" >&2; exit 1; }
