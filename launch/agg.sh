@@ -91,17 +91,15 @@ launch_pick_python() {
         launch_die "$origin: not found; run \`make install\` in $REPO_DIR, or set PYTHON"
     missing=$("$PYTHON" -c '
 import importlib.util
-wanted = {"trio_sidecar": "trio-sidecar", "dynamo.runtime": "ai-dynamo-runtime 1.6.1",
-          "dynamo.frontend": "ai-dynamo 1.6.1 (the frontend)", "tokenizers": "tokenizers"}
-missing = []
-for module, package in wanted.items():
+# trio is checked with trio_sidecar: a checkout on sys.path (the current directory) is not an installation.
+wanted = [(("trio_sidecar", "trio"), "trio-sidecar"), (("dynamo.runtime",), "ai-dynamo-runtime 1.6.1"),
+          (("dynamo.frontend",), "ai-dynamo 1.6.1 (the frontend)"), (("tokenizers",), "tokenizers")]
+def found(module):
     try:
-        found = importlib.util.find_spec(module) is not None
+        return importlib.util.find_spec(module) is not None
     except ImportError:
-        found = False
-    if not found:
-        missing.append(package)
-print(", ".join(missing))
+        return False
+print(", ".join(package for modules, package in wanted if not all(map(found, modules))))
 ' 2>&1) || missing="a working interpreter ($missing)"
     [[ -z $missing ]] || launch_die "$origin lacks $missing; run \`make install\` in $REPO_DIR (it creates .venv with trio-sidecar and Dynamo 1.6.1), or set PYTHON to a Python that has them"
 }
