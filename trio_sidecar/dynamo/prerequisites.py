@@ -22,7 +22,7 @@ import attrs
 import trio
 
 from ..config import WorkerOptions
-from ..diagnostics import describe_exception
+from ..diagnostics import describe_exception, round_duration
 from ..errors import SidecarError, format_duration
 from ..progress import note_failure
 
@@ -116,6 +116,6 @@ async def wait_reachable(prerequisite: Prerequisite) -> None:
         if now >= deadline:
             raise PrerequisiteUnreachable(
                 f"{prerequisite.name} at {', '.join(prerequisite.urls)} ({prerequisite.setting}) is not reachable "
-                f"after {format_duration(round(now - start))}: {cause}"
+                f"after {format_duration(round_duration(now - start))}: {cause}"
             )
         await trio.sleep(min(RETRY_INTERVAL, deadline - now))
