@@ -29,7 +29,13 @@ from pathlib import Path
 import attrs
 import pytest
 from dynamo_harness import MockThread, require_dynamo
-from topology import EtcdNats, etcd_nats, instances, make_topology, start_native_sidecar  # noqa: F401
+from topology import (
+    EtcdNats,
+    etcd_nats_fixture,  # noqa: F401 - the etcd_nats fixture
+    instances,
+    make_topology,
+    start_native_sidecar,
+)
 
 from trio_sidecar.dynamo import local
 

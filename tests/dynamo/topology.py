@@ -288,8 +288,8 @@ def instances(port: int, namespace: str, endpoint: str = "generate") -> list[int
                    if i.get("namespace") == namespace and i.get("endpoint") == endpoint})
 
 
-@pytest.fixture(scope="module")
-def etcd_nats(tmp_path_factory) -> Iterator[EtcdNats]:
-    """Module-scoped real etcd and NATS (import this fixture into the test module that needs it)."""
+@pytest.fixture(scope="module", name="etcd_nats")
+def etcd_nats_fixture(tmp_path_factory) -> Iterator[EtcdNats]:
+    """``etcd_nats``: module-scoped real etcd and NATS; a test module that needs them imports this."""
     with etcd_and_nats(tmp_path_factory.mktemp("etcd-nats")) as services:
         yield services
