@@ -82,6 +82,27 @@ def _http_ok(port: int, path: str) -> bool:
     return True
 
 
+def etcd_get_prefix(port: int, prefix: str) -> dict[str, tuple[str, int]]:
+    """``key -> (value, lease id)`` for every key under ``prefix``, read through etcd's v3 JSON gateway."""
+    import base64
+
+    def b64(text: str) -> str:
+        return base64.b64encode(text.encode()).decode()
+
+    end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+    conn = http.client.HTTPConnection(LOOPBACK, port, timeout=5.0)
+    try:
+        conn.request("POST", "/v3/kv/range", body=json.dumps({"key": b64(prefix), "range_end": b64(end)}))
+        resp = conn.getresponse()
+        body = json.loads(resp.read())
+    finally:
+        conn.close()
+    assert resp.status == 200, body
+    return {base64.b64decode(kv["key"]).decode(errors="replace"):
+            (base64.b64decode(kv.get("value", "")).decode(errors="replace"), int(kv.get("lease", 0)))
+            for kv in body.get("kvs", [])}
+
+
 class _Server:
     """One server process with a fixed port set and data directory, restartable in place."""
 
@@ -161,25 +182,7 @@ class EtcdServer(_Server):
         return _http_ok(self.client_port, "/health")
 
     def get_prefix(self, prefix: str) -> dict[str, tuple[str, int]]:
-        """``key -> (value, lease id)`` for every key under ``prefix`` (etcd's v3 JSON gateway)."""
-        import base64
-
-        def b64(text: str) -> str:
-            return base64.b64encode(text.encode()).decode()
-
-        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
-        conn = http.client.HTTPConnection(LOOPBACK, self.client_port, timeout=5.0)
-        try:
-            conn.request("POST", "/v3/kv/range", body=json.dumps({"key": b64(prefix), "range_end": b64(end)}))
-            resp = conn.getresponse()
-            body = json.loads(resp.read())
-        finally:
-            conn.close()
-        assert resp.status == 200, body
-        return {base64.b64decode(kv["key"]).decode(errors="replace"):
-                (base64.b64decode(kv.get("value", "")).decode(errors="replace"), int(kv.get("lease", 0)))
-                for kv in body.get("kvs", [])}
-
+        return etcd_get_prefix(self.client_port, prefix)
 
     def lease(self, lease_id: int) -> tuple[int, int]:
         """``(granted TTL, remaining TTL)`` of a lease in seconds; the remaining TTL is -1 once it is gone."""
