@@ -9,12 +9,13 @@ instant, so their outcomes are compared under identical conditions:
 
 1. etcd SIGKILLed under load and restarted on the same port and data directory;
 2. NATS SIGKILLed under load and restarted the same way;
-3. one worker of each side SIGKILLed: its frontend must drop the instance within the etcd lease TTL.
+3. one worker of each side SIGKILLed: its frontend must drop the instance within the etcd lease TTL;
+4. last, etcd SIGKILLed and left down for longer than the lease TTL (this ends the deployments).
 
 Outcomes checked on each side, and compared between the sides: workers alive, instances (lease ids) kept
 or re-created with a live lease, every worker serving again afterwards, and every failed request a
 retryable HTTP 503 confined to the failure window. What Dynamo 1.6.1 does around a NATS restart, on both
-sides, is described in docs/deployment.md ("Production topology").
+sides, is described in docs/deployment.md ("Topologies: single host, etcd + NATS, Kubernetes").
 """
 
 from __future__ import annotations
@@ -365,3 +366,46 @@ def test_trio_sidecar_and_native_have_the_same_outcome_in_every_drill(etcd_drill
     # Both leave within the same lease TTL; their exact times differ by when the last keep-alive went out.
     assert abs(trio_kill.gone_s - native_kill.gone_s) <= trio_kill.granted_ttl
 
+
+
+@attrs.frozen
+class OutageOutcome:
+    exited_s: dict[str, float | None]  # from the etcd kill until the side's surviving worker exited
+    codes: dict[str, int | None]
+    logs: dict[str, str]
+    ttl: int
+
+
+@pytest.fixture(scope="module")
+def long_etcd_outage(cluster, worker_kill_drill) -> OutageOutcome:  # the very last drill: it ends the cluster
+    """etcd SIGKILLed and left down for longer than the lease TTL."""
+    survivors = {kind: side.workers[1] for kind, side in cluster.sides.items()}
+    ttl = max(k.granted_ttl for k in worker_kill_drill.values())
+    killed_at = time.monotonic()
+    cluster.services.etcd.kill()
+    exited: dict[str, float] = {}
+    deadline = killed_at + ttl + LEASE_SLACK_S + 20
+    while len(exited) < len(survivors) and time.monotonic() < deadline:
+        for kind, proc in survivors.items():
+            if kind not in exited and not proc.alive():
+                exited[kind] = time.monotonic() - killed_at
+        time.sleep(0.1)
+    return OutageOutcome(exited_s={k: exited.get(k) for k in survivors},
+                         codes={k: p.popen.poll() for k, p in survivors.items()},
+                         logs={k: p.log() for k, p in survivors.items()}, ttl=ttl)
+
+
+def test_etcd_outage_longer_than_the_lease_ttl_stops_the_workers_and_trio_sidecar_exits_1(long_etcd_outage):
+    """Dynamo's runtime stops serving once it could not renew its lease for a TTL, in every process (the
+    frontends too). Both sidecars then exit without a worker left registered; the difference: trio-sidecar
+    exits 1 ("the Dynamo runtime stopped serving the endpoint"), the native sidecar was seen to exit 0. A
+    worker that lost its registration has failed, and a non-zero status lets a supervisor that restarts on
+    failure bring it back once etcd is up (docs/deployment.md)."""
+    out = long_etcd_outage
+    for kind in SIDES:
+        exited = out.exited_s[kind]
+        assert exited is not None, f"{kind} still runs {out.ttl + LEASE_SLACK_S + 20}s after etcd died"
+        assert exited <= out.ttl + LEASE_SLACK_S, (kind, exited, out.ttl)
+        assert out.codes[kind] is not None and out.codes[kind] >= 0, out.codes  # exited on its own
+    assert out.codes["trio-sidecar"] == 1, out.logs["trio-sidecar"][-3000:]
+    assert "the Dynamo runtime stopped serving the endpoint" in out.logs["trio-sidecar"]
