@@ -1,4 +1,4 @@
-"""JSON values <-> ``google.protobuf.Struct`` (sidecar.md §13). PURE: no I/O, no Trio.
+"""JSON values <-> ``google.protobuf.Struct`` (docs/reference/sidecar.md#json-and-protobuf-struct). PURE: no I/O, no Trio.
 
 Struct numbers are doubles. Requests refuse what a double cannot carry exactly (integers beyond 2**53,
 non-finite floats) rather than silently changing a KV-transfer payload; responses turn whole doubles back

@@ -1,4 +1,4 @@
-"""Dynamo's request and output shapes as attrs models (sidecar.md §12.1, §14.4). PURE: no I/O, no Trio.
+"""Dynamo's request and output shapes as attrs models (docs/reference/sidecar.md#input, docs/reference/sidecar.md#output-chunks). PURE: no I/O, no Trio.
 
 ``PreprocessedRequest`` is structured from the request dict with a strict cattrs converter: unknown keys
 are ignored (the 1.6.1 dict carries many fields the sidecar does not read), ``null`` equals absent, and a
@@ -116,7 +116,7 @@ class PrefillResult:
 
 @attrs.define(kw_only=True)
 class PreprocessedRequest:
-    """The fields of Dynamo's ``PreprocessedRequest`` the sidecar reads (§12.1); opaque ones stay JSON."""
+    """The fields of Dynamo's ``PreprocessedRequest`` the sidecar reads (docs/reference/sidecar.md#input); opaque ones stay JSON."""
 
     token_ids: list[U32] = attrs.field(factory=list)
     prompt_embeds: Any = None
@@ -440,7 +440,11 @@ class CompletionUsage:
 
 @attrs.define(kw_only=True)
 class LLMEngineOutput:
-    """One output chunk (§14.4). ``to_dict()`` gives the Dynamo dict with ``None`` keys omitted."""
+    """One output chunk (docs/reference/sidecar.md#output-chunks). ``to_dict()`` gives the Dynamo dict with ``None`` keys omitted.
+
+    ``text`` is a string on every chunk except prefill's (``""`` when vLLM sent no text for the message):
+    Dynamo's frontend detokenizes a chunk without ``text`` itself, which corrupts partial UTF-8 sequences.
+    """
 
     token_ids: list[int] = attrs.field(factory=list)
     index: int = 0
@@ -485,7 +489,7 @@ _output_converter.register_structure_hook(Union[int, str, None], lambda v, _t: v
 _new_object = object.__new__
 
 
-def token_chunk(token_ids: list[int], text: str | None) -> LLMEngineOutput:
+def token_chunk(token_ids: list[int], text: str) -> LLMEngineOutput:
     """``LLMEngineOutput(token_ids=token_ids, text=text)``, the streaming hot path (one per token).
 
     Built field by field: calling the class with keywords costs twice as much. Every field is set here
@@ -506,7 +510,7 @@ def token_chunk(token_ids: list[int], text: str | None) -> LLMEngineOutput:
 
 
 def cancelled_chunk(prompt_tokens: int, completion_tokens: int) -> LLMEngineOutput:
-    """The §14.4 cancelled chunk: no tokens, ``finish_reason "cancelled"``, usage."""
+    """The cancelled chunk (docs/reference/sidecar.md#output-chunks): no tokens, ``finish_reason "cancelled"``, usage."""
     return LLMEngineOutput(
         token_ids=[],
         finish_reason="cancelled",

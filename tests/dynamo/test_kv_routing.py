@@ -1,4 +1,4 @@
-"""Issue 6 test 4: KV events from the mock reach Dynamo's KV router (clarification #17: by behaviour).
+"""Issue 6 test 4: KV events from the mock reach Dynamo's KV router (docs/reference/worker.md#kv-events: by behaviour).
 
 Two aggregated workers (two mocks, two ``trio-sidecar run``) behind a frontend with ``--router-mode kv``.
 Each long prompt is first *pinned* to a chosen worker (``nvext.backend_instance_id``), so that worker's mock
@@ -8,7 +8,7 @@ covers them), unpinned requests that share each prefix must be routed to the wor
 in that mock's recorded requests. Prefixes are pinned to *different* workers, so a router that ignored the
 events (any fixed or random choice) could not pass.
 
-Runs on both topologies (tests/dynamo/topology.py): file discovery with the TCP request plane and ZMQ
+Runs on both topologies (tests/topology.py): file discovery with the TCP request plane and ZMQ
 events, and etcd discovery with the NATS request and event planes (real etcd and NATS on 127.0.0.1).
 """
 

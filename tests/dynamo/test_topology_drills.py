@@ -1,6 +1,6 @@
 """Fault drills on the production topology (etcd discovery, NATS request and event planes), against native.
 
-One real etcd and one real NATS (tests/dynamo/topology.py) carry two deployments side by side, each in its
+One real etcd and one real NATS (tests/topology.py) carry two deployments side by side, each in its
 own namespace with its own frontend (round-robin, ``--migration-limit 3``) and two workers, each worker
 with its own mock (prompt-seeded tokens, a small ``speedup_ratio`` so every request spends some time in
 the engine): one side runs ``trio-sidecar run``, the other Dynamo's native sidecar

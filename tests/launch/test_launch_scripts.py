@@ -22,8 +22,7 @@ import pytest
 
 from trio_sidecar.dynamo import local
 
-sys.path.append(str(Path(__file__).resolve().parents[1] / "dynamo"))
-from topology import etcd_get_prefix  # noqa: E402
+from topology import etcd_get_prefix
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH = REPO / "launch"

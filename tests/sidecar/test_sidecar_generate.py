@@ -1,8 +1,7 @@
-"""Generation through ``open_sidecar`` against the scripted fake (sidecar.md §14.3, §16, §17, §23 items 6,
-30, 31, 34–43).
+"""Generation through ``open_sidecar`` against the scripted fake (docs/reference/sidecar.md#stream-level-rules, docs/reference/sidecar.md#lifecycle, docs/reference/sidecar.md#cancellation).
 
 Cancellation tests assert what the *server* observed (its handler cancelled = stream reset, ``Abort``
-received), not only what the client saw. The 2 s bounds are the spec's.
+received), not only what the client saw. Cancellation must take effect within 2 s.
 """
 
 from __future__ import annotations
@@ -359,7 +358,7 @@ async def test_abort_timeout_is_logged_with_the_configured_value(fake, caplog_si
                 await trio.sleep(0.02)
 
 
-# ---------------------------------------------------------------------------- decode deferral (§17.3)
+# ---------------------------------------------------------------------------- decode deferral (docs/reference/sidecar.md#decode-deferral)
 
 
 async def test_decode_cancel_while_headers_are_held_waits_for_the_first_token(fake):
@@ -388,7 +387,7 @@ async def test_decode_cancel_while_headers_are_held_waits_for_the_first_token(fa
             await fake.abort_received.wait()
     [chunk] = result
     assert chunk.finish_reason == "cancelled"
-    assert usage(chunk) == (3, 1, 4)  # counts the first token it replaced (clarification #3)
+    assert usage(chunk) == (3, 1, 4)  # counts the first token it replaced (docs/reference/sidecar.md#decode-deferral)
     assert first_token_notified == [True]
     assert fake.abort_calls == [["dec"]]
     assert fake.requests[0][0].kv.kv_transfer_params["remote_port"] == "20097"

@@ -1,4 +1,4 @@
-"""Multimodal image requests (sidecar.md §19; acceptance §23 #46, #47)."""
+"""Multimodal image requests (docs/reference/sidecar.md#multimodal-requests): the upstream handoff example and every error text."""
 
 from __future__ import annotations
 

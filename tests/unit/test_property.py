@@ -480,7 +480,7 @@ def test_property_response_conversion_raises_only_protocol_error(
         for value in d.get("log_probs", []):
             assert math.isfinite(value) and value >= -9999.0
         for i, position in enumerate(d.get("top_logprobs", [])):
-            # Clarification #6: the sampled token is listed once, first unless the server listed it.
+            # docs/reference/sidecar.md#per-message-checks: the sampled token is listed once, first unless the server listed it.
             sampled = resp.outputs.token_ids[i]
             listed = [c.id for c in resp.outputs.candidate_tokens[i].tokens]
             ids = [entry["token_id"] for entry in position]
@@ -529,7 +529,7 @@ def test_property_batch_builder_matches_one_message_at_a_time(
     def new_state() -> ResponseState:
         return ResponseState(request, build_generate_request(request, "r", "m", mode), mode)
 
-    # The reference: one message at a time (sidecar.md §14.2, §17.3).
+    # The reference: one message at a time (docs/reference/sidecar.md#per-message-checks, docs/reference/sidecar.md#decode-deferral).
     ref = new_state()
     expected: list[dict[str, Any]] = []
     expected_end: tuple[Any, ...] = ("eof",)
@@ -595,7 +595,7 @@ def plain_values(resp: pb.GenerateResponse) -> tuple[Any, ...] | None:
     if not 0 < seq.num_tokens == len(seq.token_ids):
         return None
     ids = list(seq.token_ids)
-    return (ids[0] if len(ids) == 1 else ids), seq.text or None
+    return (ids[0] if len(ids) == 1 else ids), seq.text
 
 
 @given(resp=st.one_of(token_responses(), responses()))

@@ -1,6 +1,6 @@
-"""``PreprocessedRequest`` → ``GenerateRequest`` (sidecar.md §12, §13, §18.1, §19). PURE: no I/O, no Trio.
+"""``PreprocessedRequest`` → ``GenerateRequest`` (docs/reference/sidecar.md#request-conversion, docs/reference/sidecar.md#json-and-protobuf-struct, docs/reference/sidecar.md#data-parallel-rank, docs/reference/sidecar.md#multimodal-requests). PURE: no I/O, no Trio.
 
-Validation runs first, in the §12.2 order, so the error a caller sees is the one upstream reports; only
+Validation runs first, in the order (docs/reference/sidecar.md#validation-order), so the error a caller sees is the one upstream reports; only
 a request that passed every check is mapped. Nothing here touches the network: a rejected request never
 reaches vLLM.
 """
@@ -68,7 +68,7 @@ def build_generate_request(
     served_model_name: str,
     mode: DisaggregationMode,
 ) -> BuiltRequest:
-    """Validate (§12.2 order) and map (§12.3) a request.
+    """Validate (in the order of docs/reference/sidecar.md#validation-order) and map (docs/reference/sidecar.md#field-mapping) a request.
 
     Args:
         request: a structured request (see ``protocol.structure_request``).
@@ -80,7 +80,7 @@ def build_generate_request(
         The ``GenerateRequest`` plus per-call metadata and bookkeeping for ``ResponseState``.
 
     Raises:
-        InvalidArgument: with the exact §12/§13/§19 texts.
+        InvalidArgument: with the exact texts of docs/reference/sidecar.md#request-conversion.
     """
     mode = DisaggregationMode.parse(mode)
     stop = request.stop_conditions
@@ -88,7 +88,7 @@ def build_generate_request(
     output = request.output_options
     routing = request.routing
 
-    # §12.2 rows 1-14.
+    # docs/reference/sidecar.md#validation-order rows 1-14.
     if not request.token_ids:
         raise InvalidArgument("token_ids must not be empty")
     if request.prompt_embeds is not None:
@@ -217,7 +217,7 @@ def _or_zero(value: float | None) -> float:
 
 
 def _structured_output(request: PreprocessedRequest) -> tuple[str, Any] | None:
-    """§12.4: at most one constraint; ``backend``/``whitespace_pattern`` are rejected."""
+    """docs/reference/sidecar.md#guided-decoding: at most one constraint; ``backend``/``whitespace_pattern`` are rejected."""
     guided = request.sampling_options.guided_decoding
     if guided is None:
         return None
@@ -246,7 +246,7 @@ def _compact_json(value: Any, what: str) -> str:
 
 
 def _extra_args(request: PreprocessedRequest, media_present: bool) -> _Extras:
-    """§12.5 validation; returns the values the mapping needs."""
+    """The ``extra_args`` validation (docs/reference/sidecar.md#extra-args); returns the values the mapping needs."""
     extra = request.extra_args
     if extra is None:
         return _Extras(bypass_prefix_cache=False, kv_transfer_params=None, mm_hashes=None)
@@ -294,7 +294,7 @@ def _extra_args(request: PreprocessedRequest, media_present: bool) -> _Extras:
 
 
 def _cache_namespace(routing: Any) -> str | None:
-    # Clarification #21: either routing name satisfies the checks; cache_namespace wins when both are set.
+    # docs/reference/sidecar.md#extra-args: either routing name satisfies the checks; cache_namespace wins when both are set.
     if routing.cache_namespace is not None:
         return routing.cache_namespace
     return routing.cache_salt
@@ -310,7 +310,7 @@ def _cache_salt(routing: Any) -> str:
 
 
 def _kv_transfer_params(request: PreprocessedRequest, extras: _Extras, mode: DisaggregationMode) -> Any:
-    """§12.6 by mode, encoded per §13 (``None`` = field unset)."""
+    """``kv_transfer_params`` by mode (docs/reference/sidecar.md#kv-transfer-parameters-by-mode), encoded as in docs/reference/sidecar.md#json-and-protobuf-struct (``None`` = field unset)."""
     caller = extras.kv_transfer_params
     if mode is DisaggregationMode.DECODE:
         prefill = request.prefill_result
