@@ -8,7 +8,8 @@ the engine): one side runs ``trio-sidecar run``, the other Dynamo's native sidec
 instant, so their outcomes are compared under identical conditions:
 
 1. etcd SIGKILLed under load and restarted on the same port and data directory;
-2. NATS SIGKILLed under load and restarted the same way;
+2. NATS SIGKILLed under load and restarted the same way, after 3 s and after 12 s (longer than the
+   frontend's 10 s request timeout);
 3. one worker of each side SIGKILLed: its frontend must drop the instance within the etcd lease TTL;
 4. last, etcd SIGKILLed and left down for longer than the lease TTL (this ends the deployments).
 
