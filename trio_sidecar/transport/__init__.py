@@ -45,13 +45,19 @@ Rules that close the measured defects:
    single failure leaves the package as an ExceptionGroup.
 7. *Resources.* Closing a channel sends GOAWAY and closes its socket; the server binds exactly the host
    it is given, without SO_REUSEPORT, and closes every connection when cancelled.
+8. *Hostile peers* (docs/reliability.md). The server closes a connection that does not complete its
+   handshake in time, sends GOAWAY to one idle too long, and caps the connections it serves
+   (``ServerLimits``). Compressed messages (gRPC ``gzip``, ``deflate``) are inflated with the message
+   limit as a hard cap on the output. A frame header over SETTINGS_MAX_FRAME_SIZE (16 KiB) ends the
+   connection before its payload is buffered, and a peer that provokes control frames (PING, SETTINGS
+   acks) without reading them gets GOAWAY ENHANCE_YOUR_CALM once 256 KiB are pending.
 """
 
 from __future__ import annotations
 
 from ._client import Channel, ResponseStream, connect_channel, open_channel
 from ._errors import DEFAULT_MAX_MESSAGE_LENGTH, ConnectionLostError, RpcError
-from ._server import CallContext, FramedMessages, GrpcServer, serve_grpc
+from ._server import CallContext, FramedMessages, GrpcServer, ServerLimits, serve_grpc
 from ._util import collapse_single_exception
 from .health import HealthServicer, check_health, watch_health
 
@@ -66,6 +72,7 @@ __all__ = [
     "HealthServicer",
     "ResponseStream",
     "RpcError",
+    "ServerLimits",
     "check_health",
     "connect_channel",
     "open_channel",
