@@ -135,6 +135,7 @@ class Connection:
         self._burst = 0  # messages queued since the last yield
         self._pending = b""  # bytes a direct write (flush) could not send; the writer sends them first
         self._backlog = 0  # at most this much unsent output was queued by reading (CONTROL_BACKLOG_LIMIT)
+        self._writing = False  # the writer is inside send_all
         self._fileno = stream.socket.fileno()
         self._scope = trio.CancelScope()
         self._done = trio.Event()
@@ -229,7 +230,9 @@ class Connection:
                 else:
                     data = h2conn.data_to_send()
                 if data:
+                    self._writing = True
                     await send_all(data)
+                    self._writing = False
                     if self._backlog:
                         self._backlog = min(self._backlog, len(h2conn._data_to_send) + len(self._pending))
                     if self._drain_waiters:
@@ -397,6 +400,7 @@ class Connection:
             try:
                 events = receive_data(data)
             except CONNECTION_ERRORS as exc:
+                self._flush_final()  # the GOAWAY h2 queued (e.g. FRAME_SIZE_ERROR)
                 self.lose(f"HTTP/2 protocol error on the connection to {self.description}: {exc}")
                 return
             if events:
@@ -433,9 +437,22 @@ class Connection:
             self.h2.close_connection(ErrorCodes.ENHANCE_YOUR_CALM)
         except h2.exceptions.ProtocolError:
             pass
-        self.flush()
+        self._flush_final()
         self.lose(f"connection to {self.description} closed: ENHANCE_YOUR_CALM (unread control frames)")
         return True
+
+    def _flush_final(self) -> None:
+        """Before losing the connection: one non-blocking write of what is queued (a GOAWAY), unless the
+        writer is mid-send (a frame it started must not be interleaved). Best effort."""
+        if self._writing:
+            return
+        data = self._pending + self.h2.data_to_send()
+        self._pending = b""
+        if data:
+            try:
+                os.write(self._fileno, data)
+            except OSError:
+                pass
 
     def _lose_io(self, exc: BaseException) -> None:
         """The socket failed (or was closed under a reader or the writer)."""

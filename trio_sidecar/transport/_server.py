@@ -249,6 +249,7 @@ class _ServerCall(Call):
             return
         self.done = True
         conn.calls.pop(self.stream_id, None)
+        conn.last_active = trio.current_time()  # type: ignore[attr-defined]
         if code == StatusCode.OK and not message and not metadata and self.response_started:
             trailers: list = list(_OK_TRAILERS)
         else:
@@ -278,6 +279,7 @@ class _ServerCall(Call):
         self.done = True
         conn = self.conn
         conn.calls.pop(self.stream_id, None)
+        conn.last_active = trio.current_time()  # type: ignore[attr-defined]
         if conn.lost is None:
             if not self.reset:
                 conn.protocol.reset_stream(self.stream_id, ErrorCodes.CANCEL)
@@ -344,6 +346,7 @@ class _ServerConnection(Connection):
             elif kind is StreamReset:
                 call = calls.pop(event.stream_id, None)
                 if call is not None:
+                    self.last_active = trio.current_time()
                     self.connection_lost(call, "reset")
             elif kind is StreamFailed:
                 call = calls.get(event.stream_id)
@@ -407,7 +410,6 @@ class _ServerConnection(Connection):
                 call.finish(StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
         finally:
             call.close()
-            self.last_active = trio.current_time()
 
 
 class GrpcServer:
