@@ -392,3 +392,23 @@ async def test_a_huge_header_block_is_refused_without_buffering_it(tmp_path):
     statuses = [payload for kind, _, _, payload in frames if kind == 0x1]
     assert goaway_codes(frames) or statuses, frames  # refused: the connection or the stream
     assert growth < 16 * MIB, growth
+
+
+async def test_the_sidecar_keeps_serving_across_the_mocks_idle_goaways(caplog):
+    """The mock closes the sidecar's idle pooled connections (GOAWAY, then close); later requests succeed."""
+    import logging
+
+    from reliability_fakes import drive, mock_config, mock_request, sidecar_config
+
+    caplog.set_level(logging.DEBUG, logger="trio_sidecar.transport.server")
+    from trio_sidecar.api import open_sidecar
+    from trio_sidecar.mock import open_mock_server
+
+    with trio.fail_after(90):
+        async with open_mock_server(mock_config(idle_timeout=0.5)) as mock:
+            async with open_sidecar(sidecar_config(mock.address, grpc_connections=2)) as sidecar:
+                for round_ in range(3):
+                    outcome = await drive(sidecar, mock_request(4), f"after-idle-{round_}")
+                    assert outcome.error is None and len(outcome.tokens) == 4, outcome
+                    await trio.sleep(1.5)  # every connection without a stream is closed meanwhile
+    assert "idle for 0.5 s" in caplog.text
