@@ -15,12 +15,12 @@ import zlib
 import grpc
 import pytest
 import trio
-from transport_peers import GENERATE, MIB, _aio_handlers, aio_options, aio_stream, aio_unary, request, status_of
+from transport_peers import GENERATE, MIB, _aio_handlers, aio_options, aio_stream, aio_unary, request
 
 from trio_sidecar._proto.vllm import inference_pb2 as pb
 from trio_sidecar.status import StatusCode
-from trio_sidecar.transport import HealthServicer, RpcError, open_channel, serve_grpc
-from trio_sidecar.transport._protocol import BoundedReadBuffer
+from trio_sidecar.transport import open_channel
+from trio_sidecar.transport._protocol import BoundedReadBuffer, MessageDecodeError
 
 COMPRESSIONS = {"gzip": grpc.Compression.Gzip, "deflate": grpc.Compression.Deflate}
 # Compressible: grpcio sends a message uncompressed when compressing would not make it smaller.
@@ -109,7 +109,7 @@ def test_decompression_is_capped_at_the_message_limit(encoding):
     buffer = BoundedReadBuffer(encoding, limit)
     body = _bomb(encoding, 64 * MIB)
     assert len(body) < limit  # passes the prefix check: only its output is over the limit
-    with pytest.raises(Exception) as info:
+    with pytest.raises(MessageDecodeError) as info:
         buffer.data_received(struct.pack(">BI", 1, len(body)) + body)
     assert info.value.code == StatusCode.RESOURCE_EXHAUSTED
     assert "larger than max after decompression" in info.value.message
@@ -131,6 +131,6 @@ def test_decompression_is_capped_at_the_message_limit(encoding):
 )
 def test_undecodable_compressed_messages_fail_with_a_status(encoding, body, code):
     buffer = BoundedReadBuffer(encoding, MIB)
-    with pytest.raises(Exception) as info:
+    with pytest.raises(MessageDecodeError) as info:
         buffer.data_received(struct.pack(">BI", 1, len(body)) + body)
     assert info.value.code == code, info.value.message
