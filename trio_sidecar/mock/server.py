@@ -12,8 +12,9 @@ in-flight id check (row 19); then the request is submitted to its rank's schedul
 it). From then on it is a :class:`_Call` registered under its request UUID in the server's routes until
 the RPC ends, however it ends; the permit is held for exactly as long.
 
-The scheduler delivers output signals into the call's own buffer (``len(plan) + 1`` entries, filled with
-non-blocking sends), so a slow reader never stalls a pass and is never shed. ``Control.Abort`` and shutdown
+The scheduler delivers output signals into the call's own channel (never full: unread tokens are coalesced
+into two counters, see :mod:`.scheduler`), so a slow reader never stalls a pass, is never shed, and costs
+no memory per token it has not read (docs/reliability.md). ``Control.Abort`` and shutdown
 wake a waiting handler by cancelling the scheduler request, which closes that buffer; signals already in
 it are still received. Exactly one terminal is sent per request: a claim flag on the call decides between
 the natural finish and an abort that race. Abort flushes the already-buffered tokens first, then sends an
