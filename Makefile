@@ -36,8 +36,9 @@ test-fast: deps
 
 # The real vLLM 0.32 CPU server as a conformance peer: provisioned once into a cache directory outside the
 # tree (${TRIO_SIDECAR_CACHE:-~/.cache/trio-sidecar}/real-vllm, ~500 MB of registry downloads, ~2.5 min),
-# then the `real_vllm` tests run against it (~1.5-4 min on 2 cores).
-test-real: deps
+# then the `real_vllm` tests run against it (~1.5-4 min on 2 cores). Dynamo is needed for the differential
+# (native sidecar vs trio-sidecar through dynamo.frontend on the real server).
+test-real: deps dynamo
 	eval "$$(bash scripts/real-vllm.sh --env)" && $(PY) -m pytest -m real_vllm tests/real_vllm $(PYTEST_ARGS)
 
 demo: deps dynamo

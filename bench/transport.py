@@ -1,15 +1,15 @@
-"""Transport benchmark (issue 2 §4): our transport vs raw purerpc 0.8.0 vs grpc.aio.
+"""Transport benchmark (issue 2; docs/reference/transport.md#benchmark-method): our transport vs raw purerpc 0.8.0 vs grpc.aio.
 
     python bench/transport.py            # full run (about 2 minutes on 2 cores)
     python bench/transport.py --quick    # shorter workloads
 
 Every cell runs the client and the server in two separate processes over 127.0.0.1. Workloads (as in
-transport-findings §4): unary = one client with one call outstanding for a fixed time; 1 stream = one
+docs/reference/transport.md#benchmark-method): unary = one client with one call outstanding for a fixed time; 1 stream = one
 server stream of N small messages; 100 streams = 100 concurrent streams of M messages on one connection.
 Messages are small (a few int fields). CPU µs per message = (client CPU + server CPU) / messages, from the
 processes' own CPU times. Ratios are against grpc.aio → grpc.aio, plus our transport against raw purerpc.
 
-Targets (issue 2 §4): streaming ≥ 1.0× grpc.aio; unary ≥ 0.75× grpc.aio (clarifications: ≥ 0.7×);
+Targets (issue 2): streaming ≥ 1.0× grpc.aio; unary ≥ 0.75× grpc.aio (later relaxed to ≥ 0.7×);
 our fixes cost ≤ 10% vs raw purerpc.
 """
 
@@ -97,7 +97,7 @@ def serve(impl: str) -> None:
         trio.run(main)
         return
 
-    # Raw purerpc: its own ConnectionHandler behind a 127.0.0.1 listener (transport-findings §7; the stock
+    # Raw purerpc: its own ConnectionHandler behind a 127.0.0.1 listener (docs/reference/transport.md#why-not-purerpcs-own-io-layer; the stock
     # Server binds every interface).
     import anyio
     import purerpc.server
@@ -341,7 +341,7 @@ def print_table(results: dict) -> None:
         ("100 streams ≥ 1.0× grpc.aio", ours["stream100"] / base["stream100"] >= 1.0),
         ("fixes cost ≤ 10% vs raw purerpc", all(ours[w] / raw[w] >= 0.9 for w in raw)),
     ]
-    print("targets (issue 2 §4): " + "; ".join(f"{name}: {'met' if ok else 'NOT met'}" for name, ok in checks))
+    print("targets (issue 2): " + "; ".join(f"{name}: {'met' if ok else 'NOT met'}" for name, ok in checks))
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ def _load_tiny_model_builder():
 
 
 def _show_discovered_model(endpoint: str) -> None:
-    """The bootstrap phase of sidecar.md §9.1 through the embeddable API (``trio_sidecar.api.discover``)."""
+    """The bootstrap phase of docs/reference/sidecar.md#bootstrap-phase through the embeddable API (``trio_sidecar.api.discover``)."""
     import trio
 
     from trio_sidecar.api import discover

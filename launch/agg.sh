@@ -170,9 +170,12 @@ launch_fail_child() {
     exit 1
 }
 
-# launch_frontend EXTRA... : the Dynamo frontend (OpenAI HTTP) on HTTP_HOST:HTTP_PORT.
+# launch_frontend EXTRA... : the Dynamo frontend (OpenAI HTTP) on HTTP_HOST:HTTP_PORT. It waits up to
+# DYN_HTTP_PRE_COMMIT_ERROR_PEEK_MS (1000) for a streaming request's first output before committing HTTP 200,
+# so an error before any output gets its HTTP status (docs/dynamo.md, "Errors before the first output").
 launch_frontend() {
-    launch_start frontend "$PYTHON" -m dynamo.frontend --http-host "$HTTP_HOST" --http-port "$HTTP_PORT" \
+    launch_start frontend env "DYN_HTTP_PRE_COMMIT_ERROR_PEEK_MS=${DYN_HTTP_PRE_COMMIT_ERROR_PEEK_MS:-1000}" \
+        "$PYTHON" -m dynamo.frontend --http-host "$HTTP_HOST" --http-port "$HTTP_PORT" \
         --namespace "$NAMESPACE" --discovery-backend file --request-plane tcp --router-mode "$ROUTER_MODE" \
         "$@" "${FRONTEND_EXTRA[@]}"
 }

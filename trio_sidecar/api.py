@@ -1,4 +1,4 @@
-"""The embeddable Trio API (sidecar.md §21).
+"""The embeddable Trio API (docs/reference/sidecar.md#embedded-api).
 
 ```python
 async with open_sidecar(SidecarConfig(grpc_endpoint="127.0.0.1:50051")) as sidecar:
@@ -42,10 +42,10 @@ class Sidecar:
 
     Attributes:
         model: the discovered model (identity, ``ServerInfo``, DP size); refreshed after a recovery.
-        engine_config: registration data (§11).
-        kv_event_sources: validated ``KvEventSource`` tuple (§18.2); refreshed after a recovery
-            (clarification #5).
-        health: ``AsyncValue[HealthState]`` (§20); admission is open only while it is ``SERVING``.
+        engine_config: registration data (docs/reference/sidecar.md#registration-data).
+        kv_event_sources: validated ``KvEventSource`` tuple (docs/reference/sidecar.md#kv-event-sources); refreshed after a recovery
+            (docs/reference/sidecar.md#recovery).
+        health: ``AsyncValue[HealthState]`` (docs/reference/sidecar.md#health-prober); admission is open only while it is ``SERVING``.
         engine: the underlying :class:`SidecarEngine` (drain support: ``in_flight``, ``stop_admission()``).
     """
 
@@ -64,11 +64,11 @@ class Sidecar:
     def generate(
         self, request: dict[str, Any] | PreprocessedRequest, ctx: GenerateContext | None = None
     ) -> AbstractAsyncContextManager[AsyncIterator[LLMEngineOutput]]:
-        """Stream one request (§21); see :meth:`SidecarEngine.generate` for the full contract.
+        """Stream one request (docs/reference/sidecar.md#embedded-api); see :meth:`SidecarEngine.generate` for the full contract.
 
         Raises (from ``__aenter__``):
             InvalidArgument: conversion failed; nothing was sent.
-            CannotConnect: ``vLLM is not serving: {reason}`` (admission closed, §20.3), or a mapped open error.
+            CannotConnect: ``vLLM is not serving: {reason}`` (admission closed, docs/reference/sidecar.md#admission), or a mapped open error.
             EngineShutdown: ``vLLM sidecar is not started`` (after the ``open_sidecar`` block).
         """
         return self.engine.generate(request, ctx)
@@ -89,7 +89,7 @@ class Sidecar:
             raise CannotConnect(f"vLLM is not serving: {reason}")
 
     def _on_recovered(self, model: DiscoveredModel, kv_sources: tuple[Any, ...]) -> None:
-        # The prober already logged a changed source list (clarification #5); this only swaps the state.
+        # The prober already logged a changed source list (docs/reference/sidecar.md#recovery); this only swaps the state.
         self.model = model
         self.engine.model = model
         self.kv_event_sources = kv_sources
@@ -98,10 +98,10 @@ class Sidecar:
 
 @asynccontextmanager
 async def open_sidecar(config: SidecarConfig, *, expected: DiscoveredModel | None = None) -> AsyncIterator[Sidecar]:
-    """Start a sidecar against ``config.grpc_endpoint`` (§21).
+    """Start a sidecar against ``config.grpc_endpoint`` (docs/reference/sidecar.md#embedded-api).
 
-    Runs the ``SidecarConfig`` pre-network checks (§6), then the start phase (§9.2); with ``expected``
-    (the bootstrap model from :func:`discover`) the §10 compatibility check too. Starts the health prober
+    Runs the ``SidecarConfig`` pre-network checks (docs/reference/sidecar.md#pre-network-checks), then the start phase (docs/reference/sidecar.md#start-phase); with ``expected``
+    (the bootstrap model from :func:`discover`) the compatibility check (docs/reference/sidecar.md#identity-check) too. Starts the health prober
     when ``config.health_prober`` is on.
 
     Raises:

@@ -1,11 +1,11 @@
-"""``trio-sidecar run`` / ``trio-sidecar mock``: argument and environment parsing (sidecar.md §3).
+"""``trio-sidecar run`` / ``trio-sidecar mock``: argument and environment parsing (docs/reference/sidecar.md#configuration).
 
 Precedence is flag > environment variable > default. argparse only collects raw strings (every default is
 a sentinel, so an unset flag never hides its environment variable); values are then converted here with
 the project's messages, and structured into ``SidecarConfig`` / ``WorkerOptions`` with cattrs.
 
-Exit codes (clarification #12): 0 clean shutdown, ``--help``, ``--version``; 2 usage or configuration
-error before any socket is opened (including the §6 checks and a missing ``dynamo`` extra); otherwise
+Exit codes (docs/reference/sidecar.md#exit-codes): 0 clean shutdown, ``--help``, ``--version``; 2 usage or configuration
+error before any socket is opened (including the pre-network checks, docs/reference/sidecar.md#pre-network-checks, and a missing ``dynamo`` extra); otherwise
 whatever the worker returns (1 for failures after startup began).
 """
 
@@ -67,7 +67,7 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    # §3.3 vLLM gRPC transport
+    # vLLM gRPC transport (docs/reference/sidecar.md#configuration)
     Option("--grpc-endpoint", "DYN_SIDECAR_GRPC_ENDPOINT", "grpc_endpoint", "sidecar", "", "str",
            "vLLM gRPC endpoint (HOST:PORT, http://HOST:PORT or grpc://HOST:PORT); required", metavar="URL"),
     Option("--grpc-connections", "DYN_SIDECAR_GRPC_CONNECTIONS", "grpc_connections", "sidecar", 8, "count",
@@ -80,7 +80,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("--grpc-startup-deadline-secs", "DYN_SIDECAR_GRPC_STARTUP_DEADLINE_SECS", "startup_deadline",
            "sidecar", 1800, "count", "Maximum duration for each sidecar gRPC startup phase (default 1800)",
            metavar="SECS"),
-    # §3.2 worker registration
+    # worker registration (docs/reference/sidecar.md#configuration)
     Option("--disaggregation-mode", "DYN_DISAGGREGATION_MODE", "disaggregation_mode", "sidecar", "agg", "mode",
            "agg (alias aggregated), prefill, decode (encode is rejected)", metavar="MODE"),
     Option("--namespace", "DYN_NAMESPACE", "namespace", "worker", "dynamo", "str", "Dynamo namespace"),
@@ -106,7 +106,7 @@ OPTIONS: tuple[Option, ...] = (
            "accepted for compatibility; ignored", metavar="URL"),
     Option("--vllm-rl-world-size", "DYN_VLLM_RL_WORLD_SIZE", "vllm_rl_world_size", "worker", None, "opt_int",
            "accepted for compatibility; ignored", metavar="N"),
-    # §3.1 Dynamo runtime planes
+    # Dynamo runtime planes (docs/reference/sidecar.md#configuration)
     Option("--discovery-backend", "DYN_DISCOVERY_BACKEND", "discovery_backend", "worker", "etcd", "choice",
            "discovery backend", choices=("kubernetes", "etcd", "file", "mem")),
     Option("--request-plane", "DYN_REQUEST_PLANE", "request_plane", "worker", "tcp", "choice", "request plane",
@@ -115,7 +115,7 @@ OPTIONS: tuple[Option, ...] = (
            "response plane (must match the frontend)", choices=("tcp", "quic")),
     Option("--event-plane", "DYN_EVENT_PLANE", "event_plane", "worker", None, "opt_choice",
            "event plane (default: the runtime's, zmq)", choices=("nats", "zmq")),
-    # §3.4 project flags
+    # project flags (docs/reference/sidecar.md#configuration)
     Option("--health-prober", "TRIO_SIDECAR_HEALTH_PROBER", "health_prober", "sidecar", True, "pair",
            "continuous Health.Watch prober (default on)"),
     Option("--abort-on-cancel", "TRIO_SIDECAR_ABORT_ON_CANCEL", "abort_on_cancel", "sidecar", True, "pair",

@@ -1,7 +1,7 @@
-"""Configuration objects and the pre-network checks (sidecar.md §4, §6). PURE: no I/O, no Trio.
+"""Configuration objects and the pre-network checks (docs/reference/sidecar.md#configuration, docs/reference/sidecar.md#pre-network-checks). PURE: no I/O, no Trio.
 
 Construction never validates: the checks run in :func:`validate_sidecar_config` / :func:`prepare`, in the
-order §6 fixes, so the first problem reported is the one the spec expects. (The CLI adds its own usage
+order of docs/reference/sidecar.md#pre-network-checks, so the first problem reported is the one the native sidecar reports. (The CLI adds its own usage
 checks, e.g. zero values, before building these objects.)
 """
 
@@ -66,7 +66,7 @@ class DisaggregationMode(enum.Enum):
 
 @attrs.frozen(kw_only=True)
 class SidecarConfig:
-    """vLLM-side configuration (§4.1). Durations are seconds (fractional in the Python API)."""
+    """vLLM-side configuration (docs/reference/sidecar.md#configuration). Durations are seconds (fractional in the Python API)."""
 
     grpc_endpoint: str
     disaggregation_mode: DisaggregationMode = attrs.field(
@@ -89,7 +89,7 @@ def _endpoint_types(value: object) -> tuple[str, ...]:
 
 @attrs.frozen(kw_only=True)
 class WorkerOptions:
-    """Dynamo-side options (§4.1, §3.1–§3.2) plus the CLI's project options (§3.4, clarifications #4, #14)."""
+    """Dynamo-side options (docs/reference/sidecar.md#configuration) plus the CLI's project options (docs/reference/sidecar.md#configuration, docs/reference/worker.md#out-of-rotation-while-vllm-is-not-serving, docs/reference/worker.md#graceful-shutdown-and-drain)."""
 
     namespace: str = "dynamo"
     component: str = "backend"
@@ -113,13 +113,13 @@ class WorkerOptions:
 
 
 def validate_sidecar_config(config: SidecarConfig) -> GrpcEndpoint:
-    """The ``SidecarConfig`` part of §6 (items 1, 5, 6), in order.
+    """The ``SidecarConfig`` part of docs/reference/sidecar.md#pre-network-checks (items 1, 5, 6), in order.
 
     Returns:
         The normalized endpoint.
 
     Raises:
-        InvalidArgument: with the §6 texts.
+        InvalidArgument: with the texts (docs/reference/sidecar.md#pre-network-checks).
     """
     if DisaggregationMode.parse(config.disaggregation_mode) is DisaggregationMode.ENCODE:
         raise InvalidArgument("encode mode is not supported by the vLLM sidecar")
@@ -164,7 +164,7 @@ def dynamo_available() -> bool:
 
 
 def prepare(config: SidecarConfig, worker_options: WorkerOptions, *, dynamo_required: bool) -> GrpcEndpoint:
-    """All of §6 items 1–7, in order, before any socket is opened.
+    """All the pre-network checks (docs/reference/sidecar.md#pre-network-checks, items 1–7), in order, before any socket is opened.
 
     Item 8 (the ``Discovering vLLM model metadata ...`` line) is printed by the caller, from
     :func:`discovery_banner`, so this function stays free of I/O.
@@ -190,7 +190,7 @@ def prepare(config: SidecarConfig, worker_options: WorkerOptions, *, dynamo_requ
 
 
 def discovery_banner(endpoint: GrpcEndpoint, startup_deadline: float) -> str:
-    """§6 item 8's stderr line."""
+    """The stderr line printed after the pre-network checks (docs/reference/sidecar.md#pre-network-checks)."""
     return (
         f"Discovering vLLM model metadata from {endpoint.canonical}; "
         f"startup deadline: {format_duration(startup_deadline)}"

@@ -1,7 +1,7 @@
-"""Readiness wait and Control discovery (sidecar.md §8, §9, §18.2).
+"""Readiness wait and Control discovery (docs/reference/sidecar.md#readiness-wait, docs/reference/sidecar.md#discovery, docs/reference/sidecar.md#kv-event-sources).
 
 Every step here is bounded by the *phase deadline* (``trio.current_time()`` based) that the caller
-computed when the phase began (§7.1), so the bootstrap phase cannot eat the start phase's budget.
+computed when the phase began (docs/reference/sidecar.md#phases-and-deadlines), so the bootstrap phase cannot eat the start phase's budget.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ _FAIL_AT_ONCE = (StatusCode.NOT_FOUND, StatusCode.UNIMPLEMENTED)
 
 
 def _status_name(status: int) -> str:
-    """``reported {NAME}``: unknown enum values count as ``UNKNOWN`` (§8)."""
+    """``reported {NAME}``: unknown enum values count as ``UNKNOWN`` (docs/reference/sidecar.md#readiness-wait)."""
     try:
         return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
     except ValueError:
@@ -54,7 +54,7 @@ def _status_name(status: int) -> str:
 async def wait_for_services(
     pool: ChannelPool, services: Sequence[str], *, deadline: float, retry_interval: float
 ) -> None:
-    """Wait until each service reports ``SERVING``, sequentially in the given order (§8).
+    """Wait until each service reports ``SERVING``, sequentially in the given order (docs/reference/sidecar.md#readiness-wait).
 
     Raises:
         ProtocolError: the health service answered ``NOT_FOUND``/``UNIMPLEMENTED`` (fails at once).
@@ -105,12 +105,12 @@ async def _bounded_unary(pool: ChannelPool, channel: Any, rpc: str, method: str,
 
 
 async def discover_model(pool: ChannelPool, *, deadline: float) -> DiscoveredModel:
-    """``GetModelInfo`` then ``GetServerInfo`` on the same connection, validated (§9.1 step 4, §9.4).
+    """``GetModelInfo`` then ``GetServerInfo`` on the same connection, validated (docs/reference/sidecar.md#bootstrap-phase step 3, docs/reference/sidecar.md#control-metadata-validation).
 
     Raises:
         ConnectionTimeout: ``GetModelInfo exceeded the total vLLM startup deadline`` (or ``GetServerInfo``).
         SidecarError: a mapped gRPC status (rpc name ``GetModelInfo``/``GetServerInfo``).
-        ProtocolError: §9.4 validation.
+        ProtocolError: the validation of docs/reference/sidecar.md#control-metadata-validation.
     """
     channel = await pool.channel("GetModelInfo")
     model_info = await _bounded_unary(
@@ -127,11 +127,11 @@ async def discover_model(pool: ChannelPool, *, deadline: float) -> DiscoveredMod
 async def fetch_kv_event_sources(
     pool: ChannelPool, endpoint: GrpcEndpoint, model: DiscoveredModel, *, deadline: float
 ) -> tuple[Any, ...]:
-    """``GetKvEventSources``, validated and rewritten (§18.2); warnings are logged.
+    """``GetKvEventSources``, validated and rewritten (docs/reference/sidecar.md#kv-event-sources); warnings are logged.
 
     Raises:
         ConnectionTimeout: ``GetKvEventSources exceeded the total vLLM startup deadline``.
-        SidecarError: mapped gRPC status (rpc name ``GetKvEventSources``); ProtocolError per §18.2.
+        SidecarError: mapped gRPC status (rpc name ``GetKvEventSources``); ProtocolError as in docs/reference/sidecar.md#kv-event-sources.
     """
     from .routing import validate_kv_event_sources
 
@@ -149,14 +149,14 @@ async def fetch_kv_event_sources(
 
 
 async def discover(config: SidecarConfig) -> DiscoveredModel:
-    """The bootstrap phase (§9.1) as a standalone coroutine.
+    """The bootstrap phase (docs/reference/sidecar.md#bootstrap-phase) as a standalone coroutine.
 
     A pool of exactly one connection, a readiness wait for ``vllm.Control`` only, then discovery; the pool
     is closed before returning.
 
     Raises:
-        InvalidArgument: the ``SidecarConfig`` pre-network checks (§6) — no socket is opened.
-        CannotConnect, ConnectionTimeout, ProtocolError, SidecarError: §7–§9.
+        InvalidArgument: the ``SidecarConfig`` pre-network checks (docs/reference/sidecar.md#pre-network-checks) — no socket is opened.
+        CannotConnect, ConnectionTimeout, ProtocolError, SidecarError: docs/reference/sidecar.md#connection-pool, docs/reference/sidecar.md#discovery.
     """
     endpoint = validate_sidecar_config(config)
     deadline = trio.current_time() + config.startup_deadline

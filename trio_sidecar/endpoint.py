@@ -1,4 +1,4 @@
-"""vLLM gRPC endpoint normalization (sidecar.md §5). PURE: no I/O, no Trio."""
+"""vLLM gRPC endpoint normalization (docs/reference/sidecar.md#endpoint-normalization). PURE: no I/O, no Trio."""
 
 from __future__ import annotations
 
@@ -37,10 +37,10 @@ class GrpcEndpoint:
 
 
 def parse_grpc_endpoint(raw: str, flag: str = "--grpc-endpoint") -> GrpcEndpoint:
-    """Normalize ``raw`` per §5.
+    """Normalize ``raw`` as in docs/reference/sidecar.md#endpoint-normalization.
 
     Raises:
-        InvalidArgument: with the exact §5 texts (naming ``flag``).
+        InvalidArgument: with the exact texts of docs/reference/sidecar.md#endpoint-normalization (naming ``flag``).
     """
     text = raw.strip()
     if not text:

@@ -1,9 +1,9 @@
-"""The sidecar engine: start / generate / cleanup, cancellation and the abort sender (sidecar.md §9.2,
-§14.3, §16, §17).
+"""The sidecar engine: start / generate / cleanup, cancellation and the abort sender (docs/reference/sidecar.md#start-phase,
+docs/reference/sidecar.md#stream-level-rules, docs/reference/sidecar.md#lifecycle, docs/reference/sidecar.md#cancellation).
 
 Theory of operation
 -------------------
-Every in-flight request is a *request task* in the sidecar's nursery (clarification #3), never in the
+Every in-flight request is a *request task* in the sidecar's nursery (docs/reference/sidecar.md#decode-deferral), never in the
 caller's scope. The caller talks to it through:
 
 * a rendezvous hand-off carrying the ordinary chunks in batches (``_Handoff``: a zero-size memory channel
@@ -31,7 +31,7 @@ One cancel scope (``_Request.scope``) wraps the task's work; two signals cancel 
 * engine shutdown (:meth:`SidecarEngine.cleanup`, ``cancel_shutdown``) interrupts every phase in every mode;
 * the client's cancellation (``ctx.stop()``, the caller leaving the ``generate()`` block, or the caller's
   own scope being cancelled, ``client_cancel``). In aggregated and prefill modes it cancels at once. In
-  decode mode (§17.3) a cancellation that arrives before the KV transfer completed is only *recorded*
+  decode mode (docs/reference/sidecar.md#decode-deferral) a cancellation that arrives before the KV transfer completed is only *recorded*
   (``request_cancelled``); the task keeps reading until a response completes the transfer
   (``outputs.num_tokens > 0`` or ``finish_info``), then yields the cancelled chunk instead of that
   response's chunk and drops the stream.
@@ -42,7 +42,7 @@ scope serves both: a scope costs an enter and an exit per request.
 Races are biased: the cancellation state is checked before each await of the open or of the next message.
 
 Whenever the task abandons an opened ``GenerateStream`` before the server ended it (terminal, EOF or a
-status), it queues the request id for the *abort sender* (§17.4), which batches ids into best-effort
+status), it queues the request id for the *abort sender* (docs/reference/sidecar.md#abort-after-abandoning-a-stream), which batches ids into best-effort
 ``Control.Abort`` calls.
 """
 
@@ -95,7 +95,7 @@ _ABORT_SUCCEEDED = _Abort.SUCCEEDED
 GENERATE_STREAM = "/vllm.Inference/GenerateStream"
 ABORT = "/vllm.Control/Abort"
 
-#: §17.4: on cleanup, pending Abort ids are flushed for at most this long (shielded).
+#: docs/reference/sidecar.md#abort-after-abandoning-a-stream: on cleanup, pending Abort ids are flushed for at most this long (shielded).
 ABORT_FLUSH_GRACE = 5.0
 
 NOT_STARTED = "vLLM sidecar is not started"
@@ -105,11 +105,11 @@ ALREADY_STARTED = "vLLM sidecar has already started"
 
 
 class GenerateContext:
-    """Per-request context of the embedded API (§21): the request id and the client's cancellation signal.
+    """Per-request context of the embedded API (docs/reference/sidecar.md#embedded-api): the request id and the client's cancellation signal.
 
     Args:
         request_id: sent as ``GenerateRequest.request_id``; empty → a fresh UUID4 string.
-        on_first_token: called where upstream calls ``notify_first_token()`` (decode deferral, §17.3).
+        on_first_token: called where upstream calls ``notify_first_token()`` (decode deferral, docs/reference/sidecar.md#decode-deferral).
 
     ``stop()`` may be called from any Trio task of the same run, before or during ``generate()``.
     """
@@ -128,7 +128,7 @@ class GenerateContext:
         return self._stopped.is_set()
 
     def stop(self) -> None:
-        """Ask the request to end with a cancelled chunk (decode mode defers it, §17.3). Idempotent."""
+        """Ask the request to end with a cancelled chunk (decode mode defers it, docs/reference/sidecar.md#decode-deferral). Idempotent."""
         if self._stopped.is_set():
             return
         self._stopped.set()
@@ -161,7 +161,7 @@ class ChunkSink(Protocol):
 
     ``chunk`` (or, for a chunk of token ids and text only, ``tokens``) gets every chunk as soon as its
     message is read, from whichever task read it (the connection's reader or the request task); plain token
-    chunks of messages read together come as one ``tokens`` call (ids in order, texts joined); ``end`` is
+    chunks of messages read together come as one ``tokens`` call (ids in order, texts concatenated); ``end`` is
     called exactly once, last: with the final chunk (terminal or cancelled) or the error (a
     :class:`~trio_sidecar.errors.SidecarError`, or an unexpected exception), the other ``None``. An
     exception from ``chunk``/``tokens`` fails the request like a bug in the engine (logged, ``end`` with the
@@ -170,9 +170,9 @@ class ChunkSink(Protocol):
 
     def chunk(self, chunk: LLMEngineOutput) -> None: ...
 
-    def tokens(self, token_ids: list[int], text: str | None) -> None:
+    def tokens(self, token_ids: list[int], text: str) -> None:
         """A plain token chunk (the common one): the same as ``chunk(token_chunk(token_ids, text))``;
-        ``token_ids`` is a fresh list the sink may keep."""
+        ``token_ids`` is a fresh list the sink may keep; ``text`` is ``""`` when vLLM sent none."""
 
     def end(self, final: LLMEngineOutput | None, error: BaseException | None) -> None: ...
 
@@ -294,7 +294,7 @@ class _Request:
     cancelling: bool = False
 
     def client_cancel(self) -> None:
-        """The client's cancellation signal (§17.1): immediate, or deferred in decode mode (§17.3)."""
+        """The client's cancellation signal (docs/reference/sidecar.md#cancellation-signals): immediate, or deferred in decode mode (docs/reference/sidecar.md#decode-deferral)."""
         if self.done.is_set():
             return
         if self.decode and not self.builder.transfer_completed:
@@ -373,7 +373,7 @@ class _ChunkStream:
 
 
 class SidecarEngine:
-    """Start / generate / cleanup against one vLLM gRPC endpoint (§9.2, §16, §17).
+    """Start / generate / cleanup against one vLLM gRPC endpoint (docs/reference/sidecar.md#start-phase, docs/reference/sidecar.md#lifecycle, docs/reference/sidecar.md#cancellation).
 
     Usually driven by :func:`trio_sidecar.open_sidecar`; the CLI's Dynamo bridge uses the same object.
 
@@ -389,7 +389,7 @@ class SidecarEngine:
         self.model: DiscoveredModel | None = None
         self.engine_config: EngineConfig | None = None
         self.kv_event_sources: tuple[Any, ...] = ()
-        #: Called after conversion and before the RPC opens; raises to reject (the §20.3 admission gate).
+        #: Called after conversion and before the RPC opens; raises to reject (the admission gate, docs/reference/sidecar.md#admission).
         self.admission_check: Callable[[], None] | None = None
         self._state = _State.CREATED
         self._closed = trio.Event()  # set once the state reaches CLOSED
@@ -423,19 +423,19 @@ class SidecarEngine:
         return self._pool
 
     async def start(self, nursery: trio.Nursery, *, expected: DiscoveredModel | None = None) -> EngineConfig:
-        """The start phase (§9.2).
+        """The start phase (docs/reference/sidecar.md#start-phase).
 
         Args:
             nursery: the sidecar's nursery; it must outlive the engine (until :meth:`cleanup` returned).
-            expected: the bootstrap model; when given, §10's compatibility check runs against it.
+            expected: the bootstrap model; when given, the identity check (docs/reference/sidecar.md#identity-check) runs against it.
 
         Returns:
-            The registration data built from the start-phase discovery (§11).
+            The registration data built from the start-phase discovery (docs/reference/sidecar.md#registration-data).
 
         Raises:
             EngineShutdown: ``vLLM sidecar has already started`` (also for a concurrent second start).
-            CannotConnect, ConnectionTimeout, ProtocolError, SidecarError: §7–§10, §18.2. On any failure the
-            engine is cleaned up (never left started; clarification #23).
+            CannotConnect, ConnectionTimeout, ProtocolError, SidecarError: docs/reference/sidecar.md#connection-pool, docs/reference/sidecar.md#identity-check, docs/reference/sidecar.md#kv-event-sources. On any failure the
+            engine is cleaned up (never left started; docs/reference/sidecar.md#start-phase).
         """
         if self._state is not _State.CREATED:
             raise EngineShutdown(ALREADY_STARTED)
@@ -482,7 +482,7 @@ class SidecarEngine:
                     await self._close()
 
     async def cleanup(self) -> None:
-        """End everything the engine owns (§16). Idempotent; safe before :meth:`start`.
+        """End everything the engine owns (docs/reference/sidecar.md#lifecycle). Idempotent; safe before :meth:`start`.
 
         Stops admission; every in-flight request ends with a cancelled chunk (a request still waiting for
         headers gets a one-item cancelled stream); queued Aborts are flushed with a 5 s shielded grace;
@@ -540,10 +540,10 @@ class SidecarEngine:
     async def generate(
         self, request: dict[str, Any] | PreprocessedRequest, ctx: GenerateContext | None = None
     ) -> AsyncIterator[_ChunkStream]:
-        """Open one generation (§12, §14, §17).
+        """Open one generation (docs/reference/sidecar.md#request-conversion, docs/reference/sidecar.md#response-conversion, docs/reference/sidecar.md#cancellation).
 
         ``__aenter__`` converts the request (``InvalidArgument`` on error; nothing is sent), checks admission,
-        opens ``GenerateStream`` and waits for the open: an open failure raises the mapped error (§14.3).
+        opens ``GenerateStream`` and waits for the open: an open failure raises the mapped error (docs/reference/sidecar.md#stream-level-rules).
         The yielded iterator produces :class:`LLMEngineOutput` chunks; a stream error is raised from iteration
         after the chunks already produced.
 
@@ -813,7 +813,7 @@ class SidecarEngine:
                 state.completion_tokens -= later
                 raise
 
-    # ---------------------------------------------------------------- abort sender (§17.4)
+    # ---------------------------------------------------------------- abort sender (docs/reference/sidecar.md#abort-after-abandoning-a-stream)
 
     def _queue_abort(self, request_id: str) -> None:
         if self._abort_send is None:

@@ -1,4 +1,4 @@
-"""The sidecar's error family (sidecar.md §15). PURE: no I/O, no Trio.
+"""The sidecar's error family (docs/reference/sidecar.md#errors). PURE: no I/O, no Trio.
 
 Every failure the sidecar reports is a :class:`SidecarError` whose ``kind`` mirrors the native sidecar's
 error kinds (``lib/sidecar/common/src/error.rs``). gRPC statuses are translated once, at the edge, by
@@ -41,7 +41,7 @@ class ErrorKind(enum.Enum):
 
 
 class SidecarError(Exception):
-    """Root of the family. ``str(err) == err.message``; ``err.kind`` is the §15.1 kind."""
+    """Root of the family. ``str(err) == err.message``; ``err.kind`` is its kind (docs/reference/sidecar.md#error-kinds)."""
 
     kind: ErrorKind = ErrorKind.UNKNOWN
 
@@ -109,7 +109,7 @@ class RequestCancelled(SidecarError):
     kind = ErrorKind.CANCELLED
 
 
-# sidecar.md §15.2: a table, not branches.
+# docs/reference/sidecar.md#grpc-status-mapping: a table, not branches.
 _STATUS_CLASS: dict[StatusCode, type[SidecarError]] = {
     StatusCode.INVALID_ARGUMENT: InvalidArgument,
     StatusCode.NOT_FOUND: InvalidArgument,
@@ -123,7 +123,7 @@ _STATUS_CLASS: dict[StatusCode, type[SidecarError]] = {
 
 
 def format_status(code: StatusCode, message: str) -> str:
-    """Render a gRPC status as ``{message} ({CodeName})`` (§8, §15.2)."""
+    """Render a gRPC status as ``{message} ({CodeName})`` (docs/reference/sidecar.md#readiness-wait, docs/reference/sidecar.md#grpc-status-mapping)."""
     return f"{message} ({StatusCode(code).rust_name})"
 
 
@@ -136,7 +136,7 @@ def status_to_error(rpc: str, code: StatusCode, message: str) -> SidecarError:
         message: the percent-decoded ``grpc-message``.
 
     Returns:
-        The error (not raised): ``"{rpc}: {message} ({CodeName})"`` with the §15.2 kind.
+        The error (not raised): ``"{rpc}: {message} ({CodeName})"`` with the kind of docs/reference/sidecar.md#grpc-status-mapping.
     """
     code = StatusCode(code)
     cls = _STATUS_CLASS.get(code, UnknownError)
@@ -151,7 +151,7 @@ def _trim_fraction(integer: int, fraction: int, digits: int, unit: str) -> str:
 
 
 def format_duration(seconds: float) -> str:
-    """Format like Rust's ``Debug`` for ``Duration`` (§4.2): ``5s``, ``1.5s``, ``100ms``, ``12.5ms``, ``3µs``, ``7ns``.
+    """Format like Rust's ``Debug`` for ``Duration`` (docs/reference/sidecar.md#duration-format): ``5s``, ``1.5s``, ``100ms``, ``12.5ms``, ``3µs``, ``7ns``.
 
     The value is first rounded to whole nanoseconds (a ``Duration``'s resolution). Non-finite inputs
     (which no ``Duration`` can hold) render as ``inf``/``nan``; negative ones get a leading ``-``.

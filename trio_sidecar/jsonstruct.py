@@ -1,4 +1,4 @@
-"""JSON values <-> ``google.protobuf.Struct`` (sidecar.md §13). PURE: no I/O, no Trio.
+"""JSON values <-> ``google.protobuf.Struct`` (docs/reference/sidecar.md#json-and-protobuf-struct). PURE: no I/O, no Trio.
 
 Struct numbers are doubles. Requests refuse what a double cannot carry exactly (integers beyond 2**53,
 non-finite floats) rather than silently changing a KV-transfer payload; responses turn whole doubles back
@@ -14,9 +14,17 @@ from google.protobuf import struct_pb2
 
 from .errors import InvalidArgument, ProtocolError
 
-__all__ = ["json_to_struct", "struct_to_json", "value_to_json", "MAX_EXACT_INT"]
+__all__ = ["json_to_struct", "struct_to_json", "value_to_json", "int_text", "MAX_EXACT_INT"]
 
 MAX_EXACT_INT = 2**53
+
+
+def int_text(value: int) -> str:
+    """The integer's digits, or its size when Python refuses to print it (beyond 4300 digits by default)."""
+    try:
+        return str(value)
+    except ValueError:
+        return f"<{value.bit_length()}-bit integer>"
 
 
 def json_to_struct(value: Any, *, name: str = "kv_transfer_params") -> struct_pb2.Struct:
@@ -49,7 +57,7 @@ def _fill_value(target: struct_pb2.Value, value: Any, name: str) -> None:
         target.string_value = value
     elif isinstance(value, int):
         if abs(value) > MAX_EXACT_INT:
-            raise InvalidArgument(f"{name} integer {value} cannot be represented exactly by protobuf Struct")
+            raise InvalidArgument(f"{name} integer {int_text(value)} cannot be represented exactly by protobuf Struct")
         target.number_value = float(value)
     elif isinstance(value, float):
         if not math.isfinite(value):

@@ -1,4 +1,4 @@
-"""Discovered model metadata, identity and registration data (sidecar.md §9.3–§11). PURE: no I/O, no Trio.
+"""Discovered model metadata, identity and registration data (docs/reference/sidecar.md#component-by-mode, docs/reference/sidecar.md#registration-data). PURE: no I/O, no Trio.
 
 Mirrors upstream ``model.rs``: ``DiscoveredModel.from_proto`` validates Control's answers once, and the
 rest of the sidecar only reads the validated object.
@@ -30,7 +30,7 @@ __all__ = [
 
 @attrs.frozen
 class ModelIdentity:
-    """What must not change between bootstrap and start (§9.4). Alias order matters."""
+    """What must not change between bootstrap and start (docs/reference/sidecar.md#control-metadata-validation). Alias order matters."""
 
     model_id: str
     served_model_name: str
@@ -51,7 +51,7 @@ def _copy(message: Any) -> Any:
 
 @attrs.frozen
 class DiscoveredModel:
-    """A validated ``ModelInfo`` + ``ServerInfo`` pair (§9.4). Build it with :meth:`from_proto`."""
+    """A validated ``ModelInfo`` + ``ServerInfo`` pair (docs/reference/sidecar.md#control-metadata-validation). Build it with :meth:`from_proto`."""
 
     identity: ModelIdentity
     model_info: control_pb2.ModelInfo = attrs.field(eq=False, repr=False)
@@ -59,10 +59,10 @@ class DiscoveredModel:
 
     @classmethod
     def from_proto(cls, model_info: control_pb2.ModelInfo, server_info: control_pb2.ServerInfo) -> DiscoveredModel:
-        """Validate Control metadata in the §9.4 order.
+        """Validate Control metadata in the order (docs/reference/sidecar.md#control-metadata-validation).
 
         Raises:
-            ProtocolError: ``invalid vLLM gRPC response: ...`` with the §9.4 texts.
+            ProtocolError: ``invalid vLLM gRPC response: ...`` with the texts (docs/reference/sidecar.md#control-metadata-validation).
         """
         if server_info.api_version != "vllm":
             raise ProtocolError(f"unsupported Control API version `{server_info.api_version}`; expected `vllm`")
@@ -128,7 +128,7 @@ class DiscoveredModel:
 
 
 def ensure_startup_compatible(bootstrap: DiscoveredModel, observed: DiscoveredModel) -> None:
-    """§10: the start-phase model must have the bootstrap identity and DP size.
+    """docs/reference/sidecar.md#identity-check: the start-phase model must have the bootstrap identity and DP size.
 
     Raises:
         ProtocolError: identity or DP size changed.
@@ -146,13 +146,13 @@ def ensure_startup_compatible(bootstrap: DiscoveredModel, observed: DiscoveredMo
 
 
 def nz(value: int) -> int | None:
-    """``None`` for 0 (an unknown server limit), else the value (§11)."""
+    """``None`` for 0 (an unknown server limit), else the value (docs/reference/sidecar.md#registration-data)."""
     return None if value == 0 else value
 
 
 @attrs.frozen(kw_only=True)
 class EngineConfig:
-    """Registration data (§11): identity from the model, capacity from the start-phase ``ServerInfo``.
+    """Registration data (docs/reference/sidecar.md#registration-data): identity from the model, capacity from the start-phase ``ServerInfo``.
 
     Parsers are never advertised (Control's parser names are intentionally dropped).
     """
@@ -172,7 +172,7 @@ class EngineConfig:
 
 
 def engine_config(model: DiscoveredModel) -> EngineConfig:
-    """Build the §11 registration fields (``nz()`` turns unknown zero limits into ``None``)."""
+    """Build the registration fields of docs/reference/sidecar.md#registration-data (``nz()`` turns unknown zero limits into ``None``)."""
     info = model.server_info
     if info.HasField("parallelism"):
         dp_size: int | None = nz(info.parallelism.data_parallel_size)
@@ -206,17 +206,17 @@ _MODEL_TYPE = {"chat": "Chat", "completions": "Completions"}
 
 
 def registered_component(mode: DisaggregationMode, component: str) -> str:
-    """§9.3: aggregated honours ``--component``; prefill is ``prefill``; decode is ``backend``."""
+    """docs/reference/sidecar.md#component-by-mode: aggregated honours ``--component``; prefill is ``prefill``; decode is ``backend``."""
     return _FIXED_COMPONENT.get(DisaggregationMode.parse(mode), component)
 
 
 def endpoint_path(options: WorkerOptions, mode: DisaggregationMode) -> str:
-    """``{namespace}.{component}.{endpoint}`` with the component of §9.3."""
+    """``{namespace}.{component}.{endpoint}`` with the component of docs/reference/sidecar.md#component-by-mode."""
     return f"{options.namespace}.{registered_component(mode, options.component)}.{options.endpoint}"
 
 
 def worker_type_name(mode: DisaggregationMode) -> str:
-    """The ``dynamo.llm.WorkerType`` member name for ``mode`` (§11.1)."""
+    """The ``dynamo.llm.WorkerType`` member name for ``mode`` (docs/reference/sidecar.md#registration-data)."""
     return _WORKER_TYPE[DisaggregationMode.parse(mode)]
 
 

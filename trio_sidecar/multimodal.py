@@ -1,4 +1,4 @@
-"""Multimodal image requests (sidecar.md §19). PURE: no I/O, no Trio.
+"""Multimodal image requests (docs/reference/sidecar.md#multimodal-requests). PURE: no I/O, no Trio.
 
 Theory of operation: aggregated and prefill requests forward image sources to vLLM as ``MediaItem``s; vLLM
 expands the image placeholders, so its prompt becomes authoritative. A prefill worker asks for the
@@ -19,6 +19,8 @@ __all__ = [
     "IMAGE_KEY",
     "UUID_LENGTH",
     "MEDIA_EXTRA_ARGS_KEYS",
+    "MEDIA_SOURCE_ERROR",
+    "classify_media_source",
     "has_media",
     "build_media_items",
     "pad_uuid",
@@ -33,6 +35,10 @@ UUID_LENGTH = 64
 MEDIA_EXTRA_ARGS_KEYS = ("messages", "formatted_prompt", "mm_hashes")
 
 _U32_MAX = 2**32 - 1
+MEDIA_SOURCE_ERROR = "vLLM gRPC image input must use an http://, https://, or data: URI"
+# URI schemes are case-insensitive (RFC 3986 section 3.1): `DATA:` is a data URI, `HTTPS://` a URL.
+_DATA_SCHEME = "data:"
+_URL_SCHEMES = ("http://", "https://")
 
 
 def has_media(multi_modal_data: Any) -> bool:
@@ -43,14 +49,14 @@ def has_media(multi_modal_data: Any) -> bool:
 
 
 def pad_uuid(value: str) -> str:
-    """Right-pad with ``'0'`` to 64 characters so repeated images share vLLM KV-event keys (§19.2)."""
+    """Right-pad with ``'0'`` to 64 characters so repeated images share vLLM KV-event keys (docs/reference/sidecar.md#multimodal-requests)."""
     return value.ljust(UUID_LENGTH, "0")
 
 
 def build_media_items(
     multi_modal_data: Any, multi_modal_uuids: Any, mm_hashes: Any
 ) -> list[inference_pb2.MediaItem]:
-    """Validate §19.1–§19.2 and build the ``MediaItem``s (empty without media).
+    """Validate the media (docs/reference/sidecar.md#multimodal-requests) and build the ``MediaItem``s (empty without media).
 
     Args:
         multi_modal_data: the request's ``multi_modal_data`` (``{"image_url": [item, ...]}``).
@@ -58,7 +64,7 @@ def build_media_items(
         mm_hashes: ``extra_args.mm_hashes`` (``None`` when absent).
 
     Raises:
-        InvalidArgument: with the §19 texts.
+        InvalidArgument: with the texts (docs/reference/sidecar.md#multimodal-requests).
     """
     uuids_given = multi_modal_uuids is not None and multi_modal_uuids != {}
     if multi_modal_data is None or multi_modal_data == {}:
@@ -80,10 +86,7 @@ def build_media_items(
     for raw in raw_items:
         item = inference_pb2.MediaItem(modality=inference_pb2.MODALITY_IMAGE, mime_type="")
         source = _media_source(raw)
-        if source.startswith("data:"):
-            item.data_uri = source
-        else:
-            item.url = source
+        setattr(item, classify_media_source(source), source)
         items.append(item)
 
     uuids = _uuids(multi_modal_uuids, len(items), uuids_given)
@@ -110,11 +113,26 @@ def _media_source(raw: Any) -> str:
             raise InvalidArgument(f"unsupported multi_modal_data.{IMAGE_KEY} item `{tag}`")
     else:
         raise InvalidArgument(f"unsupported multi_modal_data.{IMAGE_KEY} item")
-    if isinstance(source, str):
-        lowered = source[:8].lower()
-        if lowered.startswith("data:") or lowered.startswith(("http://", "https://")):
-            return source
-    raise InvalidArgument("vLLM gRPC image input must use an http://, https://, or data: URI")
+    if not isinstance(source, str):
+        raise InvalidArgument(MEDIA_SOURCE_ERROR)
+    return source
+
+
+def classify_media_source(source: str) -> str:
+    """The ``MediaItem`` source field for an image source: ``"data_uri"`` or ``"url"``.
+
+    The one classification used for both the scheme check and the field, case-insensitively, so
+    ``DATA:image/png;base64,...`` is sent as ``data_uri`` and ``HTTPS://host/x`` as ``url``.
+
+    Raises:
+        InvalidArgument: ``vLLM gRPC image input must use an http://, https://, or data: URI``.
+    """
+    scheme = source[:8].lower()
+    if scheme.startswith(_DATA_SCHEME):
+        return "data_uri"
+    if scheme.startswith(_URL_SCHEMES):
+        return "url"
+    raise InvalidArgument(MEDIA_SOURCE_ERROR)
 
 
 def _uuids(multi_modal_uuids: Any, count: int, given: bool) -> list[str] | None:
@@ -144,13 +162,13 @@ def _mm_hash_uuids(mm_hashes: Any, count: int) -> list[str]:
 
 
 def decode_prompt_token_ids(prefill_result: Any) -> list[int]:
-    """§19.4: the expanded prompt ids a multimodal decode request sends instead of its own.
+    """docs/reference/sidecar.md#multimodal-requests: the expanded prompt ids a multimodal decode request sends instead of its own.
 
     Args:
         prefill_result: the request's ``prefill_result`` (attrs ``PrefillResult`` or ``None``).
 
     Raises:
-        InvalidArgument: with the §19.4 texts.
+        InvalidArgument: with the texts (docs/reference/sidecar.md#multimodal-requests).
     """
     if prefill_result is None:
         raise InvalidArgument("multimodal decode request is missing the prefill result")
@@ -171,13 +189,13 @@ def decode_prompt_token_ids(prefill_result: Any) -> list[int]:
 
 
 def prefill_handoff_ids(prompt_info: Any) -> list[int]:
-    """§19.5: the expanded prompt ids a multimodal prefill terminal hands to decode.
+    """docs/reference/sidecar.md#multimodal-requests: the expanded prompt ids a multimodal prefill terminal hands to decode.
 
     Args:
         prompt_info: the stored ``PromptInfo`` message, or ``None`` if the server sent none.
 
     Raises:
-        ProtocolError: with the §19.5 texts.
+        ProtocolError: with the texts (docs/reference/sidecar.md#multimodal-requests).
     """
     if prompt_info is None or len(prompt_info.token_ids) == 0:
         raise ProtocolError("multimodal prefill did not return expanded prompt token IDs")

@@ -1,4 +1,4 @@
-"""The pooled gRPC connections to vLLM (sidecar.md §7).
+"""The pooled gRPC connections to vLLM (docs/reference/sidecar.md#connection-pool).
 
 Theory of operation
 -------------------
@@ -6,13 +6,13 @@ A :class:`ChannelPool` holds N *slots*, each owning one HTTP/2 connection (a tra
 Every RPC takes the next slot round-robin (a counter modulo N); each RPC is its own HTTP/2 stream, so
 cancelling one never closes the connection it ran on.
 
-Construction (§7.2) is a startup *phase* step bounded by the phase deadline: slot 1 connects first (so a
+Construction (docs/reference/sidecar.md#construction-and-retries) is a startup *phase* step bounded by the phase deadline: slot 1 connects first (so a
 wrong endpoint fails once, not N times), then slots 2..N connect concurrently. Each slot retries on a fixed
 interval, every attempt bounded by ``min(connect_attempt_timeout, remaining)``. Slot tasks never raise into
 the nursery: they record the first failure and cancel their siblings, so a single failure surfaces as a
 single exception, never an ``ExceptionGroup``.
 
-After startup (§7.4) purerpc-style connections never reconnect by themselves. A slot whose connection saw a
+After startup (docs/reference/sidecar.md#reconnection-after-startup) purerpc-style connections never reconnect by themselves. A slot whose connection saw a
 connection-level failure is *broken*; the next RPC that selects it reconnects once (bounded by the attempt
 timeout) under the slot's lock, so concurrent users share a single attempt.
 
@@ -46,10 +46,10 @@ __all__ = [
 
 LOGGER = logging.getLogger("trio_sidecar.pool")
 
-#: §7.3: maximum send/receive message size on Inference and Control calls.
+#: docs/reference/sidecar.md#connection-pool: maximum send/receive message size on Inference and Control calls.
 MAX_MESSAGE_LENGTH = 64 * 1024 * 1024
 
-#: §7.2: a repeated failure text is logged at most this often.
+#: docs/reference/sidecar.md#construction-and-retries: a repeated failure text is logged at most this often.
 LOG_INTERVAL = 30.0
 
 #: How long after the phase deadline the whole-construction safety net fires.
@@ -81,7 +81,7 @@ def cause_chain(exc: BaseException) -> str:
 
 
 class _RateLimitedLog:
-    """§7.2: log a connection failure when its text changes, or every 30 s with the suppressed count."""
+    """docs/reference/sidecar.md#construction-and-retries: log a connection failure when its text changes, or every 30 s with the suppressed count."""
 
     def __init__(self, name: str, endpoint: str, slot: int) -> None:
         self._prefix = f"{name} gRPC connection attempt to {endpoint} (pool slot {slot}) failed"
@@ -123,12 +123,12 @@ async def connect_with_retry(
     name: str = "vLLM",
     slot: int = 1,
 ) -> Any:
-    """The §7.2 per-slot loop: attempt, then retry on the fixed interval until ``deadline``.
+    """The per-slot loop (docs/reference/sidecar.md#construction-and-retries): attempt, then retry on the fixed interval until ``deadline``.
 
     ``deadline`` may be ``math.inf`` (the prober's dedicated connection has no overall deadline).
 
     Raises:
-        CannotConnect: the deadline passed; the exact §7.2 text.
+        CannotConnect: the deadline passed; the exact text (docs/reference/sidecar.md#construction-and-retries).
     """
     start = trio.current_time()
     attempts = 0
@@ -168,7 +168,7 @@ class _Slot:
 
 
 class ChannelPool:
-    """N connections used round-robin (§7.3), with broken-slot replacement (§7.4)."""
+    """N connections used round-robin (docs/reference/sidecar.md#connection-pool), with broken-slot replacement (docs/reference/sidecar.md#reconnection-after-startup)."""
 
     def __init__(
         self,
@@ -213,7 +213,7 @@ class ChannelPool:
         size: int | None = None,
         name: str = "vLLM",
     ) -> ChannelPool:
-        """Build the pool (§7.2): slot 1 first, then slots 2..N concurrently; all must succeed.
+        """Build the pool (docs/reference/sidecar.md#construction-and-retries): slot 1 first, then slots 2..N concurrently; all must succeed.
 
         Args:
             nursery: runs the connections' I/O tasks; must outlive the pool.
@@ -221,7 +221,7 @@ class ChannelPool:
             size: number of connections (default ``config.grpc_connections``; bootstrap uses 1).
 
         Raises:
-            CannotConnect: a slot could not connect before the deadline (§7.2 text).
+            CannotConnect: a slot could not connect before the deadline (the text of docs/reference/sidecar.md#construction-and-retries).
             ConnectionTimeout: the phase deadline fired around the whole construction.
 
         Cancellation: connections made so far are closed.
@@ -244,7 +244,7 @@ class ChannelPool:
         ok = False
         try:
             # The slot loops enforce ``deadline`` themselves (and report CannotConnect); this scope is the
-            # safety net of §7.2. It fires a little later so that, when both expire together, the slot's
+            # safety net of docs/reference/sidecar.md#construction-and-retries. It fires a little later so that, when both expire together, the slot's
             # precise error wins (Trio delivers a simultaneous cancellation to the outermost scope).
             with trio.move_on_at(deadline + PHASE_GRACE) as phase:
                 await connect_slot(0, None)
@@ -273,7 +273,7 @@ class ChannelPool:
         return slot
 
     async def channel(self, rpc: str) -> Any:
-        """The next connection, round-robin, reconnecting a broken slot first (§7.4).
+        """The next connection, round-robin, reconnecting a broken slot first (docs/reference/sidecar.md#reconnection-after-startup).
 
         Args:
             rpc: the RPC name for the error message.
@@ -319,7 +319,7 @@ class ChannelPool:
         timeout: float | None = None,
         channel: Any = None,
     ) -> Any:
-        """A unary call on the next connection, with gRPC failures mapped per §15.2 (rpc name ``rpc``)."""
+        """A unary call on the next connection, with gRPC failures mapped as in docs/reference/sidecar.md#grpc-status-mapping (rpc name ``rpc``)."""
         transport = _transport()
         if channel is None:
             channel = await self.channel(rpc)

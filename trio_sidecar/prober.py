@@ -1,4 +1,4 @@
-"""The continuous health prober (sidecar.md §20, clarifications #5, #8, #20).
+"""The continuous health prober (docs/reference/sidecar.md#health-prober, docs/reference/sidecar.md#recovery, docs/reference/real-vllm.md#shutdown-and-engine-death, docs/reference/sidecar.md#prober-states).
 
 Theory of operation
 -------------------
@@ -23,14 +23,14 @@ One *session* is the lifetime of one connection:
    (``NOT_SERVING("vLLM Health.Watch ended")`` / ``UNREACHABLE(detail)``); after ``retry_interval`` a
    new session starts.
 
-Recovery (§20.4) starts whenever both services report ``SERVING`` while the published state is not
+Recovery (docs/reference/sidecar.md#recovery) starts whenever both services report ``SERVING`` while the published state is not
 ``SERVING``: the state becomes ``RECOVERING`` and a recovery task rediscovers the model on the prober's
 connection. A status change away from ``SERVING`` cancels it. Its outcome comes back to the coordinator
 as a value (never as an exception through the session nursery, so a single failure never surfaces as an
 ``ExceptionGroup``):
 
 * same identity and DP size → ``on_recovered(model, sources)``, then ``SERVING`` (changed KV-event
-  sources are not fatal, clarification #5: a warning, and the caller replaces its publishers);
+  sources are not fatal, docs/reference/sidecar.md#recovery: a warning, and the caller replaces its publishers);
 * changed identity or DP size → ``FAILED`` and the fatal :class:`~trio_sidecar.errors.ProtocolError`
   leaves :func:`run_health_prober` (and so ``open_sidecar``);
 * a transient failure → ``NOT_SERVING``/``UNREACHABLE``; retried ``retry_interval`` later while both
@@ -76,7 +76,7 @@ LOGGER = logging.getLogger("trio_sidecar.prober")
 SERVICES: tuple[str, ...] = ("vllm.Control", "vllm.Inference")
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 
-# Fixed reasons (sidecar.md §20.2). The Check fallback has its own text (the spec only names Watch's).
+# Fixed reasons (docs/reference/sidecar.md#watching). The Check fallback has its own text (the original design only named Watch's).
 WATCH_TIMED_OUT = "Health.Watch initial status timed out"
 WATCH_NOT_SERVING = "vLLM Health.Watch is not SERVING"
 WATCH_ENDED = "vLLM Health.Watch ended"
@@ -153,7 +153,7 @@ _Event = _Status | _SessionEnd | _RecoveryDone | _RecoveryFailed | _RecoveryFata
 
 
 class _Transient(Exception):
-    """A rediscovery step failed in a way that may pass (§20.4 item 3)."""
+    """A rediscovery step failed in a way that may pass (a transient failure, docs/reference/sidecar.md#recovery)."""
 
     def __init__(self, kind: HealthKind, reason: str) -> None:
         super().__init__(reason)
@@ -219,7 +219,7 @@ class _Prober:
             await trio.sleep(self.config.retry_interval)
 
     async def connect(self, nursery: trio.Nursery) -> Channel | None:
-        """One connect attempt with the pool's rules (§7.2); ``None`` (and UNREACHABLE) on failure."""
+        """One connect attempt with the pool's rules (docs/reference/sidecar.md#construction-and-retries); ``None`` (and UNREACHABLE) on failure."""
         cause = "the connection attempt timed out"
         with trio.move_on_after(self.config.connect_attempt_timeout):
             try:
@@ -283,7 +283,7 @@ class _Prober:
                     if waiting_initial:
                         self.close_admission(HealthState(HealthKind.UNREACHABLE, WATCH_TIMED_OUT))
                         break
-                    # The retry after a transient recovery failure (§20.4 item 3).
+                    # The retry after a transient recovery failure (docs/reference/sidecar.md#recovery).
                     retry_recovery_at = math.inf
                     if attempt == 0 and all_serving() and self.health.value.kind is not HealthKind.SERVING:
                         start_recovery()
@@ -338,7 +338,7 @@ class _Prober:
                 await send.send(_SessionEnd(HealthState(HealthKind.NOT_SERVING, WATCH_ENDED)))
 
     async def poll(self, channel: Channel, service: str, send: trio.MemorySendChannel[_Event]) -> None:
-        """The ``Health.Check`` fallback for a server without ``Watch`` (§20.2)."""
+        """The ``Health.Check`` fallback for a server without ``Watch`` (docs/reference/sidecar.md#watching)."""
         cfg = self.config
         while True:
             try:
@@ -350,7 +350,7 @@ class _Prober:
             await send.send(_Status(service, int(status), via_check=True))
             await trio.sleep(cfg.retry_interval)
 
-    # --- recovery (§20.4) ---------------------------------------------------------------------------
+    # --- recovery (docs/reference/sidecar.md#recovery) ---------------------------------------------------------------------------
 
     async def recover(
         self, channel: Channel, attempt: int, scope: trio.CancelScope, send: trio.MemorySendChannel[_Event]
@@ -401,7 +401,7 @@ class _Prober:
         return _RecoveryDone(attempt, observed, tuple(sources))
 
     def _compare(self, observed: DiscoveredModel) -> ProtocolError | None:
-        """§20.4 item 4 (identity and DP size; KV sources may change, clarification #5)."""
+        """The recovery comparison (docs/reference/sidecar.md#recovery): identity and DP size; KV sources may change."""
         expected = self.model
         if observed.identity != expected.identity:
             return ProtocolError(
@@ -440,18 +440,18 @@ async def run_health_prober(
     on_recovered: Callable[[DiscoveredModel, tuple[KvEventSource, ...]], None],
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
-    """Watch vLLM's health until cancelled (sidecar.md §20).
+    """Watch vLLM's health until cancelled (docs/reference/sidecar.md#health-prober).
 
     Args:
         endpoint: where vLLM listens; the prober opens its own connection there.
         config: ``connect_attempt_timeout`` bounds each connect attempt, each first Watch status and each
             rediscovery RPC; ``retry_interval`` spaces reconnects, Check polls and recovery retries.
         model: the model found at start; recovery compares identity and DP size against it.
-        kv_sources: the KV-event sources found at start (already rewritten, §18.2).
+        kv_sources: the KV-event sources found at start (already rewritten, docs/reference/sidecar.md#kv-event-sources).
         health: published state; the caller initialises it (``SERVING`` after a successful start).
         on_recovered: called synchronously after every successful recovery, just before ``SERVING`` is
             published, with the rediscovered model (its ``instance_id`` may be new) and the rewritten
-            KV-event sources (which may differ from the previous ones, clarification #5: the caller
+            KV-event sources (which may differ from the previous ones, docs/reference/sidecar.md#recovery: the caller
             replaces its publishers then). An exception from it propagates out of the prober.
 
     Returns:

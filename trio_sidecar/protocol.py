@@ -1,4 +1,4 @@
-"""Dynamo's request and output shapes as attrs models (sidecar.md §12.1, §14.4). PURE: no I/O, no Trio.
+"""Dynamo's request and output shapes as attrs models (docs/reference/sidecar.md#input, docs/reference/sidecar.md#output-chunks). PURE: no I/O, no Trio.
 
 ``PreprocessedRequest`` is structured from the request dict with a strict cattrs converter: unknown keys
 are ignored (the 1.6.1 dict carries many fields the sidecar does not read), ``null`` equals absent, and a
@@ -8,6 +8,7 @@ being coerced (cattrs' default would turn ``"3"`` or ``3.7`` into ``3``).
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Union
 
 import attrs
@@ -15,6 +16,7 @@ import cattrs
 from cattrs.errors import ClassValidationError, IterableValidationError
 
 from .errors import InvalidArgument
+from .jsonstruct import int_text
 
 __all__ = [
     "StopConditions",
@@ -116,7 +118,7 @@ class PrefillResult:
 
 @attrs.define(kw_only=True)
 class PreprocessedRequest:
-    """The fields of Dynamo's ``PreprocessedRequest`` the sidecar reads (§12.1); opaque ones stay JSON."""
+    """The fields of Dynamo's ``PreprocessedRequest`` the sidecar reads (docs/reference/sidecar.md#input); opaque ones stay JSON."""
 
     token_ids: list[U32] = attrs.field(factory=list)
     prompt_embeds: Any = None
@@ -142,7 +144,7 @@ def _int_hook(lo: int, hi: int, name: str):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"expected an integer ({name}), got {type(value).__name__}")
         if not lo <= value <= hi:
-            raise ValueError(f"{value} is outside the {name} range")
+            raise ValueError(f"{int_text(value)} is outside the {name} range")
         return int(value)
 
     return hook
@@ -156,7 +158,10 @@ converter.register_structure_hook(I64, _int_hook(-(2**63), 2**63 - 1, "i64"))
 def _float_hook(value: Any, _type: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"expected a number, got {type(value).__name__}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int beyond the f64 range (JSON allows any length of digits)
+        raise ValueError("integer too large to convert to a float") from None
 
 
 def _bool_hook(value: Any, _type: Any) -> bool:
@@ -292,9 +297,15 @@ def _fast_i64(value: Any) -> Any:
     return value if type(value) is int and _I64_MIN <= value <= _I64_MAX else _NOT_FAST
 
 
+_F64_INT_MAX = int(sys.float_info.max)
+
+
 def _fast_float(value: Any) -> Any:
     kind = type(value)
-    return value if kind is float else float(value) if kind is int else _NOT_FAST
+    if kind is float:
+        return value
+    # An int beyond the f64 range goes to the converter, which rejects it with the typed error.
+    return float(value) if kind is int and -_F64_INT_MAX <= value <= _F64_INT_MAX else _NOT_FAST
 
 
 def _fast_bool(value: Any) -> Any:
@@ -440,7 +451,11 @@ class CompletionUsage:
 
 @attrs.define(kw_only=True)
 class LLMEngineOutput:
-    """One output chunk (§14.4). ``to_dict()`` gives the Dynamo dict with ``None`` keys omitted."""
+    """One output chunk (docs/reference/sidecar.md#output-chunks). ``to_dict()`` gives the Dynamo dict with ``None`` keys omitted.
+
+    ``text`` is a string on every chunk except prefill's (``""`` when vLLM sent no text for the message):
+    Dynamo's frontend detokenizes a chunk without ``text`` itself, which corrupts partial UTF-8 sequences.
+    """
 
     token_ids: list[int] = attrs.field(factory=list)
     index: int = 0
@@ -485,7 +500,7 @@ _output_converter.register_structure_hook(Union[int, str, None], lambda v, _t: v
 _new_object = object.__new__
 
 
-def token_chunk(token_ids: list[int], text: str | None) -> LLMEngineOutput:
+def token_chunk(token_ids: list[int], text: str) -> LLMEngineOutput:
     """``LLMEngineOutput(token_ids=token_ids, text=text)``, the streaming hot path (one per token).
 
     Built field by field: calling the class with keywords costs twice as much. Every field is set here
@@ -506,7 +521,7 @@ def token_chunk(token_ids: list[int], text: str | None) -> LLMEngineOutput:
 
 
 def cancelled_chunk(prompt_tokens: int, completion_tokens: int) -> LLMEngineOutput:
-    """The §14.4 cancelled chunk: no tokens, ``finish_reason "cancelled"``, usage."""
+    """The cancelled chunk (docs/reference/sidecar.md#output-chunks): no tokens, ``finish_reason "cancelled"``, usage."""
     return LLMEngineOutput(
         token_ids=[],
         finish_reason="cancelled",

@@ -1,4 +1,4 @@
-"""Data-parallel rank selection and KV-event source validation (sidecar.md §18). PURE: no I/O, no Trio."""
+"""Data-parallel rank selection and KV-event source validation (docs/reference/sidecar.md#data-parallel-rank). PURE: no I/O, no Trio."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ class KvEventSource:
 
 
 def select_dp_rank(routing: Any, mode: DisaggregationMode) -> int | None:
-    """§18.1: prefill prefers ``routing.prefill_dp_rank``, then ``routing.dp_rank``; others ``dp_rank``."""
+    """docs/reference/sidecar.md#data-parallel-rank: prefill prefers ``routing.prefill_dp_rank``, then ``routing.dp_rank``; others ``dp_rank``."""
     if routing is None:
         return None
     if DisaggregationMode.parse(mode) is DisaggregationMode.PREFILL and routing.prefill_dp_rank is not None:
@@ -68,7 +68,7 @@ def rewrite_wildcard_endpoint(endpoint: str, grpc_host: str) -> str:
 def validate_kv_event_sources(
     sources: Iterable[Any], dp_size: int, grpc_host: str
 ) -> tuple[tuple[KvEventSource, ...], list[str]]:
-    """Validate ``GetKvEventSources`` entries (§18.2) and rewrite wildcard hosts.
+    """Validate ``GetKvEventSources`` entries (docs/reference/sidecar.md#kv-event-sources) and rewrite wildcard hosts.
 
     Args:
         sources: ``vllm.KvEventSource`` messages, in the server's order.
@@ -79,7 +79,7 @@ def validate_kv_event_sources(
         ``(accepted sources, warnings)``; each warning is a log line for a skipped source.
 
     Raises:
-        ProtocolError: with the §18.2 texts.
+        ProtocolError: with the texts (docs/reference/sidecar.md#kv-event-sources).
     """
     sources = list(sources)
     accepted: list[KvEventSource] = []

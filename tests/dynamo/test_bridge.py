@@ -1,4 +1,4 @@
-"""The asyncio-thread bridge (dynamo-worker.md §10), with a fake Dynamo context and a fake sidecar.
+"""The asyncio-thread bridge (docs/reference/worker.md#the-asyncio-thread-bridge), with a fake Dynamo context and a fake sidecar.
 
 These tests need no Dynamo install: the bridge only sees a context with ``id()``,
 ``async_killed_or_stopped()`` and ``notify_first_token()``, and a ``generate(request, ctx)`` context manager.
@@ -403,7 +403,7 @@ async def test_chunks_emitted_in_one_trio_batch_wake_the_loop_once(loop_thread, 
     assert all(out == [{"token_ids": [7], "index": 0}] for out in results.values())
 
 
-@pytest.mark.parametrize(("token_ids", "text"), [([5], None), ([5], " five"), ([5, 6, 7], "abc"), ([], "")])
+@pytest.mark.parametrize(("token_ids", "text"), [([5], ""), ([5], " five"), ([5, 6, 7], "abc"), ([], "")])
 def test_the_sinks_token_fast_path_emits_the_dict_of_the_same_chunk(token_ids, text):
     from trio_sidecar.dynamo.bridge import _Sink
     from trio_sidecar.protocol import token_chunk
@@ -567,6 +567,11 @@ async def test_many_concurrent_streams_lose_no_chunk_and_keep_order(loop_thread)
           "top_logprobs": [[{"rank": 1, "token_id": 1, "token": None, "logprob": -0.1}],
                            [{"rank": 1, "token_id": 2, "token": None, "logprob": -0.2}],
                            [{"rank": 1, "token_id": 3, "token": None, "logprob": -0.3}]]}),
+        # held-back text ("") and the completed character: concatenated exactly, "" kept (never dropped)
+        ({"token_ids": [1], "index": 0, "text": ""}, {"token_ids": [2], "index": 0, "text": "\u00e4"},
+         {"token_ids": [1, 2], "index": 0, "text": "\u00e4"}),
+        ({"token_ids": [1], "index": 0, "text": ""}, {"token_ids": [2], "index": 0, "text": ""},
+         {"token_ids": [1, 2], "index": 0, "text": ""}),
         # a delta absorbs the terminal chunk; the terminal's keys are kept
         ({"token_ids": [1], "index": 0}, {"token_ids": [2], "index": 0, "finish_reason": "length",
                                            "completion_usage": {"prompt_tokens": 3, "completion_tokens": 2,

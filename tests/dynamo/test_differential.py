@@ -1,6 +1,6 @@
 """Issue 6 test 5: differential test against Dynamo's native sidecar (``python -m dynamo.vllm.sidecar``).
 
-Both sidecars serve the *same* mock (engine argument ``token_seed_source: "prompt"``, clarification #9, so
+Both sidecars serve the *same* mock (engine argument ``token_seed_source: "prompt"``, docs/reference/mock.md#token-seed-and-request-uuid, so
 the same prompt yields the same tokens whatever the frontend's request id), each behind its own frontend
 (the frontend's ``--namespace`` scopes discovery to one sidecar). trio-sidecar runs with
 ``--no-abort-on-cancel`` (upstream behaviour). For a matrix of requests we compare:
@@ -20,7 +20,7 @@ import json
 import urllib.parse
 
 import pytest
-from dynamo_harness import FAST_ENGINE_ARGS
+from dynamo_harness import FAST_ENGINE_ARGS, start_pair
 
 from trio_sidecar.dynamo import local
 
@@ -29,51 +29,18 @@ pytestmark = pytest.mark.dynamo
 ENGINE_ARGS = {**FAST_ENGINE_ARGS, "token_seed_source": "prompt"}
 # Known, deliberate differences of the model card (docs/dynamo.md): the native sidecar advertises
 # engine-native generate and LoRA capabilities in runtime_data; trio-sidecar sets
-# kv_event_publishing_enabled (dynamo-worker.md §7 step 4).
+# kv_event_publishing_enabled (docs/reference/worker.md#registration).
 CARD_IGNORED = {"runtime_data", "kv_event_publishing_enabled"}
-
-
-class Pair:
-    """The same mock behind two frontends: ``native`` and ``trio``."""
-
-    def __init__(self, dep, mocks):
-        self.dep = dep
-        self.mocks = mocks
-        self.ports: dict[str, int] = {}
-
-    def post(self, path: str, payload: dict) -> dict[str, tuple[int, object]]:
-        return {side: local.post_json(port, path, payload) for side, port in self.ports.items()}
-
-    def stream(self, path: str, payload: dict) -> dict[str, list[dict]]:
-        out = {}
-        for side, port in self.ports.items():
-            with local.stream_sse(port, path, payload) as events:
-                out[side] = list(events)
-        return out
-
-
-def _start_pair(dep, mode_args: dict[str, tuple[str, ...]], mocks) -> Pair:
-    pair = Pair(dep, mocks)
-    for side in ("native", "trio"):
-        namespace = f"{dep.namespace}-{side}"
-        dep.frontend(namespace=namespace)
-        pair.ports[side] = dep.http_port
-        for mock, args in zip(mocks, mode_args[side], strict=True):
-            if side == "native":
-                dep.native_sidecar(mock, *args, namespace=namespace, name=f"native-{len(dep.processes)}")
-            else:
-                dep.trio_sidecar(mock, "--no-abort-on-cancel", *args, namespace=namespace,
-                                 name=f"trio-{len(dep.processes)}")
-    for port in pair.ports.values():
-        local.wait_for_models(port, ["tiny"], timeout=180, watch=dep.processes)
-    return pair
+# The native worker process (aggregated and decode) also registers an active-sequence event channel on its
+# component, from a KV router embedded in the process; trio-sidecar has none (docs/dynamo.md).
+NATIVE_ONLY_EVENTS = {("event_channels", "backend", "generate", "active_sequences_events")}
 
 
 @pytest.fixture(scope="module")
 def agg_pair(deployment_factory):
     dep = deployment_factory()
     mock = dep.mock(served_model_name="tiny", engine_args=ENGINE_ARGS)
-    return _start_pair(dep, {"native": ((),), "trio": ((),)}, [mock])
+    return start_pair(dep, {"native": ((),), "trio": ((),)}, [mock])
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +49,7 @@ def pd_pair(deployment_factory):
     prefill = dep.mock(served_model_name="tiny", disaggregation_mode="prefill", engine_args=ENGINE_ARGS)
     decode = dep.mock(served_model_name="tiny", disaggregation_mode="decode", engine_args=ENGINE_ARGS)
     args = (("--disaggregation-mode", "prefill"), ("--disaggregation-mode", "decode"))
-    return _start_pair(dep, {"native": args, "trio": args}, [prefill, decode])
+    return start_pair(dep, {"native": args, "trio": args}, [prefill, decode])
 
 
 def _strip_response(body):
@@ -104,7 +71,7 @@ def _sent(mock, request_id: str) -> tuple[dict, dict]:
     req, metadata = found[0]
     as_dict = MessageToDict(req, preserving_proto_field_name=True)
     as_dict.pop("request_id")
-    # sidecar.md §14.3 lists what may differ by design: priority negation and the temperature default.
+    # The native 1.6.1 sidecar has post-stack upstream features, so these differ by design: priority negation and the temperature default.
     as_dict.pop("priority", None)
     as_dict.pop("temperature", None)
     meta = {k: v for k, v in metadata if k.startswith("x-")}
@@ -112,7 +79,7 @@ def _sent(mock, request_id: str) -> tuple[dict, dict]:
 
 
 def _prompt_seeded_tokens(request, n: int, seed: int = 42) -> list[int]:
-    """The mock's tokens under ``token_seed_source: "prompt"`` (clarification #9)."""
+    """The mock's tokens under ``token_seed_source: "prompt"`` (docs/reference/mock.md#token-seed-and-request-uuid)."""
     from trio_sidecar.mock.generation import prompt_token_seed, token_at
 
     value = prompt_token_seed(seed, list(request.token_ids.ids))
@@ -201,18 +168,52 @@ def _fold_stream(chunks: list[dict]) -> dict:
     return {"content": "".join(content), "finishes": finishes, "usage": usage, "shapes": shapes}
 
 
-def test_same_model_card_as_the_native_sidecar(agg_pair):
-    cards = {}
-    for path in (agg_pair.dep.file_kv / "v1" / "mdc").glob("*"):
+def _registrations(dep) -> dict[str, dict]:
+    """Per side: each component's (endpoint, model card) from ``v1/mdc`` (the deliberate differences of
+    ``CARD_IGNORED`` removed), and the KV publishers: the (component, endpoint, topic) of every event source
+    and event channel the side's processes registered."""
+    sides: dict[str, dict] = {"native": {"cards": {}, "events": set()}, "trio": {"cards": {}, "events": set()}}
+
+    def side_of(name: str) -> str:
+        return "native" if f"{dep.namespace}-native/" in name else "trio"
+
+    for path in (dep.file_kv / "v1" / "mdc").glob("*"):
         name = urllib.parse.unquote(path.name)
-        side = "native" if name.startswith(f"{agg_pair.dep.namespace}-native/") else "trio"
         record = json.loads(path.read_text())
         card = record["card_json"]
         for key in CARD_IGNORED:
             card["runtime_config"].pop(key, None)
-        cards[side] = (record["component"], record["endpoint"], card)
-    assert set(cards) == {"native", "trio"}
-    assert cards["trio"] == cards["native"]
+        sides[side_of(name)]["cards"][record["component"]] = (record["endpoint"], card)
+    for kind in ("event_sources", "event_channels"):
+        for path in (dep.file_kv / "v1" / kind).glob("*"):
+            name = urllib.parse.unquote(path.name)
+            scope = json.loads(path.read_text())["scope"]["endpoint"]
+            entry = (kind, scope["component"], scope["name"], json.loads(path.read_text())["topic"])
+            if side_of(name) == "native" and entry in NATIVE_ONLY_EVENTS:
+                continue
+            sides[side_of(name)]["events"].add(entry)
+    return sides
+
+
+def test_same_model_card_and_kv_publishers_as_the_native_sidecar(agg_pair):
+    regs = _registrations(agg_pair.dep)
+    assert set(regs["native"]["cards"]) == {"backend"}
+    assert regs["trio"] == regs["native"]
+
+
+def test_prefill_and_decode_register_the_same_cards_and_kv_publishers_as_the_native_sidecar(pd_pair):
+    regs = _registrations(pd_pair.dep)
+    native, trio = regs["native"], regs["trio"]
+    assert set(native["cards"]) == {"prefill", "backend"}
+    prefill_card, decode_card = native["cards"]["prefill"][1], native["cards"]["backend"][1]
+    # What the comparison covers (the native values, as documented in docs/dynamo.md).
+    assert prefill_card["model_type"] != decode_card["model_type"]
+    assert prefill_card["runtime_config"]["enable_local_indexer"] is True
+    assert decode_card["runtime_config"]["enable_local_indexer"] is True
+    assert ("event_sources", "prefill", "generate", "kv-events") in native["events"]
+    assert not any(component == "backend" for _, component, _, _ in native["events"])
+    assert trio["cards"] == native["cards"]
+    assert trio["events"] == native["events"]
 
 
 @pytest.mark.parametrize(("name", "path", "payload"), [MATRIX[0], MATRIX[6]], ids=["completions", "chat"])

@@ -1,4 +1,5 @@
-"""Decode-mode cancellation through Dynamo, end to end (sidecar.md §17.3–§17.4, clarifications #2–#3).
+"""Decode-mode cancellation through Dynamo, end to end (docs/reference/sidecar.md#decode-deferral, docs/reference/sidecar.md#abort-after-abandoning-a-stream,
+docs/reference/sidecar.md#cancellation-signals).
 
 One disaggregated deployment on 127.0.0.1: a prefill mock and a decode mock (in-process, :class:`MockThread`),
 a ``trio-sidecar run --disaggregation-mode prefill`` worker and a ``--disaggregation-mode decode`` worker (both
@@ -7,7 +8,7 @@ to the prefill worker first (``max_new_tokens`` 1, handoff in ``kv_transfer_para
 worker with the handoff in ``prefill_result``; the same Dynamo request id reaches both mocks.
 
 Timing (deterministic lower bounds, not races): the decode mock recomputes the prompt like an aggregated
-engine (mock-server §15), and its ``speedup_ratio`` 0.01 stretches that prefill pass to about
+engine (docs/reference/mock.md#prefill-and-decode-emulation), and its ``speedup_ratio`` 0.01 stretches that prefill pass to about
 ``16.5 ms / 0.01 ≈ 1.65 s`` (timing.py: the pass's constant term dominates for short prompts), so the first
 decode token cannot exist before ~1.65 s after the decode request was submitted; ``decode_speedup_ratio``
 100 keeps the following tokens at ~6 ms each. The prefill mock runs at speedup 0 (instant).
@@ -23,10 +24,10 @@ What the tests observe on the servers, not only on the client:
 * the decode worker's log line from Dynamo's runtime (``request cancellation received``), which dates the
   arrival of the client's cancellation at the worker.
 
-The mocks move no KV: "the transfer completed" is what §17.3 step 2 says, a response with a token or a
+The mocks move no KV: "the transfer completed" is what docs/reference/sidecar.md#decode-deferral step 2 says, a response with a token or a
 ``finish_info``. The frontend answers the HTTP request (status and headers) only once the prefill worker has
-returned, so a client that disconnects as soon as it has the headers leaves during the decode phase; a
-disconnect during the prefill phase is not covered here.
+returned (its pre-commit error peek is off here), so a client that disconnects as soon as it has the
+headers leaves during the decode phase; a disconnect during the prefill phase is not covered here.
 
 The tests run in file order on one module-scoped deployment (about 12 s in all); the last one checks that
 the deployment still serves normally after the cancellations.
@@ -75,7 +76,10 @@ def pd(deployment_factory) -> PD:
                        engine_args=PREFILL_ENGINE_ARGS)
     decode = dep.mock(served_model_name="tiny", disaggregation_mode="decode", seed=SEED,
                       engine_args=DECODE_ENGINE_ARGS)
-    dep.frontend()
+    # Without the pre-commit error peek (docs/dynamo.md, "Errors before the first output"): with it the
+    # frontend holds the HTTP headers until the first decode token (or the window), and these tests
+    # disconnect as soon as they have the headers, before that token.
+    dep.frontend(env_overrides={"DYN_HTTP_PRE_COMMIT_ERROR_PEEK_MS": "0"})
     prefill_worker = dep.trio_sidecar(prefill, "--disaggregation-mode", "prefill", name="prefill-sidecar")
     decode_worker = dep.trio_sidecar(decode, "--disaggregation-mode", "decode", name="decode-sidecar")
     dep.wait_ready("tiny")
@@ -152,7 +156,7 @@ def check_handoff(pd: PD, prefill_req: Any, decode_req: Any) -> None:
     assert params["do_remote_prefill"] is True
     assert params["mocker_request_id"] == prefill_req.request_id
     assert params["remote_engine_id"] == f"mocker-prefill-{request_uuid(SEED, prefill_req.request_id)}"
-    assert params["remote_port"] == "0"  # sidecar.md §12.6: the whole-number port becomes a string
+    assert params["remote_port"] == "0"  # docs/reference/sidecar.md#kv-transfer-parameters-by-mode: the whole-number port becomes a string
     # The prefill stream ended with its terminal: nothing left in flight, no Abort for it.
     assert pd.prefill.active() == 0
     assert prefill_req.request_id not in aborted_ids(pd.prefill)
@@ -167,8 +171,8 @@ def completion_text(chunks: list[dict]) -> str:
 
 
 def test_disconnect_mid_stream_releases_the_decode_request_and_aborts_it(pd):
-    """§17.3 step 4: once a token was observed, a client cancellation drops the decode stream at once, and
-    §17.4 queues ``Control.Abort`` for it."""
+    """docs/reference/sidecar.md#decode-deferral step 4: once a token was observed, a client cancellation drops the decode stream at once, and
+    docs/reference/sidecar.md#abort-after-abandoning-a-stream queues ``Control.Abort`` for it."""
     assert pd.prefill.active() == 0 and pd.decode.active() == 0
     p0, d0 = len(pd.prefill.recorded()), len(pd.decode.recorded())
     with local.stream_sse(pd.port, "/v1/completions",
@@ -197,9 +201,9 @@ def test_disconnect_mid_stream_releases_the_decode_request_and_aborts_it(pd):
 
 
 def test_disconnect_before_the_first_decode_token_is_deferred_until_that_token(pd):
-    """§17.3 steps 1–3: a cancellation that reaches the decode worker before the first token (before the KV
+    """docs/reference/sidecar.md#decode-deferral steps 1–3: a cancellation that reaches the decode worker before the first token (before the KV
     transfer completed) is only recorded; the stream is kept until the first token, then dropped, and an
-    Abort follows (§17.4)."""
+    Abort follows (docs/reference/sidecar.md#abort-after-abandoning-a-stream)."""
     assert pd.prefill.active() == 0 and pd.decode.active() == 0
     p0, d0 = len(pd.prefill.recorded()), len(pd.decode.recorded())
     with local.stream_sse(pd.port, "/v1/completions",
@@ -278,7 +282,7 @@ def test_several_early_disconnects_at_once_are_all_deferred_released_and_aborted
 
 
 def test_early_disconnect_when_the_first_token_is_the_last_sends_no_abort(pd):
-    """§17.3 + §17.4: with ``max_tokens`` 1 the token that completes the transfer is also the terminal, so
+    """docs/reference/sidecar.md#decode-deferral + docs/reference/sidecar.md#abort-after-abandoning-a-stream: with ``max_tokens`` 1 the token that completes the transfer is also the terminal, so
     the server ended the stream itself: the request finishes on the decode mock and no Abort is sent."""
     p0, d0 = len(pd.prefill.recorded()), len(pd.decode.recorded())
     with local.stream_sse(pd.port, "/v1/completions",
@@ -316,7 +320,7 @@ def test_after_the_cancellations_a_disaggregated_request_still_completes(pd):
     decode_req = new_request(pd.decode, d0, timeout=0)
     rid = decode_req.request_id
     assert chunks[0]["id"].split("-", 1)[1] == rid
-    # The decode mock seeds its tokens with the request id (mock §7.4).
+    # The decode mock seeds its tokens with the request id (docs/reference/mock.md#text-logprobs-and-candidates).
     assert completion_text(chunks) == "".join(f"<token:{t}>" for t in planned_tokens(SEED, rid, 8))
     finishes = [c["choices"][0].get("finish_reason") for c in chunks if c.get("choices")]
     assert finishes[-1] == "length"

@@ -2,7 +2,7 @@
 
 The frontend gives every request a fresh id, returned as the OpenAI response id (``cmpl-{id}`` /
 ``chatcmpl-{id}``); the sidecar forwards it as the vLLM ``request_id`` and the mock seeds its tokens with it,
-so the exact expected text is ``planned_tokens(seed, id, n)`` rendered as ``<token:{id}>`` (mock §7.4).
+so the exact expected text is ``planned_tokens(seed, id, n)`` rendered as ``<token:{id}>`` (docs/reference/mock.md#text-logprobs-and-candidates).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def test_chat_completions_apply_the_template_and_return_the_mock_tokens(agg, tok
     assert status == 200, body
     rid = request_id_of(body["id"])
     assert body["choices"][0]["message"]["content"] == expected_text(rid, 4)
-    # The tiny chat template renders "user: hello\nassistant: " (dynamo-worker.md §12).
+    # The tiny chat template renders "user: hello\nassistant: " (docs/reference/worker.md#tiny-model-directory).
     assert body["usage"]["prompt_tokens"] == len(tokenizer.encode("user: hello\nassistant: ").ids)
     assert body["usage"]["completion_tokens"] == 4
 
@@ -188,7 +188,7 @@ def test_drain_timeout_cancels_the_remaining_requests_and_exits_0(agg):
         ended = time.monotonic() - start
     assert 0.9 <= ended < 15, ended
     finishes = [c["choices"][0].get("finish_reason") for c in rest if c.get("choices")]
-    assert finishes and finishes[-1] == "stop"  # dynamo-worker.md §6.1: "cancelled" is shown as "stop"
+    assert finishes and finishes[-1] == "stop"  # docs/reference/worker.md#output-chunks: "cancelled" is shown as "stop"
     assert sum(1 for c in rest if c.get("choices")) < 20000
     assert proc.wait(30) == 0, proc.log()[-3000:]
     assert "drain timeout reached; cancelling 1 remaining request(s)" in " ".join(proc.log().split())
@@ -211,7 +211,7 @@ def test_data_parallel_mock_registers_dp_size_and_one_kv_publisher_per_rank(agg)
     assert [r["card_json"]["runtime_config"]["data_parallel_size"] for r in records] == [2]
     assert records[0]["card_json"]["runtime_config"]["data_parallel_start_rank"] == 0
 
-    # The frontend forwards nvext.dp_rank (with the pinned instance) as routing.dp_rank (dynamo-worker.md §5.1).
+    # The frontend forwards nvext.dp_rank (with the pinned instance) as routing.dp_rank (docs/reference/worker.md#request-dict).
     status, body = local.post_json(dep.http_port, "/v1/completions",
                                    {"model": "tiny-dp", "prompt": "rank one", "max_tokens": 2,
                                     "nvext": {"backend_instance_id": records[0]["instance_id"], "dp_rank": 1}})

@@ -1,4 +1,4 @@
-"""scripts/make_tiny_model.py: the local model directory the Dynamo frontend reads (dynamo-worker.md §12)."""
+"""scripts/make_tiny_model.py: the local model directory the Dynamo frontend reads (docs/reference/worker.md#tiny-model-directory)."""
 
 from __future__ import annotations
 

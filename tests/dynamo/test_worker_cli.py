@@ -1,4 +1,4 @@
-"""``trio-sidecar run`` startup failures and signals as a real process (sidecar.md §3.6, §9.1, #12).
+"""``trio-sidecar run`` startup failures and signals as a real process (docs/reference/sidecar.md#exit-codes, docs/reference/sidecar.md#bootstrap-phase).
 
 No frontend is needed: these paths end before a model is registered. (The second-signal test needs a
 registered worker with a request in flight; it lives in test_e2e.py.)
@@ -39,7 +39,7 @@ def test_an_unreachable_vllm_fails_startup_with_exit_1_and_the_typed_error(workd
     assert code == 1
     log = _collapsed(proc)
     assert f"Discovering vLLM model metadata from http://127.0.0.1:{port}; startup deadline: 1s" in log
-    # sidecar.md §7.2: the slot's own deadline check or, on a loaded machine, the phase deadline around
+    # docs/reference/sidecar.md#construction-and-retries: the slot's own deadline check or, on a loaded machine, the phase deadline around
     # the whole pool construction fires first; both are typed startup errors.
     assert (f"error: failed to establish the vLLM gRPC connection pool to http://127.0.0.1:{port} "
             "for pool slot 1 within 1s" in log
@@ -130,7 +130,7 @@ def test_on_a_tty_startup_phases_the_model_table_and_the_ready_line_are_shown(wo
 
 
 def test_a_signal_while_the_process_exits_after_the_run_exits_1_not_killed(tmp_path):
-    """After ``run_worker``'s Trio run the process still tears Dynamo down; a signal then exits 1 (#12)."""
+    """After ``run_worker``'s Trio run the process still tears Dynamo down; a signal then exits 1 (docs/reference/sidecar.md#exit-codes)."""
     import subprocess
     import sys
 

@@ -1,9 +1,9 @@
-"""Registration planning (sidecar.md §9.3, §11; dynamo-worker.md §7), pure and table-driven.
+"""Registration planning (docs/reference/sidecar.md#component-by-mode, docs/reference/sidecar.md#registration-data; docs/reference/worker.md#registration), pure and table-driven.
 
 The expected cards were checked against the model-card records the native 1.6.1 sidecar writes under
 ``v1/mdc`` (docs/dynamo.md): same model type, worker type, ``needs`` and runtime config, except
 ``runtime_data`` (the native advertises engine-native generate and LoRA capabilities) and
-``kv_event_publishing_enabled`` (set here per dynamo-worker.md §7 step 4).
+``kv_event_publishing_enabled`` (set here as in docs/reference/worker.md#registration).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from trio_sidecar.routing import KvEventSource
 
 pytestmark = pytest.mark.dynamo
 
-# The upstream reference fixture of sidecar.md §11.2.
+# The upstream reference fixture of docs/reference/sidecar.md#registration-data.
 ENGINE = EngineConfig(
     model="model-source",
     served_model_name="served-model",
@@ -75,7 +75,7 @@ def test_identity_and_capacity_come_from_the_engine_config():
         "exclude_tools_when_tool_choice_none": True,
         "enable_local_indexer": True,
     }
-    # Parsers are never advertised (§11.1).
+    # Parsers are never advertised (docs/reference/sidecar.md#registration-data).
     assert "tool_call_parser" not in p.runtime_config and "reasoning_parser" not in p.runtime_config
 
 

@@ -96,7 +96,7 @@ def test_deploy_vllm_runs_as_a_native_sidecar_bound_to_loopback():
             argv = _argv(vllm)
             where = f"{name}:{component['name']}"
             assert argv[:2] == ["vllm-rs", "serve"], where
-            # `--host` sets every vLLM listener, the gRPC one included (real-vllm-on-cpu.md §5).
+            # `--host` sets every vLLM listener, the gRPC one included (docs/reference/real-vllm.md#starting-the-server).
             assert _option(argv, "--host") == LOOPBACK, where
             grpc_port = _option(argv, "--grpc-port")
             assert grpc_port and grpc_port.isdigit(), where
@@ -161,7 +161,7 @@ def test_deploy_main_container_is_trio_sidecar_run_with_known_flags(run_flags):
 
 
 def test_deploy_main_container_arguments_pass_the_cli_and_pre_network_checks():
-    """The exact argv of every main container goes through the CLI parser and the §6 pre-network checks
+    """The exact argv of every main container goes through the CLI parser and the pre-network checks (docs/reference/sidecar.md#pre-network-checks)
     (no environment, no sockets): the endpoint is the pod-local vLLM and the mode matches the component."""
     from trio_sidecar.cli import parse_run_args
     from trio_sidecar.config import prepare
@@ -175,7 +175,7 @@ def test_deploy_main_container_arguments_pass_the_cli_and_pre_network_checks():
                 LOOPBACK, _option(_argv(_vllm(component)), "--grpc-port")), where
             expected = component["type"] if component["type"] in ("prefill", "decode") else "agg"
             assert config.disaggregation_mode.value == expected, where
-            assert config.health_prober, where  # out of rotation while vLLM is not serving (clarification #4)
+            assert config.health_prober, where  # out of rotation while vLLM is not serving (docs/reference/worker.md#out-of-rotation-while-vllm-is-not-serving)
 
 
 def test_deploy_disagg_pairs_a_prefill_and_a_decode_worker():

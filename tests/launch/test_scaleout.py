@@ -8,14 +8,13 @@ one round-robin with ``--migration-limit`` and one ``--router-mode kv``.
 
 Killing a mock closes its listener and every connection at once (the in-process mock's nursery is
 cancelled, as when a process dies); restarting it binds the same port again (SO_REUSEADDR), with new KV-event
-ports (clarification #5).
+ports (docs/reference/sidecar.md#recovery).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import re
-import sys
 import threading
 import time
 import uuid
@@ -28,8 +27,7 @@ import trio
 
 from trio_sidecar.dynamo import local
 
-sys.path.append(str(Path(__file__).resolve().parents[1] / "dynamo"))
-from dynamo_harness import MockThread, make_tiny_model, require_dynamo  # noqa: E402
+from dynamo_harness import MockThread, make_tiny_model, require_dynamo
 
 pytestmark = pytest.mark.dynamo
 
@@ -183,7 +181,7 @@ def test_scaleout_round_robin_spreads_300_requests_over_three_workers(cluster):
 
 
 def test_scaleout_kv_router_sends_a_repeated_prefix_to_the_worker_holding_it(cluster):
-    """Clarification #17: by behaviour. Each long prefix is first pinned to a different worker (so its mock
+    """docs/reference/worker.md#kv-events: by behaviour. Each long prefix is first pinned to a different worker (so its mock
     caches the blocks and the sidecar relays the BlockStored events); repeats without a pin must follow the
     cached prefix. A router that ignored KV events would pick the holder of all three by chance (1/3)^6."""
     mocks = cluster.mocks
@@ -299,7 +297,7 @@ def kill_run(cluster) -> KillRun:
 
 
 def test_scaleout_killed_mock_leaves_rotation_and_rejoins_after_restart(kill_run):
-    """Clarification #4: after --unserving-grace-secs of UNREACHABLE the sidecar unregisters its instance;
+    """docs/reference/worker.md#out-of-rotation-while-vllm-is-not-serving: after --unserving-grace-secs of UNREACHABLE the sidecar unregisters its instance;
     the survivors serve every request meanwhile; after the mock restarts (same identity, new KV-event ports)
     the instance is registered again and gets its round-robin share."""
     run = kill_run
@@ -323,7 +321,7 @@ def test_scaleout_killed_mock_leaves_rotation_and_rejoins_after_restart(kill_run
 
 
 def test_scaleout_requests_caught_by_a_kill_migrate_to_the_other_workers(kill_run):
-    """Clarification #20: during the grace window the killed worker still receives requests; the typed
+    """docs/reference/sidecar.md#prober-states: during the grace window the killed worker still receives requests; the typed
     `vLLM is not serving` error plus the frontend's --migration-limit must retry them elsewhere."""
     failures = [(round(t - kill_run.killed_at, 2), s, b) for t, s, b in kill_run.results if s != 200]
     # The sidecar's errors cross into Dynamo as its typed exceptions (CannotConnect, ...), which the

@@ -10,5 +10,5 @@ from mock_helpers import FAST_ARGS
 
 @pytest.fixture
 def fast_args() -> dict[str, Any]:
-    """The upstream tests' admitting engine arguments (mock-server.md §17), as a fresh dict."""
+    """The upstream tests' admitting engine arguments (docs/reference/mock.md#in-process-api-and-test-hooks), as a fresh dict."""
     return dict(FAST_ARGS)

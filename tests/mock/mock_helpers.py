@@ -14,7 +14,7 @@ import trio
 from trio_sidecar._proto.vllm import control_pb2
 from trio_sidecar._proto.vllm import inference_pb2 as pb
 
-# The upstream tests' "admitting args" (mock-server.md §17).
+# The upstream tests' "admitting args" (docs/reference/mock.md#in-process-api-and-test-hooks).
 FAST_ARGS: dict[str, Any] = {
     "block_size": 4,
     "enable_prefix_caching": False,
@@ -78,7 +78,7 @@ async def abort(channel: Any, *request_ids: str) -> None:
 
 
 async def wait_drained(mock: Any, rank: int = 0, timeout: float = 2.0) -> None:
-    """Wait (bounded by the spec's 2 s) until the rank has no running/waiting request and no route is left."""
+    """Wait (bounded by the documented 2 s, docs/reference/mock.md#cancellation-and-abort) until the rank has no running/waiting request and no route is left."""
     with trio.fail_after(timeout):
         await mock.metrics_value(rank).wait_value(lambda m: m.running_requests == 0 and m.waiting_requests == 0)
         while mock.active_request_count():

@@ -156,7 +156,7 @@ async def test_subprocess_prints_its_address_serves_and_exits_0_on_signal(signum
                             async for _ in stream:
                                 pass
                     assert info.value.code.name == "UNAVAILABLE"
-                # Watch: NOT_SERVING then OK, or the connection ends (both are vLLM-like, clarifications #8).
+                # Watch: NOT_SERVING then OK, or the connection ends (both are vLLM-like, docs/reference/real-vllm.md#shutdown-and-engine-death).
                 try:
                     after = [s async for s in updates]
                 except ConnectionLostError:

@@ -1,4 +1,4 @@
-"""Engine arguments (mock-server.md §3, §3.1; clarifications #1, #9, #22) — pure, table-driven."""
+"""Engine arguments (docs/reference/mock.md#engine-arguments, docs/reference/mock.md#startup-validation; docs/reference/mock.md#multimodal, docs/reference/mock.md#token-seed-and-request-uuid, docs/reference/mock.md#scheduler) — pure, table-driven."""
 
 from __future__ import annotations
 
@@ -116,7 +116,7 @@ def test_shape_errors(text, message):
 
 @pytest.mark.parametrize("content", ["[1, 2]", '"{"', "null", "42"])
 def test_top_level_must_be_an_object(tmp_path, content):
-    # Inline JSON starts with "{" (§2), so other top levels arrive through a file.
+    # Inline JSON starts with "{" (docs/reference/mock.md#cli), so other top levels arrive through a file.
     path = tmp_path / "engine.json"
     path.write_text(content)
     with pytest.raises(EngineArgsError) as info:
@@ -144,7 +144,7 @@ def test_mapping_form_uses_the_same_rules():
         engine_args_from_mapping([("block_size", 4)])  # type: ignore[arg-type]
 
 
-# --- §3.1 startup validation -------------------------------------------------------------------------
+# --- startup validation (docs/reference/mock.md#startup-validation) -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -189,7 +189,7 @@ def test_startup_validation_messages_name_the_key(engine, mcr, message, key):
 @pytest.mark.parametrize(
     ("engine", "mcr", "first"),
     [
-        # Every check fails: the spec's order decides which message wins.
+        # Every check fails: the documented order (docs/reference/mock.md#startup-validation) decides which message wins.
         ({"engine_type": "x", "dp_size": 0, "worker_type": "decode", "num_gpu_blocks": 0}, 0, "engine_type"),
         ({"dp_size": 0, "worker_type": "decode", "num_gpu_blocks": 0}, 0, "dp_size"),
         ({"worker_type": "decode", "num_gpu_blocks": 0}, 0, "max_concurrent_requests"),

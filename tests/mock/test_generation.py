@@ -1,4 +1,4 @@
-"""Deterministic generation (mock-server.md §7–§8): the reference values of §7.3 are pinned here."""
+"""Deterministic generation (docs/reference/mock.md#deterministic-generation, docs/reference/mock.md#termination): the reference values of docs/reference/mock.md#reference-values are pinned here."""
 
 from __future__ import annotations
 

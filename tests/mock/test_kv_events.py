@@ -1,4 +1,4 @@
-"""KV events over ZMQ (mock-server.md §10.3–10.5, §18 items 15 and 22) with a real SUB consumer on
+"""KV events over ZMQ (docs/reference/mock.md#kv-event-messages: the frames, a failed publisher is not advertised) with a real SUB consumer on
 127.0.0.1. Sockets are read with ``NOBLOCK`` and Trio fd waits, so no test thread ever blocks."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Simulated KV pool: hashing, prefix reuse, active/inactive pools, leaf-first eviction, events
-(mock-server.md §10.1–10.2, clarifications #7) — pure."""
+(docs/reference/mock.md#kv-cache-and-kv-events) — pure."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The simulated engine of one rank (mock-server.md §10–§12, §14.1, §18 items 8, 21, 28, 29;
-clarifications #22). Passes are observed through the virtual clock (``autojump_clock``) and the timing
+"""The simulated engine of one rank (docs/reference/mock.md#kv-cache-and-kv-events, docs/reference/mock.md#scheduler, docs/reference/mock.md#cancellation-and-abort,
+docs/reference/mock.md#timing-model). Passes are observed through the virtual clock (``autojump_clock``) and the timing
 model, never through wall-clock measurements."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Acceptance behaviours of the mock server (mock-server.md §18) over real sockets on 127.0.0.1 port 0.
+"""Behaviours of the mock server (docs/reference/mock.md) over real sockets on 127.0.0.1 port 0.
 
-Each test names the §18 item it covers. Fast engine arguments (speedup 0) unless the behaviour needs a
+Each test name says the behaviour it covers. Fast engine arguments (speedup 0) unless the behaviour needs a
 request to stay in flight, where a small speedup ratio keeps it busy for seconds and the test ends it.
 """
 

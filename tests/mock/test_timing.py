@@ -1,4 +1,4 @@
-"""Polynomial timing model (mock-server.md §11, clarifications #22) — pure."""
+"""Polynomial timing model (docs/reference/mock.md#timing-model, docs/reference/mock.md#scheduler) — pure."""
 
 from __future__ import annotations
 

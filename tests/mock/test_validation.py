@@ -1,4 +1,4 @@
-"""The mock's pure request model: §6 order, §15 handoff classification, §16 media (table-driven)."""
+"""The mock's pure request model: docs/reference/mock.md#request-validation order, docs/reference/mock.md#prefill-and-decode-emulation handoff classification, docs/reference/mock.md#multimodal media (table-driven)."""
 
 from __future__ import annotations
 
@@ -191,7 +191,7 @@ def test_cache_options_are_accepted():
     assert prepared.cache_salt == "s" and prepared.bypass_prefix_cache
 
 
-# --- handoff (§15) ---------------------------------------------------------------------------------------
+# --- handoff (docs/reference/mock.md#prefill-and-decode-emulation) ---------------------------------------------------------------------------------------
 
 DECODE_OK = {
     "do_remote_decode": False,
@@ -294,7 +294,7 @@ def test_mode_parse():
         Role.parse("encode")
 
 
-# --- multimodal (§16, clarifications.md #1) ----------------------------------------------------------------
+# --- multimodal (docs/reference/mock.md#multimodal) ----------------------------------------------------------------
 
 
 def test_media_checks():

@@ -1,4 +1,4 @@
-"""The health prober (sidecar.md §20) against a scripted Health + Control server on real sockets.
+"""The health prober (docs/reference/sidecar.md#health-prober) against a scripted Health + Control server on real sockets.
 
 Every server binds 127.0.0.1 on port 0; waits are on published states, bounded by generous
 ``fail_after`` guards (the machine is shared), never on elapsed time.
@@ -255,7 +255,7 @@ async def test_watch_unimplemented_falls_back_to_check_polling(nursery):
 
 
 def _failing_health(fail: trio.Event, watching: list):
-    """Watch streams end with UNAVAILABLE once ``fail`` is set (vLLM's SIGTERM path, clarification #8)."""
+    """Watch streams end with UNAVAILABLE once ``fail`` is set (vLLM's SIGTERM path, docs/reference/real-vllm.md#shutdown-and-engine-death)."""
     from trio_sidecar.transport import HealthServicer, RpcError
 
     class Failing(HealthServicer):

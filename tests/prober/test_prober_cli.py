@@ -1,4 +1,4 @@
-"""§23 item 50 through the CLI: ``trio-sidecar run`` exits 1 when vLLM comes back with another identity.
+"""A fatal recovery (docs/reference/sidecar.md#recovery) through the CLI: ``trio-sidecar run`` exits 1 when vLLM comes back with another identity.
 
 The sidecar runs as a subprocess (file discovery in a temporary directory, TCP planes on loopback, a unique
 namespace; no frontend is needed). The mock runs in this process on 127.0.0.1 and is restarted on the same

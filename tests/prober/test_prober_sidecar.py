@@ -1,4 +1,4 @@
-"""Acceptance items 48–51 (sidecar.md §23): the prober through ``open_sidecar`` against the mock.
+"""The health prober (docs/reference/sidecar.md#health-prober) through ``open_sidecar`` against the mock.
 
 Every mock binds 127.0.0.1; "vLLM restarts" are new mock servers on the same port.
 """
@@ -49,7 +49,7 @@ async def collect(sidecar, request_id: str, max_tokens: int) -> list:
 
 
 async def test_not_serving_rejects_new_requests_while_in_flight_ones_continue(nursery, caplog):
-    """§23 item 48."""
+    """Not serving: new requests fail with ``vLLM is not serving``; in-flight requests continue."""
     caplog.set_level(logging.WARNING, logger="trio_sidecar.prober")
     runner = MockRunner(nursery)
     mock = await runner.start(engine_args={"block_size": 4, "enable_prefix_caching": False, "speedup_ratio": 1.0})
@@ -77,7 +77,7 @@ async def test_not_serving_rejects_new_requests_while_in_flight_ones_continue(nu
 
 
 async def test_recovery_with_the_same_identity_reopens_admission(nursery, caplog):
-    """§23 item 49."""
+    """Recovery with the same identity reopens admission."""
     caplog.set_level(logging.INFO, logger="trio_sidecar.prober")
     runner = MockRunner(nursery)
     mock = await runner.start()
@@ -95,7 +95,7 @@ async def test_recovery_with_the_same_identity_reopens_admission(nursery, caplog
 
 
 async def test_recovery_with_a_changed_served_name_is_fatal(nursery):
-    """§23 item 50: the error propagates out of ``open_sidecar`` as itself (no ExceptionGroup)."""
+    """Recovery with another identity is fatal (docs/reference/sidecar.md#recovery): the error propagates out of ``open_sidecar`` as itself (no ExceptionGroup)."""
     runner = MockRunner(nursery)
     await runner.start()
     with trio.fail_after(120):
@@ -116,7 +116,7 @@ async def test_recovery_with_a_changed_served_name_is_fatal(nursery):
 
 
 async def test_watch_that_ends_is_not_serving_and_the_prober_reconnects(nursery):
-    """§23 item 51, graceful path: vLLM's shutdown ends the Watch streams with OK."""
+    """A Watch stream that ends (docs/reference/sidecar.md#watching), graceful path: vLLM's shutdown ends the Watch streams with OK."""
     runner = MockRunner(nursery)
     mock = await runner.start()
     with trio.fail_after(120):
@@ -134,7 +134,7 @@ async def test_watch_that_ends_is_not_serving_and_the_prober_reconnects(nursery)
 
 
 async def test_watch_that_errors_is_unreachable_and_the_prober_reconnects(nursery):
-    """§23 item 51, error path: the connection drops (vLLM died)."""
+    """A Watch stream that fails (docs/reference/sidecar.md#watching), error path: the connection drops (vLLM died)."""
     runner = MockRunner(nursery)
     await runner.start()
     with trio.fail_after(120):

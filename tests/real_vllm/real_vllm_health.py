@@ -89,7 +89,7 @@ def assert_left_serving(seen: dict) -> None:
     for service, record in seen["watches"].items():
         statuses, ending = record[:-1], record[-1]
         assert statuses[0] == SERVING, (service, record)
-        # Either path of clarification #8: NOT_SERVING then the stream ends OK, or the stream ends with an
+        # Either path of docs/reference/real-vllm.md#shutdown-and-engine-death: NOT_SERVING then the stream ends OK, or the stream ends with an
         # error (possibly without a NOT_SERVING first). Never an OK ending while still SERVING.
         if ending == "OK":
             assert statuses[-1] == NOT_SERVING, (service, record)

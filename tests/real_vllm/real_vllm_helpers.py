@@ -20,7 +20,7 @@ PROMPT = (5, 6, 7, 8)
 CALL_TIMEOUT_S = 120.0
 
 
-# Cancellation races (§8.4): a 252-token stream takes 0.3-0.8 s, and under CPU contention vLLM sometimes
+# Cancellation races (docs/reference/real-vllm.md#abort-and-cancellation): a 252-token stream takes 0.3-0.8 s, and under CPU contention vLLM sometimes
 # sends a stream's first message only together with most of its tokens (seen with grpcio clients too), so a
 # cancel sent "right after the first message" can land after the end. Such attempts are retried with a
 # fresh request id until this deadline; the losing streaks are correlated, hence a deadline, not a count.
@@ -51,7 +51,7 @@ def generate_request(
     ignore_eos: bool = True,
     **fields,
 ) -> inference_pb2.GenerateRequest:
-    """A greedy token-ID request in the §8.3 shape."""
+    """A greedy token-ID request in the shape of docs/reference/real-vllm.md#inference-stream."""
     response = inference_pb2.ResponseOptions(
         output_token_ids=True, output_logprobs=logprobs, prompt_logprobs=prompt_logprobs
     )
@@ -117,7 +117,7 @@ async def collect(channel, request, *, metadata=(), method=GENERATE_STREAM, resp
 
 async def drop_outcome(server, request_id: str, *, offset: int = 0, timeout: float = 20.0) -> str:
     """After a stream was abandoned: "aborted" (the server's auto-abort line) or "finished" (it completed
-    before the reset arrived, the §8.4 race; the caller retries)."""
+    before the reset arrived, the race (docs/reference/real-vllm.md#abort-and-cancellation); the caller retries)."""
     aborted = auto_abort_pattern(request_id)
     closed = rf'request_id={re.escape(request_id)} rpc="GenerateStream"[^\n]*gRPC inference stream closed'
     with trio.move_on_after(timeout):
@@ -132,5 +132,5 @@ async def drop_outcome(server, request_id: str, *, offset: int = 0, timeout: flo
 
 
 def auto_abort_pattern(request_id: str) -> str:
-    # §8.4: the server appends "-<8 hex>" to the external id in its logs.
+    # docs/reference/real-vllm.md#abort-and-cancellation: the server appends "-<8 hex>" to the external id in its logs.
     return rf'auto-aborting request due to dropped stream request_id="{re.escape(request_id)}-[0-9a-f]{{8}}"'

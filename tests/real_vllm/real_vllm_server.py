@@ -1,4 +1,4 @@
-"""Start, probe and stop a real vLLM 0.32 gRPC server (real-vllm-on-cpu.md §3, §5, §6, §10).
+"""Start, probe and stop a real vLLM 0.32 gRPC server (docs/reference/real-vllm.md#environment, docs/reference/real-vllm.md#starting-the-server, docs/reference/real-vllm.md#readiness, docs/reference/real-vllm.md#installation).
 
 The environment comes from ``scripts/real-vllm.sh`` through two variables:
 ``TRIO_SIDECAR_REAL_VLLM_PYTHON`` (the provisioned venv's python) and ``TRIO_SIDECAR_REAL_VLLM_MODEL``
@@ -35,11 +35,11 @@ HOST = "127.0.0.1"
 SERVED_MODEL_NAME = "tiny-llama"
 MAX_MODEL_LEN = 256
 MAX_NUM_SEQS = 8
-# Start -> ready is 21-27 s on an idle 2-core machine (§6); other engineers' tests share the cores.
+# Start -> ready is 21-27 s on an idle 2-core machine (docs/reference/real-vllm.md#readiness); other engineers' tests share the cores.
 READY_TIMEOUT_S = 300.0
-# The first request with logprobs took up to 16.5 s (§6).
+# The first request with logprobs took up to 16.5 s (docs/reference/real-vllm.md#readiness).
 WARM_UP_TIMEOUT_S = 180.0
-# The main process exits 2.0-2.5 s after SIGTERM (§8.7).
+# The main process exits 2.0-2.5 s after SIGTERM (docs/reference/real-vllm.md#shutdown-and-engine-death).
 STOP_TIMEOUT_S = 30.0
 SERVICES = ("vllm.Control", "vllm.Inference")
 READY_LOG_LINE = "gRPC server is ready to accept requests"
@@ -199,7 +199,7 @@ class RealVllmServer:
             self.startup_outcomes.append(outcome)
 
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> float:
-        """Block until health ``Check`` reports SERVING on both services (§6); returns the seconds taken."""
+        """Block until health ``Check`` reports SERVING on both services (docs/reference/real-vllm.md#readiness); returns the seconds taken."""
         import grpc
 
         deadline = self.started_at + timeout
@@ -238,7 +238,7 @@ class RealVllmServer:
         return self.ready_after_s
 
     def warm_up(self, timeout: float = WARM_UP_TIMEOUT_S) -> float:
-        """The §6 warm-up: one GenerateStream with output logprobs, prompt logprobs and candidates."""
+        """The warm-up (docs/reference/real-vllm.md#readiness): one GenerateStream with output logprobs, prompt logprobs and candidates."""
         import grpc
 
         request = inference_pb2.GenerateRequest(
@@ -267,7 +267,7 @@ class RealVllmServer:
     # -- shutdown --------------------------------------------------------------------------------------
 
     def terminate(self) -> None:
-        """Send SIGTERM to the main process only (graceful shutdown, §8.7)."""
+        """Send SIGTERM to the main process only (graceful shutdown, docs/reference/real-vllm.md#shutdown-and-engine-death)."""
         self.remember_descendants()
         if not self.exited():
             os.kill(self.pid, signal.SIGTERM)
@@ -325,12 +325,15 @@ class RealVllmServer:
 class AttachedServer(RealVllmServer):
     """A server started outside the test run (developer iteration: ``TRIO_SIDECAR_REAL_VLLM_ATTACH``).
 
-    The value is ``PORT:LOG_PATH`` of a server started with this module's settings; it is never stopped.
+    The value is ``PORT:LOG_PATH`` (or ``PORT,HTTP_PORT:LOG_PATH``, for the tests that also use vLLM's
+    OpenAI HTTP server) of a server started with this module's settings; it is never stopped.
     """
 
     def __init__(self, env: RealVllmEnv, spec: str):  # noqa: super().__init__ would start a process
-        port, log = spec.split(":", 1)
+        ports, log = spec.split(":", 1)
+        port, _, http_port = ports.partition(",")
         self.env, self.launch, self.host, self.grpc_port = env, "attached", HOST, int(port)
+        self.http_port = int(http_port) if http_port else None
         self.log_path = Path(log)
         self.pid = -1
         self.ready_after_s = 0.0

@@ -1,4 +1,4 @@
-"""Schema-free protobuf decoding, to pin raw field numbers independently of our generated code (§6, §8.2)."""
+"""Schema-free protobuf decoding, to pin raw field numbers independently of our generated code (docs/reference/real-vllm.md#readiness, docs/reference/real-vllm.md#control)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Pins of the live vLLM 0.32.0 behaviours of real-vllm-on-cpu.md §8, through the project's transport.
+"""Pins of the live vLLM 0.32.0 behaviours of docs/reference/real-vllm.md#live-behaviours, through the project's transport.
 
 These are the facts the mock and the sidecar are built on; if a vLLM upgrade changes one, this file says
 which. Control values are checked on the raw wire (field numbers decoded by hand, ``real_vllm_wire``) so they do not
@@ -30,7 +30,7 @@ from real_vllm_wire import RawMessage, decode, scalar_fields
 SERVING = health_pb2.HealthCheckResponse.SERVING
 LENGTH = inference_pb2.FinishInfo.LENGTH
 ABORTED = inference_pb2.FinishInfo.ABORTED
-# max_new_tokens = max_model_len - prompt length (§8.4), so a stream lasts long enough to act on.
+# max_new_tokens = max_model_len - prompt length (docs/reference/real-vllm.md#abort-and-cancellation), so a stream lasts long enough to act on.
 LONG = MAX_MODEL_LEN - 4
 
 
@@ -47,16 +47,16 @@ async def health_check(channel, service: str):
     )
 
 
-# -- §8.1 health ---------------------------------------------------------------------------------------
+# -- health (docs/reference/real-vllm.md#health) ---------------------------------------------------------------------------------------
 
 
 def test_the_server_logs_readiness(real_server):
-    # §6: logged after the engine handshake, by the Rust frontend, with the gRPC address.
+    # docs/reference/real-vllm.md#readiness: logged after the engine handshake, by the Rust frontend, with the gRPC address.
     assert real_server.find_in_log(rf"{READY_LOG_LINE} addr={real_server.host}:{real_server.grpc_port} ")
 
 
 def test_no_not_serving_phase_during_startup(real_server):
-    """§6: until the engine is ready, Check fails (UNAVAILABLE / refused); it never reports NOT_SERVING."""
+    """docs/reference/real-vllm.md#readiness: until the engine is ready, Check fails (UNAVAILABLE / refused); it never reports NOT_SERVING."""
     outcomes = real_server.startup_outcomes
     if not outcomes:
         pytest.skip("attached server: startup not observed")
@@ -102,7 +102,7 @@ async def test_unknown_methods_and_reflection_are_unimplemented(direct, method):
     assert info.value.code == StatusCode.UNIMPLEMENTED
 
 
-# -- §8.2 Control on the raw wire ----------------------------------------------------------------------
+# -- Control on the raw wire (docs/reference/real-vllm.md#control) ----------------------------------------------------------------------
 
 
 async def test_server_info_raw_fields(direct):
@@ -139,7 +139,7 @@ async def test_kv_event_sources_are_empty_without_kv_events(direct):
     assert raw.data == b""
 
 
-# -- §8.3 stream shape -----------------------------------------------------------------------------------
+# -- stream shape (docs/reference/real-vllm.md#inference-stream) -----------------------------------------------------------------------------------
 
 
 async def test_generate_stream_shape_with_logprobs_and_candidates(direct):
@@ -161,7 +161,7 @@ async def test_generate_stream_shape_with_logprobs_and_candidates(direct):
         assert len(o.candidate_tokens) == 1
         top = o.candidate_tokens[0].tokens
         assert len(top) == 2
-        # Greedy: the sampled token is the best one and is listed first with rank 1 (clarification #6).
+        # Greedy: the sampled token is the best one and is listed first with rank 1 (docs/reference/sidecar.md#per-message-checks).
         assert (top[0].id, top[0].rank, o.ranks[0]) == (o.token_ids[0], 1, 1)
         assert top[1].rank == 2 and top[1].logprob <= top[0].logprob
         assert o.HasField("finish_info") == (i == 8)
@@ -198,7 +198,7 @@ async def test_greedy_generation_is_deterministic(direct):
 
 
 async def test_max_new_tokens_zero_generates_up_to_the_context_limit(direct):
-    # Not the "server default 20" of the contract's §4.5/§8: vllm-rs 0.32 leaves max_tokens unset, and the
+    # Not a "server default 20" (docs/reference/wire.md#default-values): vllm-rs 0.32 leaves max_tokens unset, and the
     # engine then stops at max_model_len (ignore_eos keeps the random model from stopping at EOS earlier).
     out = await collect(direct, generate_request(unique_id("max0"), max_new_tokens=0))
     assert out.error is None, out.error
@@ -220,7 +220,7 @@ async def test_duplicate_active_request_id_is_accepted(direct):
     assert results["a"].tokens() == results["b"].tokens()
 
 
-# -- §8.4 Abort and cancellation ---------------------------------------------------------------------------
+# -- Abort and cancellation (docs/reference/real-vllm.md#abort-and-cancellation) ---------------------------------------------------------------------------
 
 
 async def abort(channel, *ids: str):
@@ -237,7 +237,7 @@ async def test_abort_without_ids_and_with_unknown_ids_is_a_no_op(direct):
 
 
 async def test_abort_ends_an_open_stream_with_an_aborted_terminal_and_status_ok(direct):
-    for attempt in race_attempts():  # a 252-token stream can finish before the Abort lands (§8.4)
+    for attempt in race_attempts():  # a 252-token stream can finish before the Abort lands (docs/reference/real-vllm.md#abort-and-cancellation)
         await trio.sleep(0.2 if attempt else 0)
         request_id = unique_id("abort-me")
         out_messages = []
@@ -284,7 +284,7 @@ async def test_dropping_a_stream_auto_aborts_the_request(direct, real_server):
     assert len((await collect(direct, generate_request(unique_id("after-drop")))).tokens()) == 8
 
 
-# -- §8.5 error texts --------------------------------------------------------------------------------------
+# -- error texts (docs/reference/real-vllm.md#error-texts) --------------------------------------------------------------------------------------
 
 LORA_VARINT = b"\x78\x01"  # GenerateRequest field 15 as a varint (the unreleased fork's data_parallel_rank)
 
@@ -347,7 +347,7 @@ async def test_error_texts(direct, make, metadata, code, exact, substring):
     else:
         assert substring in out.message
     # Every one of these is rejected as a trailers-only response: the open of the stream fails (what the
-    # sidecar's generate() relies on to raise before yielding anything, sidecar.md §14.3).
+    # sidecar's generate() relies on to raise before yielding anything, docs/reference/sidecar.md#stream-level-rules).
     assert (out.phase, out.messages) == ("open", [])
 
 

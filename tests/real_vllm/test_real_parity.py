@@ -27,7 +27,7 @@ FINISH = inference_pb2.FinishInfo
 
 @pytest.fixture
 async def mock(real_server):
-    """A mock configured like the real server (limits, names; tokens seeded by the prompt, clarification #9).
+    """A mock configured like the real server (limits, names; tokens seeded by the prompt, docs/reference/mock.md#token-seed-and-request-uuid).
 
     Paced like it too (speedup 1.0, ~6 ms per decode pass): the Abort and duplicate-id cases need a stream
     that is still generating when the next call arrives, and at speedup 0 the mock runs passes back to back,
@@ -78,7 +78,7 @@ def shape(outcome) -> list[dict]:
 
 
 def check_rank_invariants(outcome) -> None:
-    """Per token: candidates sorted by rank from 1; the sampled token is listed with its own rank (#6)."""
+    """Per token: candidates sorted by rank from 1; the sampled token is listed with its own rank (docs/reference/mock.md#text-logprobs-and-candidates)."""
     for m in outcome.messages:
         o = m.outputs
         for i, token in enumerate(o.token_ids):
@@ -307,7 +307,7 @@ async def test_by_design_differences(channels, real_server):
         assert second is not None and second.code == expected, (side, second.error)
 
     # 4. KV transfer parameters on an aggregated server: vLLM without a KV connector ignores them (no
-    #    kv_transfer_params in the terminal); the mock checks them against its wire role (mock §15.2).
+    #    kv_transfer_params in the terminal); the mock checks them against its wire role (docs/reference/mock.md#prefill-and-decode-emulation).
     kv_request = generate_request(unique_id("kv-params"))
     kv_request.kv.kv_transfer_params.update({"do_remote_decode": True})
     real_kv = await collect(channels["real"], kv_request)

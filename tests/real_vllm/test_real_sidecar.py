@@ -1,7 +1,7 @@
 """The sidecar end to end against the real vLLM 0.32 server (issue 8 items 1-4).
 
 Discovery and registration data, generation compared with a direct gRPC call of the same request,
-cancellation (proved by the server's auto-abort log line or an ABORTED terminal, clarification #10), and
+cancellation (proved by the server's auto-abort log line or an ABORTED terminal, docs/reference/real-vllm.md#abort-and-cancellation), and
 the mapping of the server's errors to the sidecar's typed errors.
 """
 
@@ -75,7 +75,7 @@ def greedy(max_tokens: int = 8, **extra) -> dict:
 
 def direct_request(request_id: str, *, max_tokens: int = 8, logprobs: int | None = None,
                    prompt_logprobs: int | None = None, stop_token_ids=()) -> inference_pb2.GenerateRequest:
-    """What the sidecar sends for ``greedy(...)`` (sidecar.md §12.3), written out by hand."""
+    """What the sidecar sends for ``greedy(...)`` (docs/reference/sidecar.md#field-mapping), written out by hand."""
     response = inference_pb2.ResponseOptions(output_text=True, output_token_ids=True)
     if logprobs is not None:
         response.output_logprobs = True
@@ -164,7 +164,7 @@ async def test_discovery_reports_the_real_identity_limits_and_parallelism(real_s
 
 
 def expected_top_logprobs(o) -> list[list[dict]]:
-    """Clarification #6: the server's candidates in order, the sampled token first only if missing."""
+    """docs/reference/sidecar.md#per-message-checks: the server's candidates in order, the sampled token first only if missing."""
     out = []
     for i, token in enumerate(o.token_ids):
         position = [{"rank": c.rank, "token_id": c.id, "token": None, "logprob": c.logprob}
@@ -224,7 +224,7 @@ async def test_generation_through_the_sidecar_matches_a_direct_call(sidecar, dir
 
 
 async def test_seeded_sampling_through_the_sidecar_matches_a_direct_call(sidecar, direct):
-    # Every sampling and penalty field of sidecar.md §12.3 set; a mis-mapped one changes the tokens.
+    # Every sampling and penalty field of docs/reference/sidecar.md#field-mapping set; a mis-mapped one changes the tokens.
     sampling = {"temperature": 0.8, "top_k": 20, "top_p": 0.9, "min_p": 0.05, "seed": 123,
                 "presence_penalty": 0.3, "frequency_penalty": 0.2, "repetition_penalty": 1.1}
     chunks = await run(sidecar, greedy(24, sampling_options=sampling), unique_id("seeded"))
@@ -294,7 +294,7 @@ async def test_stop_token_through_the_sidecar_matches_a_direct_call(sidecar, dir
 
 
 async def test_dp_rank_routing_reaches_the_server_as_metadata(sidecar, real_server):
-    # sidecar.md §18.1: routing.dp_rank travels as x-data-parallel-rank; vLLM logs what it received.
+    # docs/reference/sidecar.md#data-parallel-rank: routing.dp_rank travels as x-data-parallel-rank; vLLM logs what it received.
     offset = real_server.log_size()
     with_rank, without = unique_id("with-rank"), unique_id("without-rank")
     a = await run(sidecar, dict(greedy(), routing={"dp_rank": 0}), with_rank)
@@ -329,7 +329,7 @@ async def test_skip_special_tokens_is_forwarded(sidecar, direct):
 # -- item 3: cancellation ------------------------------------------------------------------------------------
 #
 # On a loaded 2-core machine the server can produce a whole 252-token stream before a cancellation lands
-# (§8.4), so each test retries with a fresh request id when the server logged a normal completion
+# (docs/reference/real-vllm.md#abort-and-cancellation), so each test retries with a fresh request id when the server logged a normal completion
 # (``race_attempts``).
 # The sidecar's follow-up Control.Abort (abort_on_cancel) can also win the race against the reset and end
 # the request silently, so the tests that prove the reset path by the auto-abort log line turn it off.
@@ -372,6 +372,10 @@ async def test_stopping_a_request_aborts_it_on_the_server_and_spares_a_concurren
             pytest.fail("could not cancel a request while another was in flight (every attempt raced)")
         last = victim_chunks[-1].to_dict()
         streamed = sum(len(c.token_ids) for c in victim_chunks)
+        # Like every non-prefill chunk it carries text: "" or what vLLM's detokenizer flushed with the
+        # ABORTED terminal (pending partial UTF-8 as U+FFFD; docs/conformance.md "What differs").
+        text = last.pop("text")
+        assert isinstance(text, str) and set(text) <= {"\ufffd"}, text
         assert last == {
             "token_ids": [], "index": 0, "finish_reason": "cancelled",
             "completion_usage": {"prompt_tokens": 4, "completion_tokens": streamed, "total_tokens": 4 + streamed},
@@ -399,7 +403,7 @@ async def test_leaving_the_generate_block_early_aborts_the_request(real_server):
 
 
 async def test_the_follow_up_abort_reaches_the_server_and_is_harmless(sidecar, real_server):
-    """With abort_on_cancel (default) a cancelled request is also sent Control.Abort (sidecar.md §17.4)."""
+    """With abort_on_cancel (default) a cancelled request is also sent Control.Abort (docs/reference/sidecar.md#abort-after-abandoning-a-stream)."""
     for attempt in race_attempts():
         await trio.sleep(0.2 if attempt else 0)
         request_id = unique_id("abort-after-cancel")
@@ -486,7 +490,7 @@ async def test_server_rejections_become_typed_errors_with_the_server_text(sideca
 
 
 async def test_wrong_model_from_a_direct_client_maps_to_invalid_argument(direct):
-    # The sidecar always sends the discovered name (clarification #10), so a direct client provokes it.
+    # The sidecar always sends the discovered name (docs/reference/real-vllm.md#abort-and-cancellation), so a direct client provokes it.
     out = await collect(direct, direct_request(unique_id("wrong")).__class__(
         request_id=unique_id("wrong"), model="not-tiny", token_ids=inference_pb2.TokenIds(ids=PROMPT)))
     assert out.error is not None
@@ -497,7 +501,7 @@ async def test_wrong_model_from_a_direct_client_maps_to_invalid_argument(direct)
 
 async def test_prefill_mode_against_an_engine_without_a_kv_connector_is_a_protocol_error(real_server):
     # vLLM without --kv-transfer-config ignores do_remote_decode and returns no kv_transfer_params; the
-    # sidecar must say so instead of handing an empty handoff to the decode worker (sidecar.md §14.2 item 8).
+    # sidecar must say so instead of handing an empty handoff to the decode worker (docs/reference/sidecar.md#per-message-checks item 5).
     config = sidecar_config(real_server, disaggregation_mode="prefill")
     with trio.fail_after(60):
         async with open_sidecar(config) as sidecar:

@@ -1,7 +1,7 @@
-"""The Rust-managed launch (``vllm-rs serve``) with LoRA and KV events on (real-vllm-on-cpu.md §5, §8.2, §8.7).
+"""The Rust-managed launch (``vllm-rs serve``) with LoRA and KV events on (docs/reference/real-vllm.md#starting-the-server, docs/reference/real-vllm.md#control, docs/reference/real-vllm.md#shutdown-and-engine-death).
 
-One private server for the module: first the sidecar's readiness wait while it boots (§6), then the LoRA
-and KV-event variants of Control, the sidecar's KV-event source discovery against it (sidecar.md §18.2),
+One private server for the module: first the sidecar's readiness wait while it boots (docs/reference/real-vllm.md#readiness), then the LoRA
+and KV-event variants of Control, the sidecar's KV-event source discovery against it (docs/reference/sidecar.md#kv-event-sources),
 and finally engine death (the EngineCore killed with SIGKILL), which ends the server, so that test is the
 last one in this file.
 
@@ -118,10 +118,10 @@ async def observe_startup(server) -> list[str]:
 
 # First in this module: it needs the server while it is still starting.
 async def test_the_sidecar_waits_for_a_starting_server(variant_process):
-    """The sidecar's start phase (sidecar.md §8) waits through vLLM's boot; Check never says NOT_SERVING.
+    """The sidecar's start phase (docs/reference/sidecar.md#readiness-wait) waits through vLLM's boot; Check never says NOT_SERVING.
 
     Under ``vllm-rs serve`` the gRPC port is refused until the engine is ready (the Python-supervised launch
-    binds it early and answers UNAVAILABLE, §6); either way the sidecar's retries cover it.
+    binds it early and answers UNAVAILABLE, docs/reference/real-vllm.md#readiness); either way the sidecar's retries cover it.
     """
     config = SidecarConfig(grpc_endpoint=variant_process.endpoint, grpc_connections=2, startup_deadline=300.0,
                            connect_attempt_timeout=5.0, retry_interval=0.5)
@@ -150,7 +150,7 @@ async def test_lora_and_kv_event_variants_of_control(direct, variant_server):
     server_info = scalar_fields(
         (await direct.unary_unary("/vllm.Control/GetServerInfo", RawMessage(), RawMessage, timeout=30)).data
     )
-    assert server_info[10] == MAX_LORAS  # max_loras, field 10 (the fork's bool collided here, §8.6)
+    assert server_info[10] == MAX_LORAS  # max_loras, field 10 (the fork's bool collided here, docs/reference/real-vllm.md#field-collisions)
     assert (server_info[11], server_info[14]) == (b"", 128)
     model_info = scalar_fields(
         (await direct.unary_unary("/vllm.Control/GetModelInfo", RawMessage(), RawMessage, timeout=30)).data
@@ -173,7 +173,7 @@ async def test_unknown_lora_adapter_on_a_lora_engine_is_not_found(direct):
 
 
 async def test_rl_and_lora_rpcs_answer_on_the_real_server(direct):
-    # The mock answers UNIMPLEMENTED for these by design (mock-server.md §18 item 7).
+    # The mock answers UNIMPLEMENTED for these by design (docs/reference/mock.md#control-and-health-answers).
     assert (await direct.unary_unary("/vllm.Control/ListLoras", RawMessage(), RawMessage, timeout=30)).data == b""
     assert (await direct.unary_unary("/vllm.Control/IsPaused", RawMessage(), RawMessage, timeout=30)).data == b""
     version = await direct.unary_unary("/vllm.Control/GetWeightVersion", RawMessage(), RawMessage, timeout=30)
@@ -226,7 +226,7 @@ def event_summary(frames: list[bytes]) -> dict:
 
 
 async def test_kv_events_wire_format_matches_the_mock(direct, variant_server):
-    """mock-server.md §10.3/§10.4 against real vLLM 0.32: frames, payload layout and BlockStored fields."""
+    """docs/reference/mock.md#kv-event-messages against real vLLM 0.32: frames, payload layout and BlockStored fields."""
     import zmq
 
     from trio_sidecar.mock import MockConfig, open_mock_server
@@ -288,7 +288,7 @@ async def test_engine_death_under_vllm_rs_serve_leaves_serving(variant_server):
 
     seen = await observe_shutdown(variant_server, kill_engine)
     assert_left_serving(seen)
-    # §8.7 (grpcio client): NOT_SERVING on all three about 2-3.5 s after the kill, then the Watch ends OK and
+    # docs/reference/real-vllm.md#shutdown-and-engine-death (grpcio client): NOT_SERVING on all three about 2-3.5 s after the kill, then the Watch ends OK and
     # the process exits. Through our transport the final OK trailers (and sometimes the NOT_SERVING update)
     # are lost in the connection failure (docs/conformance.md), so either path is accepted.
     assert variant_server.exited() and process_exited(engines[0].pid)

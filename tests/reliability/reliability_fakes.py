@@ -159,7 +159,7 @@ def good_stream(n_tokens: int = 1) -> list[inference_pb2.GenerateResponse]:
 
 
 #: request-id prefix → (the response messages, the protocol-error detail the sidecar must raise).
-#: Each script violates one §14.2/§14.3 rule; ``REQUEST_OPTIONS`` gives the request's ``output_options``.
+#: Each script violates one docs/reference/sidecar.md#per-message-checks and docs/reference/sidecar.md#stream-level-rules rule; ``REQUEST_OPTIONS`` gives the request's ``output_options``.
 MALFORMED: dict[str, tuple[list[inference_pb2.GenerateResponse], str]] = {
     "prompt-count": ([prompt_info(4)], "prompt token count 4 does not match request count 3"),
     "prompt-logprobs": (
@@ -207,7 +207,7 @@ def _prefill_terminal() -> inference_pb2.GenerateResponse:
     )
 
 
-#: Multimodal prefill violations (§19.5): vLLM's expanded prompt ids are missing or inconsistent.
+#: Multimodal prefill violations (docs/reference/sidecar.md#multimodal-requests): vLLM's expanded prompt ids are missing or inconsistent.
 PREFILL_MALFORMED: dict[str, tuple[list[inference_pb2.GenerateResponse], str]] = {
     "mm-no-ids": ([prompt_info(20), _prefill_terminal()], "multimodal prefill did not return expanded prompt token IDs"),
     "mm-bad-ids": (
@@ -393,7 +393,7 @@ class MockProcess:
 
 # --- the in-process mock + a sidecar on it ------------------------------------------------------------------
 
-#: mock-server.md §17 "admitting args", instant timing.
+#: docs/reference/mock.md#in-process-api-and-test-hooks "admitting args", instant timing.
 FAST_ENGINE_ARGS = {
     "block_size": 4,
     "enable_prefix_caching": False,

@@ -1,7 +1,7 @@
 """Issue 7 item 7: bad input at every boundary gives a clear error, and a serving process keeps serving.
 
 * CLI values (``trio-sidecar run`` / ``trio-sidecar mock`` as subprocesses): usage errors exit 2 with the
-  offending flag or key named on stderr, before any socket is opened (clarification #12).
+  offending flag or key named on stderr, before any socket is opened (docs/reference/sidecar.md#exit-codes).
 * Malformed engine JSON for the mock: exit 2.
 * Garbage bytes and an HTTP/1.1 request on the mock's gRPC port: that connection is closed, and other clients
   are served meanwhile and afterwards.

@@ -1,6 +1,6 @@
 """Issue 7 item 4: malformed vLLM responses fail only their own request, with the typed protocol error.
 
-A scripted fake vLLM answers each request id with one §14.2/§14.3 violation (plus NaN in a Struct and an
+A scripted fake vLLM answers each request id with one docs/reference/sidecar.md#per-message-checks and docs/reference/sidecar.md#stream-level-rules violation (plus NaN in a Struct and an
 unknown finish reason) while well-formed streams share the same pooled connections. Invariant: every request
 ends with exactly one terminal chunk or exactly one typed error; nothing leaks on the server.
 """
@@ -78,7 +78,7 @@ async def test_each_malformed_response_fails_only_its_request(nursery):
             assert sidecar_in_flight(sidecar) == 0
             assert set(fake.ended) == set(fake.requests)
 
-            # Conversion errors abandon a live stream, so each is followed by an Abort (§17.4); a stream the
+            # Conversion errors abandon a live stream, so each is followed by an Abort (docs/reference/sidecar.md#abort-after-abandoning-a-stream); a stream the
             # server ended itself (EOF) is not.
             abandoned = {f"{kind}/{copy}" for kind in MALFORMED if kind != "early-eof" for copy in range(2)}
             await wait_until(lambda: abandoned <= {rid for batch in fake.control.aborts for rid in batch})
@@ -94,8 +94,8 @@ async def test_each_malformed_response_fails_only_its_request(nursery):
 
 
 async def test_prefill_violations_fail_only_their_request(nursery):
-    """Prefill mode: a terminal without ``kv_transfer_params`` (§14.2) and the multimodal handoff checks
-    (§19.5), next to a request that succeeds."""
+    """Prefill mode: a terminal without ``kv_transfer_params`` (docs/reference/sidecar.md#per-message-checks) and the multimodal handoff checks
+    (docs/reference/sidecar.md#multimodal-requests), next to a request that succeeds."""
     from trio_sidecar.api import open_sidecar
 
     fake = ScriptedInference()

@@ -3,7 +3,7 @@ restarted on the same port; the sidecar recovers without a restart of its own.
 
 Invariant: every one of the 200 requests ends with exactly one typed error (none hangs, none gets a terminal
 after its connection died); the prober leaves SERVING, recovers when the new process serves (same identity,
-new instance and new KV-event ports: clarification #5, not fatal), and 200 fresh requests complete.
+new instance and new KV-event ports: docs/reference/sidecar.md#recovery, not fatal), and 200 fresh requests complete.
 """
 
 from __future__ import annotations

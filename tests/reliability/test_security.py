@@ -3,7 +3,7 @@
 * ``serve_grpc`` without a host binds the loopback address only.
 * The mock's default listen address is loopback, and the mock process binds *all* of its listeners (gRPC and
   the ZMQ KV-event PUB sockets) on the IP of ``--listen``.
-* The sidecar itself opens no listener (clarification #13).
+* The sidecar itself opens no listener (only Dynamo's request plane listens, on ``DYN_TCP_RPC_HOST``).
 """
 
 from __future__ import annotations

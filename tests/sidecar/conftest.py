@@ -1,7 +1,7 @@
 """Fixtures for the sidecar engine tests.
 
 Rules (as trio-websocket's tests): every server binds 127.0.0.1 on port 0 and is started with
-``nursery.start``; bounds in assertions are the spec's functional bounds; nothing outlives a test.
+``nursery.start``; bounds in assertions are the documented functional bounds; nothing outlives a test.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from sidecar_fakes import FakeVllm
 
 @pytest.fixture
 async def fake(nursery) -> FakeVllm:
-    """A started scripted fake vLLM (defaults of §23's preamble)."""
+    """A started scripted fake vLLM (the upstream test fake's defaults, see ``sidecar_fakes``)."""
     return await nursery.start(FakeVllm().serve)
 
 

@@ -1,4 +1,4 @@
-"""A scripted in-process fake vLLM for the sidecar engine tests (sidecar.md §23 preamble).
+"""A scripted in-process fake vLLM for the sidecar engine tests (modelled on the native sidecar's test fake).
 
 It serves ``vllm.Inference``, ``vllm.Control`` and ``grpc.health.v1.Health`` on the project transport,
 bound to 127.0.0.1 on an OS-chosen port, and records what it observed:
@@ -50,7 +50,7 @@ PREFILL_HANDOFF: dict[str, Any] = {
 }
 
 
-#: The mock's fast engine args (mock-server.md §17, "admitting args").
+#: The mock's fast engine args (docs/reference/mock.md#in-process-api-and-test-hooks, "admitting args").
 FAST_ENGINE_ARGS: dict[str, Any] = {
     "block_size": 4,
     "enable_prefix_caching": False,
@@ -98,7 +98,7 @@ def sidecar_config(endpoint: str, **overrides: Any) -> SidecarConfig:
 
 
 def reference_model_info(**overrides: Any) -> control_pb2.ModelInfo:
-    """The upstream reference ``ModelInfo`` (§11.2)."""
+    """The upstream reference ``ModelInfo`` (docs/reference/sidecar.md#registration-data)."""
     fields: dict[str, Any] = dict(
         model_id="model-source",
         served_model_name="served-model",
@@ -114,7 +114,7 @@ def reference_model_info(**overrides: Any) -> control_pb2.ModelInfo:
 
 
 def reference_server_info(*, dp_size: int = 4, **overrides: Any) -> control_pb2.ServerInfo:
-    """The upstream reference ``ServerInfo`` (§11.2), with rank 0."""
+    """The upstream reference ``ServerInfo`` (docs/reference/sidecar.md#registration-data), with rank 0."""
     fields: dict[str, Any] = dict(
         engine_version="test-vllm",
         api_version="vllm",
@@ -376,7 +376,7 @@ class _ScriptedHealth(HealthServicer):
 
 class PausableProxy:
     """A TCP proxy on 127.0.0.1:0 whose server→client direction can be paused (the fault-injecting wrapper
-    of §23 item 56: a pending open or a pending read, with the server fully alive behind it).
+    of the cancellation tests, docs/reference/sidecar.md#aggregated-and-prefill-modes: a pending open or a pending read, with the server fully alive behind it).
 
     Usage: ``proxy = await nursery.start(PausableProxy(host, port).serve)``; ``proxy.endpoint``.
     """

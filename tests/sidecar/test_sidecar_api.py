@@ -1,4 +1,4 @@
-"""The embedded API surface (§21) and the abort sender's bounds (§17.4) against the fake."""
+"""The embedded API surface (docs/reference/sidecar.md#embedded-api) and the abort sender's bounds (docs/reference/sidecar.md#abort-after-abandoning-a-stream) against the fake."""
 
 from __future__ import annotations
 

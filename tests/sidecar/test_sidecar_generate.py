@@ -1,8 +1,7 @@
-"""Generation through ``open_sidecar`` against the scripted fake (sidecar.md §14.3, §16, §17, §23 items 6,
-30, 31, 34–43).
+"""Generation through ``open_sidecar`` against the scripted fake (docs/reference/sidecar.md#stream-level-rules, docs/reference/sidecar.md#lifecycle, docs/reference/sidecar.md#cancellation).
 
 Cancellation tests assert what the *server* observed (its handler cancelled = stream reset, ``Abort``
-received), not only what the client saw. The 2 s bounds are the spec's.
+received), not only what the client saw. Cancellation must take effect within 2 s.
 """
 
 from __future__ import annotations
@@ -179,11 +178,26 @@ async def test_a_concurrent_cleanup_returns_only_once_the_first_has_closed_every
     assert sorted(returned) == ["first", "second"]
 
 
-async def test_conversion_error_is_raised_before_any_rpc(fake):
+BAD_BODIES = [
+    ({"token_ids": []}, "token_ids must not be empty"),
+    # An int beyond the f64 range (JSON has no limit): a typed error, not an OverflowError.
+    ({"token_ids": [1], "sampling_options": {"temperature": 10**400}},
+     "invalid PreprocessedRequest: integer too large to convert to a float @ $.sampling_options.temperature"),
+    ({"token_ids": [1], "sampling_options": {"min_p": -10**400}},
+     "invalid PreprocessedRequest: integer too large to convert to a float @ $.sampling_options.min_p"),
+    # vLLM's own check and text (docs/conformance.md), before any RPC.
+    ({"token_ids": [1], "sampling_options": {"temperature": float("nan")}},
+     "temperature must be a finite number, got NaN"),
+]
+
+
+@pytest.mark.parametrize(("body", "message"), BAD_BODIES, ids=["empty", "huge-int", "huge-negative-int", "nan"])
+async def test_conversion_error_is_raised_before_any_rpc(fake, body, message):
     async with open_sidecar(sidecar_config(fake.endpoint)) as sidecar:
-        with pytest.raises(InvalidArgument, match="token_ids must not be empty"):
-            async with sidecar.generate({"token_ids": []}):
+        with pytest.raises(InvalidArgument) as info:
+            async with sidecar.generate(body):
                 pass  # pragma: no cover
+    assert str(info.value) == message
     assert fake.requests == []
 
 
@@ -359,7 +373,7 @@ async def test_abort_timeout_is_logged_with_the_configured_value(fake, caplog_si
                 await trio.sleep(0.02)
 
 
-# ---------------------------------------------------------------------------- decode deferral (§17.3)
+# ---------------------------------------------------------------------------- decode deferral (docs/reference/sidecar.md#decode-deferral)
 
 
 async def test_decode_cancel_while_headers_are_held_waits_for_the_first_token(fake):
@@ -388,7 +402,7 @@ async def test_decode_cancel_while_headers_are_held_waits_for_the_first_token(fa
             await fake.abort_received.wait()
     [chunk] = result
     assert chunk.finish_reason == "cancelled"
-    assert usage(chunk) == (3, 1, 4)  # counts the first token it replaced (clarification #3)
+    assert usage(chunk) == (3, 1, 4)  # counts the first token it replaced (docs/reference/sidecar.md#decode-deferral)
     assert first_token_notified == [True]
     assert fake.abort_calls == [["dec"]]
     assert fake.requests[0][0].kv.kv_transfer_params["remote_port"] == "20097"

@@ -1,5 +1,5 @@
-"""End to end through ``open_sidecar`` against the real mock over TCP (sidecar.md §23 items 52–57; issue 5's
-ZMQ test).
+"""End to end through ``open_sidecar`` against the real mock over TCP (docs/reference/sidecar.md#embedded-api;
+issue 5's ZMQ test): tokens and usage, the prefill handoff, cancellation, DP routing.
 
 Cancellation tests assert what the mock observed: its active/running/waiting counts, its Abort log.
 """
@@ -56,7 +56,7 @@ async def test_mock_streams_tokens_logprobs_and_usage():
     expected = planned_tokens(SEED, "e2e-52", 3)
     assert [c.token_ids for c in chunks] == [[t] for t in expected]
     assert all(len(c.log_probs) == 1 for c in chunks)
-    assert all(len(c.top_logprobs[0]) == 2 for c in chunks)  # clarification #6
+    assert all(len(c.top_logprobs[0]) == 2 for c in chunks)  # docs/reference/sidecar.md#per-message-checks
     assert [c.finish_reason for c in chunks] == [None, None, "length"]
     assert usage(chunks[-1]) == (4, 3, 7)
     assert isinstance(chunks[-1].engine_data["prompt_logprobs"], list)
@@ -302,7 +302,7 @@ async def test_connection_lost_mid_stream_keeps_the_token_and_the_slot_reconnect
                 assert len(chunks) >= 1 and chunks[0].token_ids
                 with trio.fail_after(2):
                     await wait_drained(mock)  # the mock saw the disconnect
-                # the broken slot is replaced by the next RPC (§7.4)
+                # the broken slot is replaced by the next RPC (docs/reference/sidecar.md#reconnection-after-startup)
                 again = await collect(sidecar, dict(body, stop_conditions={"max_tokens": 3}))
                 assert again[-1].finish_reason == "length"
                 assert sidecar.engine.pool.reconnects == 1

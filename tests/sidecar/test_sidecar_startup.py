@@ -1,6 +1,7 @@
-"""Startup through the engine: pool (§7), readiness (§8), discovery phases (§9–§11), admission (§20.3).
+"""Startup through the engine: pool (docs/reference/sidecar.md#connection-pool), readiness (docs/reference/sidecar.md#readiness-wait), discovery phases (docs/reference/sidecar.md#discovery, docs/reference/sidecar.md#registration-data), admission (docs/reference/sidecar.md#admission).
 
-§23 items 5, 7, 8, 10, 11 and the §9.1 deadline texts.
+The pool deadline, readiness, the services each phase waits for, identity and DP-size changes, and the
+deadline texts (docs/reference/sidecar.md#bootstrap-phase).
 """
 
 from __future__ import annotations
@@ -113,7 +114,7 @@ async def test_engine_survives_a_lost_connection(fake):
     assert chunks[-1].finish_reason == "stop"
 
 
-# ---------------------------------------------------------------------------- readiness (§8)
+# ---------------------------------------------------------------------------- readiness (docs/reference/sidecar.md#readiness-wait)
 
 
 async def test_readiness_not_serving_then_serving_proceeds(fake):
@@ -175,7 +176,7 @@ async def test_bootstrap_uses_one_connection_and_start_uses_the_pool(fake):
     assert len(fake.control_peers) == 2  # Check, Check, GetModelInfo+GetServerInfo: round-robin over 2
 
 
-# ---------------------------------------------------------------------------- discovery (§9–§11)
+# ---------------------------------------------------------------------------- discovery (docs/reference/sidecar.md#discovery, docs/reference/sidecar.md#registration-data)
 
 
 async def test_served_name_change_between_phases_fails_start(fake):
@@ -227,7 +228,7 @@ async def test_start_logs_the_fixed_lines(fake, caplog_sidecar):
     assert "vLLM gRPC services are ready" in messages
 
 
-# ---------------------------------------------------------------------------- KV-event sources (§18.2)
+# ---------------------------------------------------------------------------- KV-event sources (docs/reference/sidecar.md#kv-event-sources)
 
 
 def zmq_source(endpoint: str, rank: int | None) -> control_pb2.KvEventSource:
@@ -258,7 +259,7 @@ async def test_bad_kv_event_sources_fail_start_and_leave_nothing_running(fake):
             await trio.sleep(0.01)
 
 
-# ---------------------------------------------------------------------------- admission (§20.3)
+# ---------------------------------------------------------------------------- admission (docs/reference/sidecar.md#admission)
 
 
 async def test_admission_closes_while_vllm_is_not_serving(fake):

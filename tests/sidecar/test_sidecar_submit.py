@@ -4,7 +4,7 @@ counterparts of tests/sidecar/test_sidecar_generate.py).
 ``submit()`` is synchronous: conversion errors, admission refusal and "not started" are raised by the call
 (the sink is never called); everything else reaches the sink as ``chunk(c)`` per ordinary chunk and exactly
 one ``end(final, error)``, last. Cancellation tests assert what the *server* observed (its handler
-cancelled = stream reset, ``Abort`` received), not only what the sink got. The 2 s bounds are the spec's.
+cancelled = stream reset, ``Abort`` received), not only what the sink got. Cancellation must take effect within 2 s.
 """
 
 from __future__ import annotations
@@ -233,11 +233,23 @@ async def test_four_concurrent_submits_on_a_pool_of_two(fake):
 # ---------------------------------------------------------------------------- synchronous refusals
 
 
-async def test_conversion_error_is_raised_by_submit_before_any_rpc(fake):
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"token_ids": []}, "token_ids must not be empty"),
+        ({"token_ids": [1], "sampling_options": {"top_p": 10**400}},
+         "invalid PreprocessedRequest: integer too large to convert to a float @ $.sampling_options.top_p"),
+        ({"token_ids": [1], "sampling_options": {"repetition_penalty": float("-inf")}},
+         "repetition_penalty must be a finite number, got -inf"),
+    ],
+    ids=["empty", "huge-int", "negative-infinity"],
+)
+async def test_conversion_error_is_raised_by_submit_before_any_rpc(fake, body, message):
     async with open_sidecar(sidecar_config(fake.endpoint)) as sidecar:
         sink = RecordingSink()
-        with pytest.raises(InvalidArgument, match="token_ids must not be empty"):
-            sidecar.submit({"token_ids": []}, GenerateContext("bad-body"), sink)
+        with pytest.raises(InvalidArgument) as info:
+            sidecar.submit(body, GenerateContext("bad-body"), sink)
+        assert str(info.value) == message
         assert sidecar.engine.in_flight == 0
         # the engine still works
         ok = await submit_and_wait(sidecar, request(), GenerateContext("ok"))
@@ -641,7 +653,7 @@ async def test_end_runs_once_the_engine_no_longer_counts_the_request(fake):
     assert [s.final().finish_reason for s in (a, b, c)] == ["cancelled", "cancelled", "stop"]
 
 
-# ---------------------------------------------------------------------------- decode deferral (§17.3)
+# ---------------------------------------------------------------------------- decode deferral (docs/reference/sidecar.md#decode-deferral)
 
 
 async def test_decode_stop_while_headers_are_held_waits_for_the_first_token(fake):
@@ -669,7 +681,7 @@ async def test_decode_stop_while_headers_are_held_waits_for_the_first_token(fake
     final = sink.final()
     assert sink.chunks == []  # the cancelled chunk replaced the first token's
     assert final.finish_reason == "cancelled"
-    assert usage(final) == (3, 1, 4)  # counts the first token it replaced (clarification #3)
+    assert usage(final) == (3, 1, 4)  # counts the first token it replaced (docs/reference/sidecar.md#decode-deferral)
     assert first_token_notified == [True]
     assert fake.abort_calls == [["dec"]]
     assert fake.requests[0][0].kv.kv_transfer_params["remote_port"] == "20097"

@@ -1,6 +1,6 @@
 """A connection reset during the HTTP/2 handshake surfaces as the transport's documented errors.
 
-The pool's retry loop (sidecar.md §7.2) catches OSError, SidecarError and RpcError; a raw
+The pool's retry loop (docs/reference/sidecar.md#construction-and-retries) catches OSError, SidecarError and RpcError; a raw
 trio.BrokenResourceError from a handshake send would escape it and abort startup instead of retrying.
 """
 

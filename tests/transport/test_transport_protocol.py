@@ -97,7 +97,7 @@ def test_late_window_update_for_a_pruned_stream_is_ignored_and_later_frames_are_
 
 
 def test_stock_core_on_h2_3_2_0_kills_the_connection_on_the_same_bytes():
-    # Proves the test above reproduces the race (transport-findings §5.7).
+    # Proves the test above reproduces the race (docs/reference/transport.md#the-h2-320-window_update-race).
     server, client = connected_pair(GRPCConnection)
     with pytest.raises(h2.exceptions.StreamClosedError):
         server.receive_data(late_window_update_then_next_call(server, client))

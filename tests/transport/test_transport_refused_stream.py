@@ -1,4 +1,4 @@
-"""RST_STREAM(REFUSED_STREAM) means the server did not process the stream (RFC 9113 §8.7): the client starts
+"""RST_STREAM(REFUSED_STREAM) means the server did not process the stream (RFC 9113 section 8.7): the client starts
 the call again on a new stream, as grpc-core does, within the call's deadline and a bounded number of tries.
 
 A grpc.aio server at its MAX_CONCURRENT_STREAMS refuses streams now and then even when the client respects the

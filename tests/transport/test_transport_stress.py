@@ -1,7 +1,7 @@
-"""Robustness under load: 100 concurrent grpc.aio streams against our server, 50 times (issue 2 §3 item 9).
+"""Robustness under load: 100 concurrent grpc.aio streams against our server, 50 times (issue 2's transport test list, item 9).
 
 With the stock purerpc I/O layer on h2 3.2.0, grpcio clients hung in 11 of 73 such runs: a WINDOW_UPDATE for
-a stream h2 had already pruned killed the connection (transport-findings §5.7). The shape used here makes
+a stream h2 had already pruned killed the connection (docs/reference/transport.md#the-h2-320-window_update-race). The shape used here makes
 the race likely: each stream carries one ~40 kB message, so the grpcio client hands window back only after
 reading it (when the server has already closed the stream), while new streams keep arriving on the same
 connection (h2 prunes closed streams when a new one opens). Every stream must complete and no run may hang.

@@ -210,7 +210,7 @@ def aio_options(max_message_length: int = 64 * MIB) -> list[tuple[str, Any]]:
     return [
         ("grpc.max_send_message_length", max_message_length),
         ("grpc.max_receive_message_length", max_message_length),
-        # Distinct channels in one process must not share a subchannel (findings §5.6).
+        # Distinct channels in one process must not share a subchannel (docs/reference/transport.md#grpcio-peers-in-tests).
         ("grpc.use_local_subchannel_pool", 1),
     ]
 

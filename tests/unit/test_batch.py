@@ -99,8 +99,8 @@ def usage(chunk: LLMEngineOutput) -> tuple[int, int]:
     return chunk.completion_usage.prompt_tokens, chunk.completion_usage.completion_tokens
 
 
-def tok(token: int, text: str | None = "a") -> dict[str, Any]:
-    return {"token_ids": [token], "index": 0, **({"text": text} if text else {})}
+def tok(token: int, text: str = "a") -> dict[str, Any]:
+    return {"token_ids": [token], "index": 0, "text": text}
 
 
 # ------------------------------------------------------------------- batches of ordinary messages
@@ -116,11 +116,11 @@ CASES = [
         [MORE, MORE, MORE],
     ),
     (
-        "several tokens in one message, empty text absent",
+        "several tokens in one message, no text: text is the empty string",
         AGG,
         {},
         [out([7, 300, 70000])],
-        [[{"token_ids": [7, 300, 70000], "index": 0}]],
+        [[{"token_ids": [7, 300, 70000], "index": 0, "text": ""}]],
         [MORE],
     ),
     (
@@ -144,7 +144,7 @@ CASES = [
         AGG,
         {"logprobs": 0},
         [out([7], text="a", logprobs=[-0.5]), out([8], logprobs=[-1e9])],
-        [[{**tok(7), "log_probs": [-0.5]}, {**tok(8, None), "log_probs": [-9999.0]}]],
+        [[{**tok(7), "log_probs": [-0.5]}, {**tok(8, ""), "log_probs": [-9999.0]}]],
         [MORE, MORE],
     ),
     (
@@ -205,7 +205,7 @@ ENDINGS = [
         AGG,
         False,
         [out([7]), out([8, 9], finish=5)],
-        [[tok(7, None)]],
+        [[tok(7, "")]],
         {"server_ended": False, "tokens": 2,
          "error": "invalid vLLM gRPC response: terminal num_output_tokens 5 does not match streamed count 3"},
         None,
@@ -271,7 +271,7 @@ ENDINGS = [
         DECODE,
         False,
         [out([7]), out([], finish=1)],
-        [[tok(7, None)]],
+        [[tok(7, "")]],
         {"server_ended": True, "finish_reason": "stop", "first_token": False, "tokens": 0},
         (3, 1),
     ),
@@ -361,12 +361,12 @@ def test_transfer_completed_only_in_decode_mode_once_a_token_or_finish_arrived()
 
 def test_chunk_batch_takes_drops_and_counts() -> None:
     built = LLMEngineOutput(token_ids=[5, 6], text="b", log_probs=[-1.0, -2.0])
-    batch = ChunkBatch([1, "a", [2, 3, 4], None, built, None, 7, None])
+    batch = ChunkBatch([1, "a", [2, 3, 4], "", built, None, 7, ""])
     assert len(batch) == 4 and batch.tokens() == 7
     first = batch.take()
     assert first == LLMEngineOutput(token_ids=[1], text="a")
     assert len(batch) == 3 and batch.tokens() == 6
-    assert batch.take() == LLMEngineOutput(token_ids=[2, 3, 4])
+    assert batch.take() == LLMEngineOutput(token_ids=[2, 3, 4], text="")
     assert batch.take() is built
     assert "1 of 4 chunks left" in repr(batch)
     assert batch.drop() == 1
@@ -381,37 +381,38 @@ def deliver(items: list) -> list:
 
 def test_deliver_items_hands_over_what_chunk_batch_would_return_in_order() -> None:
     built = LLMEngineOutput(token_ids=[5, 6], text="b", log_probs=[-1.0, -2.0])
-    items = [1, "a", built, None, [2, 3, 4], None, built, None, 7, None]
+    items = [1, "a", built, None, [2, 3, 4], "", built, None, 7, ""]
     expected = []
     batch = ChunkBatch(list(items))
     while (chunk := batch.take()) is not None:
         expected.append(chunk)
     got = deliver(items)
-    assert got == [("tokens", [1], "a"), ("chunk", built), ("tokens", [2, 3, 4], None), ("chunk", built),
-                   ("tokens", [7], None)]
+    assert got == [("tokens", [1], "a"), ("chunk", built), ("tokens", [2, 3, 4], ""), ("chunk", built),
+                   ("tokens", [7], "")]
     as_chunks = [token_chunk(g[1], g[2]) if g[0] == "tokens" else g[1] for g in got]
     assert as_chunks == expected
 
 
 def test_deliver_items_merges_consecutive_plain_chunks_into_one_tokens_call() -> None:
-    # Ids in order (single ids and lists alike), texts joined; what bridge.merge_run would make of the deltas.
-    assert deliver([1, "a", [2, 3], None, 4, "c"]) == [("tokens", [1, 2, 3, 4], "ac")]
-    assert deliver([[1, 2], None, [3], None]) == [("tokens", [1, 2, 3], None)]  # no text at all: None
-    assert deliver([1, "", 2, ""]) == [("tokens", [1, 2], None)]
+    # Ids in order (single ids and lists alike), texts concatenated exactly; what bridge.merge_run would make of
+    # the deltas.
+    assert deliver([1, "a", [2, 3], "", 4, "c"]) == [("tokens", [1, 2, 3, 4], "ac")]
+    assert deliver([[1, 2], "", [3], ""]) == [("tokens", [1, 2, 3], "")]  # no text at all: the empty string
+    assert deliver([1, "\xe4", 2, "", 3, "\ufffd"]) == [("tokens", [1, 2, 3], "\xe4\ufffd")]
     assert deliver([[1, 2], "x"]) == [("tokens", [1, 2], "x")]  # a single chunk as it is
 
 
 def test_deliver_items_never_merges_across_a_built_chunk() -> None:
     built = LLMEngineOutput(token_ids=[5], text="b", log_probs=[-1.0])
     final = LLMEngineOutput(token_ids=[9], finish_reason="stop")
-    got = deliver([1, "a", 2, "b", built, None, 3, None, [4, 5], "c", final, None])
+    got = deliver([1, "a", 2, "b", built, None, 3, "", [4, 5], "c", final, None])
     assert got == [("tokens", [1, 2], "ab"), ("chunk", built), ("tokens", [3, 4, 5], "c"), ("chunk", final)]
 
 
 def test_merged_tokens_equal_the_deltas_merged_by_the_bridge() -> None:
     from trio_sidecar.dynamo.bridge import merge_run
 
-    items = [1, "a", [2, 3], None, 4, "c", [5], ""]
+    items = [1, "a", [2, 3], "", 4, "c", [5], ""]
     [(_, ids, text)] = deliver(list(items))
     one_by_one = [token_chunk([i] if type(i) is int else i, t).to_dict() for i, t in zip(items[::2], items[1::2])]
     assert token_chunk(ids, text).to_dict() == merge_run(one_by_one)
@@ -428,7 +429,7 @@ def test_empty_open_batch_is_not_handed_over() -> None:
 
 
 def test_token_chunk_equals_the_attrs_init_for_every_field() -> None:
-    for token_ids, text in (([1], "x"), ([2, 3], None), ([], "")):
+    for token_ids, text in (([1], "x"), ([2, 3], ""), ([], "")):
         fast = token_chunk(token_ids, text)
         slow = LLMEngineOutput(token_ids=token_ids, text=text)
         assert fast == slow

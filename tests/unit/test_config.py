@@ -1,4 +1,4 @@
-"""Configuration objects and the pre-network checks (sidecar.md §4, §6)."""
+"""Configuration objects and the pre-network checks (docs/reference/sidecar.md#configuration, docs/reference/sidecar.md#pre-network-checks)."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def _cfg(**kw: object) -> SidecarConfig:
     return SidecarConfig(**{"grpc_endpoint": "127.0.0.1:50051", **kw})  # type: ignore[arg-type]
 
 
-# Each row breaks every check from its own onwards, so only the order decides the message (§6).
+# Each row breaks every check from its own onwards, so only the order decides the message (docs/reference/sidecar.md#pre-network-checks).
 ORDER = [
     (dict(disaggregation_mode="encode"), dict(route_to_encoder=True), ENCODE),
     (dict(), dict(route_to_encoder=True, tool_call_parser="hermes", enable_rl=True), ENCODER),

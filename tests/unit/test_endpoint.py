@@ -1,4 +1,4 @@
-"""Endpoint normalization (sidecar.md §5), every row of the table."""
+"""Endpoint normalization (docs/reference/sidecar.md#endpoint-normalization), every row of the table."""
 
 from __future__ import annotations
 

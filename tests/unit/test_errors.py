@@ -1,4 +1,4 @@
-"""Error taxonomy (sidecar.md §15) and Rust-style duration formatting (§4.2)."""
+"""Error taxonomy (docs/reference/sidecar.md#errors) and Rust-style duration formatting (docs/reference/sidecar.md#duration-format)."""
 
 from __future__ import annotations
 

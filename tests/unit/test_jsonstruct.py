@@ -1,4 +1,4 @@
-"""JSON <-> google.protobuf.Struct (sidecar.md §13)."""
+"""JSON <-> google.protobuf.Struct (docs/reference/sidecar.md#json-and-protobuf-struct)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Control metadata validation, identity, registration data and component by mode (sidecar.md §9.3–§11)."""
+"""Control metadata validation, identity, registration data and component by mode (docs/reference/sidecar.md#component-by-mode, docs/reference/sidecar.md#registration-data)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Multimodal image requests (sidecar.md §19; acceptance §23 #46, #47)."""
+"""Multimodal image requests (docs/reference/sidecar.md#multimodal-requests): the upstream handoff example and every error text."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from trio_sidecar.config import DisaggregationMode
 from trio_sidecar.convert import ResponseState, build_generate_request
 from trio_sidecar.errors import InvalidArgument, ProtocolError
 from trio_sidecar.jsonstruct import json_to_struct, struct_to_json
-from trio_sidecar.multimodal import HANDOFF_KEY, pad_uuid
+from trio_sidecar.multimodal import HANDOFF_KEY, MEDIA_SOURCE_ERROR, classify_media_source, pad_uuid
 from trio_sidecar.protocol import structure_request
 
 AGG, PREFILL, DECODE = DisaggregationMode.AGG, DisaggregationMode.PREFILL, DisaggregationMode.DECODE
@@ -204,3 +204,35 @@ def test_prefill_expanded_length_mismatch() -> None:
     with pytest.raises(ProtocolError) as info:
         st.convert(terminal())
     assert str(info.value) == "invalid vLLM gRPC response: multimodal prefill returned 3 prompt token IDs for 4 prompt tokens"
+
+
+# One case-insensitive classification decides both whether a source is accepted and which MediaItem field
+# carries it (URI schemes are case-insensitive, RFC 3986 section 3.1).
+SOURCES = [
+    ("data:image/png;base64,AA==", "data_uri"),
+    ("DATA:image/png;base64,AA==", "data_uri"),
+    ("Data:image/png;base64,AA==", "data_uri"),
+    ("http://host/a.png", "url"),
+    ("HTTP://host/a.png", "url"),
+    ("https://host/a.png", "url"),
+    ("HtTpS://host/a.png", "url"),
+]
+
+
+@pytest.mark.parametrize(("source", "field"), SOURCES)
+@pytest.mark.parametrize("wrap", ["Url", "RawUrl", None], ids=["Url", "RawUrl", "bare-string"])
+def test_media_source_is_classified_case_insensitively(source: str, field: str, wrap: str | None) -> None:
+    assert classify_media_source(source) == field
+    raw = source if wrap is None else {wrap: source}
+    _, built = build(image_request(multi_modal_data={"image_url": [raw]}))
+    item = built.message.media[0]
+    assert item.WhichOneof("source") == field
+    assert getattr(item, field) == source  # sent as given, scheme case included
+
+
+@pytest.mark.parametrize("source", ["ftp://x", "file:///etc/passwd", "datа:x", "", "data", "https:/x", " data:x"])
+def test_other_sources_are_rejected_by_the_same_classifier(source: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        classify_media_source(source)
+    assert str(info.value) == MEDIA_SOURCE_ERROR
+    rejects(image_request(multi_modal_data={"image_url": [{"Url": source}]}), MEDIA_SOURCE_ERROR)

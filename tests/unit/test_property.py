@@ -30,6 +30,9 @@ json_scalars = (
     st.none()
     | st.booleans()
     | st.integers(min_value=-(2**60), max_value=2**60)
+    # JSON integers have no size limit: beyond u64 and beyond a float (10**5000, beyond the 4300-digit str()
+    # limit, is in test_typed_errors.py: hypothesis cannot print it).
+    | st.sampled_from([2**64, 10**400, -(10**400)])
     | st.floats(allow_nan=True, allow_infinity=True)
     | st.text(max_size=8)
 )
@@ -65,6 +68,8 @@ def opt(strategy: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
 u32 = st.integers(min_value=0, max_value=2**32 - 1)
 small = st.integers(min_value=-3, max_value=5)
 floats = st.floats(allow_nan=True, allow_infinity=True)
+# A request's float field may be given any JSON number, an integer too large for a float included.
+request_floats = floats | st.integers(-5, 5) | st.sampled_from([10**400, -(10**400)])
 
 stop_conditions = st.fixed_dictionaries(
     {},
@@ -96,13 +101,13 @@ sampling_options = st.fixed_dictionaries(
     optional={
         "n": junk_or(opt(small)),
         "best_of": junk_or(opt(small)),
-        "presence_penalty": junk_or(opt(floats)),
-        "frequency_penalty": junk_or(opt(floats)),
-        "repetition_penalty": junk_or(opt(floats)),
-        "temperature": junk_or(opt(floats)),
-        "top_p": junk_or(opt(floats)),
+        "presence_penalty": junk_or(opt(request_floats)),
+        "frequency_penalty": junk_or(opt(request_floats)),
+        "repetition_penalty": junk_or(opt(request_floats)),
+        "temperature": junk_or(opt(request_floats)),
+        "top_p": junk_or(opt(request_floats)),
         "top_k": junk_or(opt(st.integers(min_value=-(2**31), max_value=2**31 - 1))),
-        "min_p": junk_or(opt(floats)),
+        "min_p": junk_or(opt(request_floats)),
         "use_beam_search": junk_or(opt(st.booleans())),
         "length_penalty": junk_or(opt(st.sampled_from([1.0, 2.0, math.nan]))),
         "seed": junk_or(opt(st.integers(min_value=-(2**63), max_value=2**63 - 1))),
@@ -480,7 +485,7 @@ def test_property_response_conversion_raises_only_protocol_error(
         for value in d.get("log_probs", []):
             assert math.isfinite(value) and value >= -9999.0
         for i, position in enumerate(d.get("top_logprobs", [])):
-            # Clarification #6: the sampled token is listed once, first unless the server listed it.
+            # docs/reference/sidecar.md#per-message-checks: the sampled token is listed once, first unless the server listed it.
             sampled = resp.outputs.token_ids[i]
             listed = [c.id for c in resp.outputs.candidate_tokens[i].tokens]
             ids = [entry["token_id"] for entry in position]
@@ -529,7 +534,7 @@ def test_property_batch_builder_matches_one_message_at_a_time(
     def new_state() -> ResponseState:
         return ResponseState(request, build_generate_request(request, "r", "m", mode), mode)
 
-    # The reference: one message at a time (sidecar.md §14.2, §17.3).
+    # The reference: one message at a time (docs/reference/sidecar.md#per-message-checks, docs/reference/sidecar.md#decode-deferral).
     ref = new_state()
     expected: list[dict[str, Any]] = []
     expected_end: tuple[Any, ...] = ("eof",)
@@ -595,7 +600,7 @@ def plain_values(resp: pb.GenerateResponse) -> tuple[Any, ...] | None:
     if not 0 < seq.num_tokens == len(seq.token_ids):
         return None
     ids = list(seq.token_ids)
-    return (ids[0] if len(ids) == 1 else ids), seq.text or None
+    return (ids[0] if len(ids) == 1 else ids), seq.text
 
 
 @given(resp=st.one_of(token_responses(), responses()))

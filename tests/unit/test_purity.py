@@ -24,6 +24,7 @@ PURE = {
     "convert.batch",
     "multimodal",
     "routing",
+    "sampling_checks",
 }
 FORBIDDEN_TOP = {"trio", "trio_util", "anyio", "asyncio", "socket", "purerpc", "h2", "zmq", "subprocess", "threading"}
 

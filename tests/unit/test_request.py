@@ -1,4 +1,4 @@
-"""Request conversion (sidecar.md §12, §13, §18.1): validation order, mapping, extra_args, kv params."""
+"""Request conversion (docs/reference/sidecar.md#request-conversion, docs/reference/sidecar.md#json-and-protobuf-struct, docs/reference/sidecar.md#data-parallel-rank): validation order, mapping, extra_args, kv params."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def with_(**kw: Any) -> dict[str, Any]:
     return req
 
 
-# ---------------------------------------------------------------- reference mapping (§14.5)
+# ---------------------------------------------------------------- reference mapping (docs/reference/sidecar.md#reference-example)
 
 REFERENCE = {
     "token_ids": [1, 2, 3],
@@ -154,7 +154,7 @@ def test_logprobs_zero_requests_logprobs_without_candidates_count() -> None:
     assert r.output_logprobs and r.HasField("output_candidates") and r.output_candidates.top_n == 0
 
 
-# ---------------------------------------------------------------- validation (§12.2)
+# ---------------------------------------------------------------- validation (docs/reference/sidecar.md#validation-order)
 
 UNSUPPORTED = [
     (with_(token_ids=[]), "token_ids must not be empty"),
@@ -322,7 +322,7 @@ def test_attrs_request_is_revalidated() -> None:
         build_generate_request(structure_request(PreprocessedRequest(stop_conditions=None)), "r", "m", AGG)  # type: ignore[arg-type]
 
 
-# ---------------------------------------------------------------- guided decoding (§12.4)
+# ---------------------------------------------------------------- guided decoding (docs/reference/sidecar.md#guided-decoding)
 
 
 @pytest.mark.parametrize(
@@ -368,7 +368,7 @@ def test_no_constraint_leaves_structured_output_unset() -> None:
     assert d.WhichOneof("structured_output") is None
 
 
-# ---------------------------------------------------------------- extra_args (§12.5)
+# ---------------------------------------------------------------- extra_args (docs/reference/sidecar.md#extra-args)
 
 
 @pytest.mark.parametrize(
@@ -398,7 +398,7 @@ def test_cache_salt_must_match_namespace() -> None:
         with_(extra_args={"nvext": {"cache_salt": "a"}}, routing={"cache_namespace": "b"}),
         "extra_args.nvext.cache_salt `a` does not match routing.cache_namespace `b`",
     )
-    # Clarification #21: routing.cache_salt satisfies the check too.
+    # docs/reference/sidecar.md#extra-args: routing.cache_salt satisfies the check too.
     rejects(
         with_(extra_args={"nvext": {"cache_salt": "a"}}, routing={"cache_salt": "c"}),
         "extra_args.nvext.cache_salt `a` does not match routing.cache_namespace `c`",
@@ -449,7 +449,7 @@ def test_cache_salt(routing: dict, salt: str) -> None:
     assert build(req).message.kv.cache_salt == salt
 
 
-# ---------------------------------------------------------------- kv_transfer_params by mode (§12.6)
+# ---------------------------------------------------------------- kv_transfer_params by mode (docs/reference/sidecar.md#kv-transfer-parameters-by-mode)
 
 
 def test_prefill_mapping() -> None:
@@ -533,7 +533,7 @@ def test_struct_errors_surface_from_conversion() -> None:
     )
 
 
-# ---------------------------------------------------------------- DP rank (§18.1)
+# ---------------------------------------------------------------- DP rank (docs/reference/sidecar.md#data-parallel-rank)
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""Response conversion (sidecar.md §14, clarification #6): every check, logprobs, terminal, handoff."""
+"""Response conversion (docs/reference/sidecar.md#response-conversion, docs/reference/sidecar.md#per-message-checks): every check, logprobs, terminal, handoff."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def fails(st: ResponseState, resp: pb.GenerateResponse, message: str) -> None:
     assert info.value.kind is ErrorKind.UNKNOWN
 
 
-# ------------------------------------------------------------------- reference example (§14.5)
+# ------------------------------------------------------------------- reference example (docs/reference/sidecar.md#reference-example)
 
 
 def test_reference_aggregated_example() -> None:
@@ -121,7 +121,7 @@ def test_engine_data_only_on_the_terminal() -> None:
     assert last is not None and last.engine_data == {"prompt_logprobs": [None, {"6": {"logprob": -1.5, "rank": 4}}]}
 
 
-# ------------------------------------------------------------------- top logprobs (clarification #6)
+# ------------------------------------------------------------------- top logprobs (docs/reference/sidecar.md#per-message-checks)
 
 
 @pytest.mark.parametrize(
@@ -177,7 +177,7 @@ def test_logprob_floor_keeps_finite_values_above() -> None:
     assert chunk is not None and chunk.log_probs == [-9998.5]
 
 
-# ------------------------------------------------------------------- consistency checks (§14.2)
+# ------------------------------------------------------------------- consistency checks (docs/reference/sidecar.md#per-message-checks)
 
 
 def test_prompt_count_mismatch() -> None:
@@ -230,7 +230,7 @@ def test_eof_message_is_a_protocol_error() -> None:
     assert str(err) == "invalid vLLM gRPC response: GenerateStream ended before a terminal response"
 
 
-# ------------------------------------------------------------------- finish / stop reasons (§14.2 item 8)
+# ------------------------------------------------------------------- finish / stop reasons (docs/reference/sidecar.md#per-message-checks item 5)
 
 
 @pytest.mark.parametrize(
@@ -262,16 +262,30 @@ def test_streaming_usage_and_silent_messages() -> None:
     c2 = st.convert(out([11, 12], text=""))
     assert c1 is not None and c2 is not None
     assert c1.to_dict() == {"token_ids": [10], "index": 0, "text": "a"}
-    assert c2.to_dict() == {"token_ids": [11, 12], "index": 0}
+    assert c2.to_dict() == {"token_ids": [11, 12], "index": 0, "text": ""}  # held back: "" (never absent)
     assert st.completion_tokens == 3
     term = st.convert(out([], finish=fin(3, LENGTH)))
     assert term is not None
     assert term.to_dict() == {
         "token_ids": [],
         "index": 0,
+        "text": "",
         "finish_reason": "length",
         "completion_usage": {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8},
     }
+
+
+def test_every_chunk_but_prefills_carries_text_and_prefill_chunks_carry_none() -> None:
+    # Dynamo's frontend detokenizes a chunk without ``text`` itself (a partial UTF-8 token then comes out as
+    # U+FFFD): every non-prefill chunk carries vLLM's text, "" when vLLM held it back.
+    st = state()
+    held = st.convert(out([7], text=""))
+    done = st.convert(out([8], text="\u00e4", finish=fin(2, LENGTH)))
+    assert held is not None and done is not None
+    assert [held.to_dict()["text"], done.to_dict()["text"]] == ["", "\u00e4"]
+    assert state().cancelled_chunk().to_dict()["text"] == ""
+    prefill = state(mode=PREFILL)
+    assert "text" not in prefill.cancelled_chunk().to_dict()
 
 
 def test_data_after_terminal_is_ignored() -> None:
@@ -341,6 +355,7 @@ def test_cancelled_chunk_counts_streamed_tokens() -> None:
     assert st.cancelled_chunk().to_dict() == {
         "token_ids": [],
         "index": 0,
+        "text": "",
         "finish_reason": "cancelled",
         "completion_usage": {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3},
     }
@@ -387,7 +402,7 @@ def test_repr_shows_live_state() -> None:
     ("req", "mode", "resp", "plain"),
     [
         (None, AGG, out([5], text="a"), (5, "a")),
-        (None, AGG, out([5]), (5, None)),
+        (None, AGG, out([5]), (5, "")),
         (None, AGG, out([5, 300, 70000], text="é"), ([5, 300, 70000], "é")),
         (None, DECODE, out([5], text="a"), (5, "a")),
         (None, AGG, out([]), None),  # no tokens: no chunk
@@ -443,12 +458,12 @@ def encoded(ids: bytes, count: int, text: bytes = b"") -> bytes:
     ("data", "fields"),
     [
         (encoded(b"\x05", 1, b"a"), (5, "a")),
-        (encoded(varint(300), 1), (300, None)),
+        (encoded(varint(300), 1), (300, "")),
         (encoded(varint(70000), 1, "é".encode()), (70000, "é")),
-        (encoded(varint(2**32 - 1), 1), (2**32 - 1, None)),  # five bytes
-        (encoded(b"\x01" + varint(300) + varint(2**30), 3), ([1, 300, 2**30], None)),
+        (encoded(varint(2**32 - 1), 1), (2**32 - 1, "")),  # five bytes
+        (encoded(b"\x01" + varint(300) + varint(2**30), 3), ([1, 300, 2**30], "")),
         (encoded(b"\x05", 1, b"t" * 200), (5, "t" * 200)),  # two-byte lengths
-        (b"\x12\x85\x00" + encoded(b"\x05", 1)[2:], (5, None)),  # an overlong length: protobuf reads it too
+        (b"\x12\x85\x00" + encoded(b"\x05", 1)[2:], (5, "")),  # an overlong length: protobuf reads it too
         (encoded(b"\x01\x02", 1), None),  # two ids, one counted
         (encoded(varint(300) + b"\x02", 1), None),
         (encoded(b"\x01" + varint(300), 1), None),
@@ -474,4 +489,4 @@ def test_plain_token_fields_reads_only_canonical_tokens_and_text(data: bytes, fi
     if fields is not None:  # what protobuf reads from the same bytes
         seq = pb.GenerateResponse.FromString(data).outputs
         ids = list(seq.token_ids)
-        assert fields == ((ids[0] if len(ids) == 1 else ids), seq.text or None)
+        assert fields == ((ids[0] if len(ids) == 1 else ids), seq.text)

@@ -1,4 +1,4 @@
-"""KV-event source validation and wildcard rewrite (sidecar.md §18.2); DP rank selection (§18.1)."""
+"""KV-event source validation and wildcard rewrite (docs/reference/sidecar.md#kv-event-sources); DP rank selection (docs/reference/sidecar.md#data-parallel-rank)."""
 
 from __future__ import annotations
 

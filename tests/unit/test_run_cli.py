@@ -1,4 +1,5 @@
-"""``trio-sidecar run`` flags and environment (sidecar.md §3, clarifications #12, #14, #16)."""
+"""``trio-sidecar run`` flags and environment (docs/reference/sidecar.md#configuration, docs/reference/sidecar.md#exit-codes,
+docs/reference/worker.md#graceful-shutdown-and-drain)."""
 
 from __future__ import annotations
 

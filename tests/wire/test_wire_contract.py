@@ -1,7 +1,7 @@
-"""Pin every message, field number, type and label of the wire contract (vllm-grpc-contract.md §3–§7).
+"""Pin every message, field number, type and label of the wire contract (docs/reference/wire.md#services-and-methods, docs/reference/wire.md#health).
 
 The table below is this project's own copy of the contract; the generated descriptors must match it
-exactly, so an accidental renumbering (the 2d2c3af fork collision of contract §12) fails here.
+exactly, so an accidental renumbering (the 2d2c3af fork collision of docs/reference/wire.md#field-number-history) fails here.
 """
 
 from __future__ import annotations
@@ -352,7 +352,7 @@ def test_sentinel_fields_encode_to_pinned_tags(message, first_tag: bytes) -> Non
 
 
 def test_dp_rank_is_not_a_body_field() -> None:
-    # The released protocol carries the rank only as `x-data-parallel-rank` metadata (contract §1).
+    # The released protocol carries the rank only as `x-data-parallel-rank` metadata (docs/reference/wire.md#protocol-choice).
     fields = {f.name for f in inference_pb2.GenerateRequest.DESCRIPTOR.fields}
     assert not any("parallel" in name for name in fields)
     assert inference_pb2.GenerateRequest.DESCRIPTOR.fields_by_number[15].type == _d.FieldDescriptor.TYPE_STRING

@@ -1,4 +1,4 @@
-"""Pure conversion between Dynamo's shapes and vLLM's ``vllm.Inference`` messages (sidecar.md §12–§14).
+"""Pure conversion between Dynamo's shapes and vLLM's ``vllm.Inference`` messages (docs/reference/sidecar.md#request-conversion, docs/reference/sidecar.md#response-conversion).
 
 No I/O and no Trio: ``build_generate_request`` validates and maps a request; ``ResponseState`` turns the
 response stream into output chunks one message at a time (events in, values out, like h11).

@@ -1,11 +1,11 @@
-"""The request task's decisions, message by message, and the batches it hands over (sidecar.md §14, §17.3).
+"""The request task's decisions, message by message, and the batches it hands over (docs/reference/sidecar.md#response-conversion, docs/reference/sidecar.md#decode-deferral).
 PURE: no I/O, no Trio.
 
 Theory of operation
 -------------------
 The engine's request task (``SidecarEngine._pump``) reads ``GenerateStream`` and feeds every message, as
 received (serialized), to :meth:`BatchBuilder.add`, which converts it (:class:`~.response.ResponseState`,
-with every §14 check) and answers one question: does the request go on after this message?
+with every check of docs/reference/sidecar.md#response-conversion) and answers one question: does the request go on after this message?
 
 * :data:`MORE`: the message's chunk, if it has one, joined the open batch. The task feeds the next message
   the transport already received, if there is one; otherwise it hands the open batch over
@@ -18,10 +18,10 @@ with every §14 check) and answers one question: does the request go on after th
 
 The stream ending without a terminal is :meth:`BatchBuilder.eof`.
 
-Decode deferral (§17.3): until a message completes the KV transfer (``ResponseState.completes_transfer``:
+Decode deferral (docs/reference/sidecar.md#decode-deferral): until a message completes the KV transfer (``ResponseState.completes_transfer``:
 a token or the finish) no message has a chunk, so the open batch is still empty when that message comes.
 Its chunk starts the batch, unless the client's cancellation was recorded meanwhile: then the request ends
-with the cancelled chunk, whose usage counts the replaced chunk (clarification #3).
+with the cancelled chunk, whose usage counts the replaced chunk (docs/reference/sidecar.md#decode-deferral).
 
 The common message (tokens and text only) is read straight from its bytes (``ResponseState.convert_plain``);
 any other is parsed and converted in full. A :class:`ChunkBatch` keeps such a plain chunk as its token ids
@@ -67,7 +67,7 @@ WARN_ERROR_AFTER_CANCEL = "vLLM GenerateStream failed before transfer completion
 WARN_CONVERSION_AFTER_CANCEL = "vLLM response conversion failed after request cancellation"
 EOF_BEFORE_TERMINAL = "GenerateStream ended before a terminal response"
 #: A message that does not parse: reported as the transport's ``RpcError`` for it (INTERNAL); the stream is
-#: abandoned (the server did not end it), so an ``Abort`` follows (§17.4).
+#: abandoned (the server did not end it), so an ``Abort`` follows (docs/reference/sidecar.md#abort-after-abandoning-a-stream).
 PARSE_ERROR = "failed to parse a response message of /vllm.Inference/GenerateStream"
 
 _parse = inference_pb2.GenerateResponse.FromString
@@ -171,8 +171,8 @@ def deliver_items(
     """Hand every chunk of a batch's pairs (:meth:`BatchBuilder.take_items`) over in order: a plain one as
     ``tokens(token_ids, text)`` (a fresh list), any other as ``chunk(chunk)``; what :class:`ChunkBatch` would
     return one at a time, without building the plain chunks. Consecutive plain chunks go over as one
-    ``tokens`` call: their ids in order, their texts joined (``None`` when all are empty), as the Dynamo
-    bridge would merge the deltas anyway (``bridge.merge_run``)."""
+    ``tokens`` call: their ids in order, their texts concatenated exactly (``""`` when all are empty), as
+    the Dynamo bridge would merge the deltas anyway (``bridge.merge_run``)."""
     index = 0
     size = len(items)
     while index < size:
@@ -195,7 +195,7 @@ def deliver_items(
                     merged += more
                 texts.append(items[index + 1])
                 index += 2
-            tokens(merged, "".join([t for t in texts if t]) or None)
+            tokens(merged, "".join(texts))
         else:
             tokens([ids] if kind is int else ids, text)
 
@@ -208,7 +208,7 @@ class BatchBuilder:
 
     Args:
         state: the request's conversion state; :meth:`add` converts with it.
-        decode: decode mode (§17.3): cancellation is deferred until the KV transfer completed.
+        decode: decode mode (docs/reference/sidecar.md#decode-deferral): cancellation is deferred until the KV transfer completed.
 
     Attributes:
         transfer_completed: decode mode: a message completed the KV transfer (the engine's
@@ -249,7 +249,7 @@ class BatchBuilder:
             response = _parse(data)
         except DecodeError:
             # Reported as the transport's RpcError for it (INTERNAL) always read; but the server has not
-            # ended the stream, so the sidecar abandons it and sends an Abort (sidecar.md §17.4).
+            # ended the stream, so the sidecar abandons it and sends an Abort (docs/reference/sidecar.md#abort-after-abandoning-a-stream).
             if request_cancelled:
                 final = state.cancelled_chunk()
                 self.ending = Ending(server_ended=False, final=final, warning=WARN_ERROR_AFTER_CANCEL)
@@ -275,7 +275,7 @@ class BatchBuilder:
         if chunk is None:
             return MORE
         if completing and request_cancelled:
-            # §17.3 step 3 and clarification #3: the chunk with the first token is replaced by the cancelled
+            # docs/reference/sidecar.md#decode-deferral, step 3: the chunk with the first token is replaced by the cancelled
             # chunk, whose usage counts it.
             self.ending = Ending(
                 server_ended=state.finished,

@@ -1,6 +1,6 @@
-"""``PreprocessedRequest`` → ``GenerateRequest`` (sidecar.md §12, §13, §18.1, §19). PURE: no I/O, no Trio.
+"""``PreprocessedRequest`` → ``GenerateRequest`` (docs/reference/sidecar.md#request-conversion, docs/reference/sidecar.md#json-and-protobuf-struct, docs/reference/sidecar.md#data-parallel-rank, docs/reference/sidecar.md#multimodal-requests). PURE: no I/O, no Trio.
 
-Validation runs first, in the §12.2 order, so the error a caller sees is the one upstream reports; only
+Validation runs first, in the order (docs/reference/sidecar.md#validation-order), so the error a caller sees is the one upstream reports; only
 a request that passed every check is mapped. Nothing here touches the network: a rejected request never
 reaches vLLM.
 """
@@ -27,6 +27,7 @@ from ..multimodal import (
 )
 from ..protocol import PreprocessedRequest
 from ..routing import dp_rank_metadata, select_dp_rank
+from ..sampling_checks import sampling_error
 
 __all__ = ["BuiltRequest", "build_generate_request", "CACHE_SALT_PREFIX", "F32_EPSILON", "I32_MAX"]
 
@@ -68,7 +69,7 @@ def build_generate_request(
     served_model_name: str,
     mode: DisaggregationMode,
 ) -> BuiltRequest:
-    """Validate (§12.2 order) and map (§12.3) a request.
+    """Validate (in the order of docs/reference/sidecar.md#validation-order) and map (docs/reference/sidecar.md#field-mapping) a request.
 
     Args:
         request: a structured request (see ``protocol.structure_request``).
@@ -80,7 +81,7 @@ def build_generate_request(
         The ``GenerateRequest`` plus per-call metadata and bookkeeping for ``ResponseState``.
 
     Raises:
-        InvalidArgument: with the exact §12/§13/§19 texts.
+        InvalidArgument: with the exact texts of docs/reference/sidecar.md#request-conversion.
     """
     mode = DisaggregationMode.parse(mode)
     stop = request.stop_conditions
@@ -88,7 +89,7 @@ def build_generate_request(
     output = request.output_options
     routing = request.routing
 
-    # §12.2 rows 1-14.
+    # docs/reference/sidecar.md#validation-order rows 1-14.
     if not request.token_ids:
         raise InvalidArgument("token_ids must not be empty")
     if request.prompt_embeds is not None:
@@ -202,6 +203,12 @@ def build_generate_request(
     if send_media:
         message.media.extend(items)
 
+    # vLLM's float sampling checks, on the f32 values it will see, with its texts (docs/conformance.md).
+    if not _vllm_rejects_stopping_first(st):
+        problem = sampling_error(message)
+        if problem is not None:
+            raise InvalidArgument(problem)
+
     rank = select_dp_rank(routing, mode)
     return BuiltRequest(
         message=message,
@@ -212,12 +219,23 @@ def build_generate_request(
     )
 
 
+def _vllm_rejects_stopping_first(stopping: inference_pb2.StoppingCriteria) -> bool:
+    """Whether vLLM may reject the stopping criteria (an empty stop string, ``min_tokens`` above
+    ``max_tokens``) before it checks the float sampling fields. Such a request is sent as it is, so the
+    caller sees the error vLLM reports first, whichever it is."""
+    if any(text == "" for text in stopping.stop_strings):
+        return True
+    return stopping.min_new_tokens > 0 and (
+        stopping.max_new_tokens == 0 or stopping.min_new_tokens > stopping.max_new_tokens
+    )
+
+
 def _or_zero(value: float | None) -> float:
     return 0.0 if value is None else value
 
 
 def _structured_output(request: PreprocessedRequest) -> tuple[str, Any] | None:
-    """§12.4: at most one constraint; ``backend``/``whitespace_pattern`` are rejected."""
+    """docs/reference/sidecar.md#guided-decoding: at most one constraint; ``backend``/``whitespace_pattern`` are rejected."""
     guided = request.sampling_options.guided_decoding
     if guided is None:
         return None
@@ -246,7 +264,7 @@ def _compact_json(value: Any, what: str) -> str:
 
 
 def _extra_args(request: PreprocessedRequest, media_present: bool) -> _Extras:
-    """§12.5 validation; returns the values the mapping needs."""
+    """The ``extra_args`` validation (docs/reference/sidecar.md#extra-args); returns the values the mapping needs."""
     extra = request.extra_args
     if extra is None:
         return _Extras(bypass_prefix_cache=False, kv_transfer_params=None, mm_hashes=None)
@@ -294,7 +312,7 @@ def _extra_args(request: PreprocessedRequest, media_present: bool) -> _Extras:
 
 
 def _cache_namespace(routing: Any) -> str | None:
-    # Clarification #21: either routing name satisfies the checks; cache_namespace wins when both are set.
+    # docs/reference/sidecar.md#extra-args: either routing name satisfies the checks; cache_namespace wins when both are set.
     if routing.cache_namespace is not None:
         return routing.cache_namespace
     return routing.cache_salt
@@ -310,7 +328,7 @@ def _cache_salt(routing: Any) -> str:
 
 
 def _kv_transfer_params(request: PreprocessedRequest, extras: _Extras, mode: DisaggregationMode) -> Any:
-    """§12.6 by mode, encoded per §13 (``None`` = field unset)."""
+    """``kv_transfer_params`` by mode (docs/reference/sidecar.md#kv-transfer-parameters-by-mode), encoded as in docs/reference/sidecar.md#json-and-protobuf-struct (``None`` = field unset)."""
     caller = extras.kv_transfer_params
     if mode is DisaggregationMode.DECODE:
         prefill = request.prefill_result
@@ -322,7 +340,10 @@ def _kv_transfer_params(request: PreprocessedRequest, extras: _Extras, mode: Dis
         forwarded = {k: v for k, v in params.items() if k != HANDOFF_KEY}
         port = forwarded.get("remote_port")
         if _is_whole_non_negative(port):
-            forwarded["remote_port"] = str(int(port))
+            try:
+                forwarded["remote_port"] = str(int(port))
+            except ValueError:  # beyond Python's 4300-digit limit: left as a number, which Struct refuses
+                pass
         return json_to_struct(forwarded)
     if mode is DisaggregationMode.PREFILL:
         if caller is None:

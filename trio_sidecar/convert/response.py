@@ -1,4 +1,4 @@
-"""``GenerateResponse`` stream → ``LLMEngineOutput`` chunks (sidecar.md §14, §19.5). PURE: no I/O, no Trio.
+"""``GenerateResponse`` stream → ``LLMEngineOutput`` chunks (docs/reference/sidecar.md#response-conversion, docs/reference/sidecar.md#multimodal-requests). PURE: no I/O, no Trio.
 
 Theory of operation: :class:`ResponseState` is fed each received message in order (``convert``) and
 returns at most one chunk per message; it never reads a socket. It checks every message against the
@@ -54,8 +54,8 @@ def plain_token_fields(data: bytes) -> tuple[int | list[int], str | None] | None
     It skips the ``GenerateResponse`` objects that parsing and reading fields of (~1 µs) cost per token.
 
     Returns:
-        ``(token_ids, text)``: ``token_ids`` the id itself for one token, else a list; ``text`` ``None``
-        when empty.
+        ``(token_ids, text)``: ``token_ids`` the id itself for one token, else a list; ``text`` the
+        message's text, ``""`` when it has none.
     """
     try:
         size = len(data)
@@ -70,7 +70,7 @@ def plain_token_fields(data: bytes) -> tuple[int | list[int], str | None] | None
             pos = 3
         if pos + length != size:
             return None
-        text = None
+        text = ""
         if data[pos] == 0x12:  # SequenceOutput.text (field 2)
             length = data[pos + 1]
             pos += 2
@@ -80,7 +80,7 @@ def plain_token_fields(data: bytes) -> tuple[int | list[int], str | None] | None
                 length = (length & 0x7F) | (data[pos] << 7)
                 pos += 1
             end = pos + length
-            text = data[pos:end].decode() or None  # (beyond the end: the reads below fail)
+            text = data[pos:end].decode()  # (beyond the end: the reads below fail)
             pos = end
         # num_tokens (field 3, varint), then token_ids (field 4, packed): their length reaches the end.
         if data[pos] != 0x18 or data[pos + 2] != 0x22:
@@ -135,7 +135,7 @@ def _length_error(kind: str, expected: int, token_ids: int, logprobs: int, ranks
 
 
 class ResponseState:
-    """Per-request response conversion state (§14.1).
+    """Per-request response conversion state (docs/reference/sidecar.md#per-message-checks).
 
     Attributes:
         prompt_tokens: usage prompt count (with media: vLLM's ``num_prompt_tokens``, once seen).
@@ -167,12 +167,16 @@ class ResponseState:
         return 0 if self.is_prefill else self.completion_tokens
 
     def cancelled_chunk(self) -> LLMEngineOutput:
-        """The §14.4 cancelled chunk with the usage accumulated so far."""
-        return cancelled_chunk(self.prompt_tokens, self.reported_completion_tokens())
+        """The cancelled chunk (docs/reference/sidecar.md#output-chunks) with the usage accumulated so far
+        (``text`` ``""`` unless prefill, like every other output chunk)."""
+        chunk = cancelled_chunk(self.prompt_tokens, self.reported_completion_tokens())
+        if not self.is_prefill:
+            chunk.text = ""
+        return chunk
 
     @staticmethod
     def completes_transfer(response: inference_pb2.GenerateResponse) -> bool:
-        """Decode deferral (§17.3): a token arrived or the request finished."""
+        """Decode deferral (docs/reference/sidecar.md#decode-deferral): a token arrived or the request finished."""
         if not response.HasField("outputs"):
             return False
         outputs = response.outputs
@@ -183,13 +187,13 @@ class ResponseState:
 
         A *plain* message carries outputs with token ids, a matching ``num_tokens`` and optionally text,
         and nothing else (:func:`plain_token_fields`), in a request whose chunks carry tokens and text
-        without logprobs (aggregated or decode mode). For it every §14.2 check passes and :meth:`convert`
+        without logprobs (aggregated or decode mode). For it every check (docs/reference/sidecar.md#per-message-checks) passes and :meth:`convert`
         would return ``LLMEngineOutput(token_ids=..., text=...)`` with nothing else set.
 
         Returns:
             ``(token_ids, text)`` after counting the tokens, ``token_ids`` being the id itself for a single
-            token (no list to allocate; see ``convert.batch``) and ``text`` ``None`` when empty, as in
-            :meth:`convert`; or ``None``, counting nothing, for any other message: parse and
+            token (no list to allocate; see ``convert.batch``) and ``text`` ``""`` when the message has none,
+            as in :meth:`convert`; or ``None``, counting nothing, for any other message: parse and
             :meth:`convert` it then (it runs the checks and raises where one fails).
         """
         if self.finished or not self._plain_chunks:
@@ -201,10 +205,10 @@ class ResponseState:
         return fields
 
     def convert(self, response: inference_pb2.GenerateResponse) -> LLMEngineOutput | None:
-        """Convert one message (§14.2); ``None`` when it yields no chunk.
+        """Convert one message (docs/reference/sidecar.md#per-message-checks); ``None`` when it yields no chunk.
 
         Raises:
-            ProtocolError: a §14.2 / §19.5 consistency check failed.
+            ProtocolError: a consistency check failed (docs/reference/sidecar.md#per-message-checks, docs/reference/sidecar.md#multimodal-requests).
         """
         if self.finished:
             return None  # anything after the terminal is ignored
@@ -224,7 +228,10 @@ class ResponseState:
             chunk = LLMEngineOutput()
         else:
             # (built with its fields at once: cheaper than assigning them after construction)
-            chunk = LLMEngineOutput(token_ids=list(token_ids), text=outputs.text or None)
+            # ``text`` is always a string, ``""`` when vLLM sent none (its incremental detokenizer holds back
+            # an incomplete UTF-8 sequence): without it Dynamo's frontend would detokenize the chunk's tokens
+            # itself and a partial multi-byte character would come out as U+FFFD (docs/dynamo.md).
+            chunk = LLMEngineOutput(token_ids=list(token_ids), text=outputs.text)
             if self.output_logprobs is not None:
                 self._output_logprobs(outputs, chunk)
 
@@ -242,7 +249,7 @@ class ResponseState:
 
     def _prompt_info(self, info: inference_pb2.PromptInfo) -> None:
         if self.has_media:
-            # vLLM's expanded prompt is authoritative (§19.3).
+            # vLLM's expanded prompt is authoritative (docs/reference/sidecar.md#multimodal-requests).
             self.prompt_tokens = info.num_prompt_tokens
         elif info.num_prompt_tokens != self.prompt_tokens:
             raise ProtocolError(
@@ -267,7 +274,7 @@ class ResponseState:
         for token_id, logprob, rank, candidates in zip(
             outputs.token_ids, outputs.logprobs, outputs.ranks, outputs.candidate_tokens
         ):
-            # Clarification #6: the server's candidates in its order; the sampled token first only if absent.
+            # docs/reference/sidecar.md#per-message-checks: the server's candidates in its order; the sampled token first only if absent.
             position = [
                 TopLogprob(rank=c.rank, token_id=c.id, logprob=normalize_logprob(c.logprob))
                 for c in candidates.tokens

@@ -1,4 +1,4 @@
-"""The Dynamo upstream: the asyncio-thread bridge and the ``trio-sidecar run`` worker (dynamo-worker.md).
+"""The Dynamo upstream: the asyncio-thread bridge and the ``trio-sidecar run`` worker (docs/reference/worker.md).
 
 Importing this package never imports Dynamo; :mod:`trio_sidecar.dynamo.worker` does so lazily, so the
 optional ``dynamo`` extra is needed only to actually run a worker.

@@ -1,4 +1,4 @@
-"""The asyncio-thread bridge between Dynamo's runtime and the Trio sidecar (dynamo-worker.md §10).
+"""The asyncio-thread bridge between Dynamo's runtime and the Trio sidecar (docs/reference/worker.md#the-asyncio-thread-bridge).
 
 Theory of operation
 -------------------
@@ -547,13 +547,11 @@ class _Sink:
         if not self.ended:
             self._item.emit(chunk.to_dict())
 
-    def tokens(self, token_ids: list[int], text: str | None) -> None:
-        """``chunk(token_chunk(token_ids, text))`` without building the chunk: its dict directly."""
+    def tokens(self, token_ids: list[int], text: str) -> None:
+        """``chunk(token_chunk(token_ids, text))`` without building the chunk: its dict directly (``text``
+        always present, ``""`` included: see ``LLMEngineOutput``)."""
         if not self.ended:
-            if text is None:
-                self._item.emit({"token_ids": token_ids, "index": 0})
-            else:
-                self._item.emit({"token_ids": token_ids, "index": 0, "text": text})
+            self._item.emit({"token_ids": token_ids, "index": 0, "text": text})
 
     def end(self, final: Any, error: BaseException | None) -> None:
         """The request's last output, then the end sentinel; only the first call counts. Never raises."""
@@ -834,7 +832,7 @@ class RequestBridge:
         )
 
 
-# Keys a chunk may carry and still be merged with its successor (a plain token delta, sidecar.md §14.4).
+# Keys a chunk may carry and still be merged with its successor (a plain token delta, docs/reference/sidecar.md#output-chunks).
 _DELTA_KEYS = frozenset({"token_ids", "index", "text", "log_probs", "top_logprobs"})
 _LIST_KEYS = ("token_ids", "log_probs", "top_logprobs")
 
@@ -859,9 +857,8 @@ def merge_deltas(first: dict, second: dict) -> dict | None:
     for key in _LIST_KEYS:
         if key in first:
             merged[key] = [*first[key], *second[key]]
-    text = (first.get("text") or "") + (second.get("text") or "")
-    if text:
-        merged["text"] = text
+    if "text" in first or "text" in second:  # (concatenated exactly; a chunk without text has none)
+        merged["text"] = first.get("text", "") + second.get("text", "")
     return merged
 
 
@@ -902,9 +899,8 @@ def merge_run(run: list[dict]) -> dict:
             for chunk in run:
                 values += chunk[key]
             merged[key] = values
-    text = "".join([chunk.get("text") or "" for chunk in run])
-    if text:
-        merged["text"] = text
+    if any("text" in chunk for chunk in run):  # (concatenated exactly, as merge_deltas)
+        merged["text"] = "".join([chunk.get("text", "") for chunk in run])
     return merged
 
 

@@ -1,7 +1,7 @@
 """A local Dynamo deployment on loopback: processes, ports and a small HTTP client (stdlib only).
 
 Used by ``examples/demo.py``, ``bench/e2e.py`` and the Dynamo end-to-end tests. Everything binds 127.0.0.1,
-uses file discovery in a private directory (dynamo-worker.md §11), and every process this module starts is
+uses file discovery in a private directory (docs/reference/worker.md#local-setup-for-tests), and every process this module starts is
 stopped by its own PID (SIGTERM, then SIGKILL after a grace period).
 
 Synchronous on purpose: these helpers drive separate processes and are called from scripts and plain
@@ -26,6 +26,7 @@ from typing import IO, Any
 
 __all__ = [
     "LOOPBACK",
+    "PRE_COMMIT_ERROR_PEEK_MS",
     "Process",
     "dynamo_env",
     "free_port",
@@ -41,6 +42,11 @@ __all__ = [
 ]
 
 LOOPBACK = "127.0.0.1"
+#: The frontend waits up to this long (ms) for a request's first output before it commits HTTP 200 to a
+#: streaming response, so an error that comes first is answered with its HTTP status (400 for an invalid
+#: argument) like the native sidecar's. Dynamo 1.6.1's frontend does this only when
+#: ``DYN_HTTP_PRE_COMMIT_ERROR_PEEK_MS`` is set (docs/dynamo.md, "Errors before the first output").
+PRE_COMMIT_ERROR_PEEK_MS = "1000"
 _MOCK_LISTENING = re.compile(r"trio-sidecar mock listening on ([0-9.]+):(\d+)")
 
 
@@ -156,7 +162,8 @@ def start_frontend(workdir: Path, env: Mapping[str, str], *, namespace: str | No
         if router_mode:
             argv += ["--router-mode", router_mode]
         argv += list(extra)
-        proc = Process("frontend", argv, env=env, log_path=workdir / f"frontend-{http_port}.log")
+        proc = Process("frontend", argv, env={"DYN_HTTP_PRE_COMMIT_ERROR_PEEK_MS": PRE_COMMIT_ERROR_PEEK_MS, **env},
+                       log_path=workdir / f"frontend-{http_port}.log")
         if _wait_accepting(http_port, proc, timeout):
             return proc, http_port
         proc.stop()

@@ -1,4 +1,4 @@
-"""``trio-sidecar run``: serve a vLLM gRPC engine as a Dynamo 1.6.1 worker (dynamo-worker.md §7–§10).
+"""``trio-sidecar run``: serve a vLLM gRPC engine as a Dynamo 1.6.1 worker (docs/reference/worker.md#registration, docs/reference/worker.md#the-asyncio-thread-bridge).
 
 Theory of operation
 -------------------
@@ -8,21 +8,21 @@ is created and touched only there, through :meth:`AsyncioThread.run`. Lifetimes 
 
     trio.run
     └─ signal watcher                      first signal: cancel startup / begin the graceful shutdown
-       └─ bootstrap discovery              (sidecar.md §9.1) — before any Dynamo object exists
-          └─ asyncio thread + runtime      DistributedRuntime, endpoint (dynamo-worker.md §7 steps 1–2)
-             └─ open_sidecar(expected=…)   the start phase (§9.2, §10), prober, abort sender
+       └─ bootstrap discovery              (docs/reference/sidecar.md#bootstrap-phase) — before any Dynamo object exists
+          └─ asyncio thread + runtime      DistributedRuntime, endpoint (docs/reference/worker.md#startup-sequence)
+             └─ open_sidecar(expected=…)   the start phase (docs/reference/sidecar.md#start-phase, docs/reference/sidecar.md#identity-check), prober, abort sender
                 └─ request nursery         dispatcher + one task per request (bridge)
                    registration            serve_endpoint, register_model, KvEventPublisher per source
-                   health supervisor       unregister/re-register on NOT_SERVING (clarifications #4, #5)
+                   health supervisor       unregister/re-register on NOT_SERVING (docs/reference/worker.md#out-of-rotation-while-vllm-is-not-serving, docs/reference/sidecar.md#recovery)
                    wait                    for the shutdown request, a fatal prober error or a dead runtime
 
-Shutdown (§16, dynamo-worker.md §9): stop admitting, ``runtime.shutdown()`` on the loop (unregisters the
+Shutdown (docs/reference/sidecar.md#lifecycle, docs/reference/worker.md#graceful-shutdown-and-drain): stop admitting, ``runtime.shutdown()`` on the loop (unregisters the
 instance at once, then the runtime drains in-flight handlers), wait for ``serve_endpoint``'s future for up
 to ``drain_timeout`` — after it, every remaining request is stopped (it ends with its cancelled chunk and
-an Abort is queued, clarification #14) — then leave ``open_sidecar`` (cleanup), stop the loop, join the
+an Abort is queued, docs/reference/worker.md#graceful-shutdown-and-drain) — then leave ``open_sidecar`` (cleanup), stop the loop, join the
 thread. A second SIGINT/SIGTERM exits 1 at once.
 
-Exit codes (clarification #12): 0 after a graceful shutdown (also when the signal arrives during startup,
+Exit codes (docs/reference/sidecar.md#exit-codes): 0 after a graceful shutdown (also when the signal arrives during startup,
 with the log line ``runtime shut down during sidecar initialization``); 1 for a startup failure (printed
 as ``error: {message}``), a fatal identity change after recovery, or a runtime that stopped by itself.
 """
@@ -83,7 +83,7 @@ def worker_namespace(namespace: str, environ: Mapping[str, str] = os.environ) ->
 
 @attrs.frozen(kw_only=True)
 class WorkerPlan:
-    """Everything ``register_model`` and the publishers need, as plain values (dynamo-worker.md §7)."""
+    """Everything ``register_model`` and the publishers need, as plain values (docs/reference/worker.md#registration)."""
 
     endpoint_path: str  # "ns.component.endpoint"
     model_path: str
@@ -109,7 +109,7 @@ def plan_registration(
     *,
     environ: Mapping[str, str] = os.environ,
 ) -> WorkerPlan:
-    """Build the registration from the start-phase ``EngineConfig`` (sidecar.md §11, dynamo-worker.md §7).
+    """Build the registration from the start-phase ``EngineConfig`` (docs/reference/sidecar.md#registration-data, docs/reference/worker.md#registration).
 
     Raises:
         InvalidArgument: an endpoint type other than ``chat``/``completions``, or an unsupported mode.
@@ -180,7 +180,7 @@ def health_check_payload(model_path: str, environ: Mapping[str, str] = os.enviro
     Dynamo's token-input backends use one BOS token, ``max_tokens`` 1, ``ignore_eos``, temperature 0, and
     the ``_HEALTH_CHECK`` marker; ``DYN_HEALTH_CHECK_PAYLOAD`` (JSON, or ``@file``) overrides it. The BOS id
     comes from the model directory's ``generation_config.json``/``config.json`` when readable, else 1.
-    Canaries are served like any other request (clarification #23).
+    Canaries are served like any other request (docs/reference/worker.md#health-canaries).
     """
     payload: dict[str, Any] = {
         "token_ids": [_bos_token_id(model_path)],
@@ -244,7 +244,7 @@ class DynamoSide:
     async def serve_and_register(self, plan: WorkerPlan, handler: Callable[..., Any]) -> None:
         from dynamo.llm import ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
 
-        # serve_endpoint returns a Future, not a coroutine (dynamo-worker.md §16).
+        # serve_endpoint returns a Future, not a coroutine (docs/reference/worker.md#pitfalls).
         self.serve = asyncio.ensure_future(
             self.endpoint.serve_endpoint(handler, health_check_payload=plan.health_check_payload)
         )
@@ -271,7 +271,7 @@ class DynamoSide:
             self.serve.result()
 
     async def replace_publishers(self, plan: WorkerPlan, sources: Sequence[KvEventSource]) -> int:
-        """Shut down the current KV publishers and create one per source (dynamo-worker.md §7 step 6)."""
+        """Shut down the current KV publishers and create one per source (docs/reference/worker.md#kv-events)."""
         from dynamo.llm import KvEventPublisher
 
         self.shutdown_publishers()
@@ -476,7 +476,7 @@ def exit_on_late_signals() -> None:
 
     After the Trio run, the process still tears down Dynamo's runtime at interpreter exit (~250 ms), when
     Trio's signal receiver is gone: a signal then would get the default action (killed by SIGTERM, or a
-    KeyboardInterrupt traceback) instead of the "second signal exits 1" of clarification #12.
+    KeyboardInterrupt traceback) instead of the "second signal exits 1" of docs/reference/sidecar.md#exit-codes.
     """
 
     def exit_now(signum: int, _frame: object) -> None:
@@ -627,7 +627,7 @@ async def _watch_serving(thread: AsyncioThread, dynamo: DynamoSide, ended: trio.
 
 
 async def _drain(options: WorkerOptions, thread: AsyncioThread, dynamo: DynamoSide, bridge: RequestBridge) -> None:
-    """Graceful shutdown: unregister at once, drain up to ``drain_timeout``, then stop the rest (#14)."""
+    """Graceful shutdown: unregister at once, drain up to ``drain_timeout``, then stop the rest (docs/reference/worker.md#graceful-shutdown-and-drain)."""
     in_flight = len(bridge.in_flight)
     LOGGER.info("draining %d in-flight request(s) (up to %s)", in_flight, format_duration(options.drain_timeout))
     await thread.run(dynamo.shutdown)
@@ -651,7 +651,7 @@ async def _supervise_health(
     plan: WorkerPlan,
     sources: tuple[KvEventSource, ...],
 ) -> None:
-    """Take the instance out of rotation while vLLM is not serving (clarifications #4 and #5).
+    """Take the instance out of rotation while vLLM is not serving (docs/reference/worker.md#out-of-rotation-while-vllm-is-not-serving, docs/reference/sidecar.md#recovery).
 
     After ``unserving_grace`` of continuous non-SERVING state, ``unregister_endpoint_instance()``; on
     recovery (the prober only returns to SERVING after re-checking identity and DP size),

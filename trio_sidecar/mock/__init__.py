@@ -1,8 +1,8 @@
-"""The CPU-only mock vLLM gRPC server (mock-server.md).
+"""The CPU-only mock vLLM gRPC server (docs/reference/mock.md).
 
 ``open_mock_server(MockConfig(...))`` runs it inside a test or an application (or
 ``await nursery.start(serve_mock, config)``); ``trio-sidecar mock`` runs it
-as a process. ``planned_tokens`` and ``request_uuid`` are the deterministic functions of §7, for choosing
+as a process. ``planned_tokens`` and ``request_uuid`` are the deterministic functions of docs/reference/mock.md#deterministic-generation, for choosing
 stop tokens and checking outputs.
 
 The exports are resolved lazily so that the pure submodules (``generation``, ``validation``, ``handoff``,

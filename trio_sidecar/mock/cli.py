@@ -1,6 +1,6 @@
-"""``trio-sidecar mock``: run the mock vLLM gRPC server as a process (mock-server.md §2, §4).
+"""``trio-sidecar mock``: run the mock vLLM gRPC server as a process (docs/reference/mock.md#cli, docs/reference/mock.md#startup-and-shutdown).
 
-Exit codes (clarifications.md #12): 0 after SIGINT/SIGTERM (graceful shutdown); 2 for a usage or
+Exit codes (docs/reference/sidecar.md#exit-codes): 0 after SIGINT/SIGTERM (graceful shutdown); 2 for a usage or
 configuration error found before any socket is opened (bad flag, bad engine JSON, invalid engine
 arguments); 1 for a failure after that (e.g. the listen address cannot be bound); a second SIGINT/SIGTERM
 during shutdown exits 1 at once.
@@ -127,8 +127,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="flat JSON object of engine arguments (block_size, num_gpu_blocks, max_num_seqs, "
         "max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, speedup_ratio, "
         "decode_speedup_ratio, dp_size, max_model_len, preemption_mode, zmq_kv_events_port, "
-        "zmq_replay_port, token_seed_source, image_token_id, tokens_per_image, ...): inline when the value "
-        "starts with '{', otherwise a path to a JSON file",
+        "zmq_replay_port, token_seed_source, image_token_id, tokens_per_image, text_mode, ...): inline when "
+        "the value starts with '{', otherwise a path to a JSON file. text_mode \"tags\" (default): each token's "
+        "text is <token:ID>; \"bytes\": each token is one to three UTF-8 bytes, detokenized incrementally "
+        "like vLLM (a message whose character is incomplete carries text \"\", a later one the completed "
+        "character; U+FFFD for invalid bytes and, on finish, for an incomplete tail)",
     )
     parser.add_argument(
         "--supports-multimodal",

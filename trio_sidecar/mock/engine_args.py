@@ -1,4 +1,4 @@
-"""Engine arguments of the mock (``--extra-engine-args``, mock-server.md §3) — pure: no I/O besides
+"""Engine arguments of the mock (``--extra-engine-args``, docs/reference/mock.md#engine-arguments) — pure: no I/O besides
 reading the optional JSON file, no Trio.
 
 The accepted shape is the upstream split-stack's *flat* JSON object. Parsing and validation are two
@@ -7,11 +7,11 @@ steps with two kinds of failure, both reported as :class:`EngineArgsError`:
 * :func:`parse_engine_args` / :func:`engine_args_from_mapping` check the JSON itself — syntax, trailing
   data, the top-level object, unknown keys, ``null`` for a non-nullable key, value types and the enums
   that only this project knows (``preemption_mode``, ``token_seed_source``).
-* :func:`validate_engine_args` runs the startup checks of §3.1 in the spec's order (the upstream
+* :func:`validate_engine_args` runs the startup checks of docs/reference/mock.md#startup-validation in the upstream mocker's order (the upstream
   service-specific checks first), then the project's own range checks.
 
 ``engine_type`` and ``worker_type`` are kept as (lower-cased) strings by the parser on purpose: a value
-such as ``"sglang"`` or ``"prefill"`` must reach §3.1 and get the upstream message that names the key,
+such as ``"sglang"`` or ``"prefill"`` must reach the startup checks (docs/reference/mock.md#startup-validation) and get the upstream message that names the key,
 not a generic enum error.
 """
 
@@ -31,6 +31,7 @@ __all__ = [
     "EngineArgs",
     "EngineArgsError",
     "PreemptionMode",
+    "TextMode",
     "TokenSeedSource",
     "engine_args_from_mapping",
     "load_engine_args_text",
@@ -45,7 +46,7 @@ U64_MAX = 2**64 - 1
 
 
 class EngineArgsError(Exception):
-    """Bad ``--extra-engine-args`` (syntax, shape or a §3.1 startup check). ``str(e) == e.message``."""
+    """Bad ``--extra-engine-args`` (syntax, shape or a startup check of docs/reference/mock.md#startup-validation). ``str(e) == e.message``."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -60,8 +61,15 @@ class PreemptionMode(enum.Enum):
     FIFO = "fifo"  # evict the oldest
 
 
+class TextMode(enum.Enum):
+    """How the mock turns output tokens into text (``text_mode``; see ``mock.generation``)."""
+
+    TAGS = "tags"  # ``<token:{id}>`` per token: every message carries its token's text
+    BYTES = "bytes"  # tokens are UTF-8 bytes, detokenized incrementally as vLLM does (text held back)
+
+
 class TokenSeedSource(enum.Enum):
-    """What seeds the synthetic output tokens (clarifications.md #9)."""
+    """What seeds the synthetic output tokens (docs/reference/mock.md#token-seed-and-request-uuid)."""
 
     REQUEST_ID = "request_id"
     PROMPT = "prompt"
@@ -69,10 +77,10 @@ class TokenSeedSource(enum.Enum):
 
 @attrs.frozen(kw_only=True)
 class EngineArgs:
-    """The effective engine configuration of one mock server (defaults per mock-server.md §3).
+    """The effective engine configuration of one mock server (defaults as in docs/reference/mock.md#engine-arguments).
 
     ``max_num_seqs`` / ``max_num_batched_tokens`` of ``None`` (JSON null) or 0 mean *unlimited*; the
-    server reports them as 0 (clarifications.md #22). ``block_size`` is already defaulted (never 0 here
+    server reports them as 0 (docs/reference/mock.md#engine-arguments). ``block_size`` is already defaulted (never 0 here
     when built by the parser).
     """
 
@@ -94,8 +102,9 @@ class EngineArgs:
     startup_time: float | None = None
     zmq_kv_events_port: int | None = None
     zmq_replay_port: int | None = None
-    # Project keys (clarifications.md #1 and #9).
+    # Project keys (docs/reference/mock.md#multimodal, docs/reference/mock.md#token-seed-and-request-uuid).
     token_seed_source: TokenSeedSource = TokenSeedSource.REQUEST_ID
+    text_mode: TextMode = TextMode.TAGS
     image_token_id: int = 31999
     tokens_per_image: int = 16
 
@@ -181,6 +190,7 @@ _KEYS: dict[str, tuple[Callable[[str, Any], Any], bool] | object] = {
     "zmq_kv_events_port": (_int, True),
     "zmq_replay_port": (_int, True),
     "token_seed_source": (_enum(TokenSeedSource), False),
+    "text_mode": (_enum(TextMode), False),
     "image_token_id": (_int, False),
     "tokens_per_image": (_int, False),
     "planner_profile_data": _IGNORED,
@@ -195,7 +205,7 @@ _KEYS: dict[str, tuple[Callable[[str, Any], Any], bool] | object] = {
 
 def load_engine_args_text(value: str) -> str:
     """Return the JSON text of ``--extra-engine-args``: the value itself when it is inline JSON (after
-    leading whitespace it starts with ``{``, mock-server.md §2), else the content of the file it names.
+    leading whitespace it starts with ``{``, docs/reference/mock.md#cli), else the content of the file it names.
 
     Raises:
         EngineArgsError: the file cannot be read.
@@ -225,7 +235,7 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 def parse_engine_args(value: str | None) -> EngineArgs:
     """Parse ``--extra-engine-args`` (inline JSON or a file path; None → all defaults).
 
-    Only the JSON is checked here; call :func:`validate_engine_args` for the §3.1 startup checks.
+    Only the JSON is checked here; call :func:`validate_engine_args` for the startup checks (docs/reference/mock.md#startup-validation).
 
     Raises:
         EngineArgsError: unreadable file, invalid JSON, trailing data, a non-object top level, an unknown
@@ -278,11 +288,11 @@ def engine_args_from_mapping(obj: Mapping[str, Any] | None) -> EngineArgs:
     return EngineArgs(**fields)
 
 
-# --- startup validation (§3.1) ------------------------------------------------------------------------
+# --- startup validation (docs/reference/mock.md#startup-validation) ------------------------------------------------------------------------
 
 
 def validate_engine_args(args: EngineArgs, *, max_concurrent_requests: int = 256) -> None:
-    """The startup checks of mock-server.md §3.1, in the spec's order, then the project's own.
+    """The startup checks of docs/reference/mock.md#startup-validation, in the upstream mocker's order, then the project's own.
 
     ``max_concurrent_requests`` is the CLI value (checked third, between ``dp_size`` and
     ``worker_type``, as upstream).
@@ -314,7 +324,7 @@ def validate_engine_args(args: EngineArgs, *, max_concurrent_requests: int = 256
     for key, value, limit, name in fits:
         if value is not None and value > limit:
             raise EngineArgsError(f"{key} does not fit in {name}")
-    # Project checks (beyond §3.1): values the simulation cannot honour.
+    # Project checks (beyond docs/reference/mock.md#startup-validation): values the simulation cannot honour.
     if max_concurrent_requests < 0:
         raise EngineArgsError("max_concurrent_requests must be greater than 0")
     if args.speedup_ratio < 0:

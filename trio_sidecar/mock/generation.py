@@ -1,4 +1,4 @@
-"""Deterministic synthetic generation for the mock server (mock-server.md §7–§8). PURE: no I/O, no Trio.
+"""Deterministic synthetic generation for the mock server (docs/reference/mock.md#deterministic-generation, docs/reference/mock.md#termination). PURE: no I/O, no Trio.
 
 Theory of operation
 -------------------
@@ -7,15 +7,20 @@ Everything a request produces is a function of values the client controls, so te
 * ``blake3(seed as u64 LE ‖ request_id UTF-8)`` gives a 32-byte digest. Its first 16 bytes, with the UUID
   version/variant bits forced, are the **request UUID** (the scheduler's key; ``Abort`` maps ids the same way).
   Its first 8 bytes as a little-endian u64 are the **token seed**.
-* With engine argument ``token_seed_source = "prompt"`` (clarifications.md #9) the token seed comes from
+* With engine argument ``token_seed_source = "prompt"`` (docs/reference/mock.md#token-seed-and-request-uuid) the token seed comes from
   ``blake3(seed as u64 LE ‖ prompt ids as u32 LE)`` instead, so the same prompt always yields the same tokens
   whatever the request id. The UUID still comes from the request id.
 * Token ``p`` is splitmix64's finaliser over ``token_seed + p × golden ratio``, folded into [1000, 32000).
   Positions are independent, so the output plan (its length already cut by stop tokens and the context
   cap) is decided up front and handed to the scheduler as a :class:`TokenPlan`, which computes each token
   when it is read.
-* Text, logprobs and candidates are synthetic functions of the token id (§7.4); the protobuf pieces of the
+* Text, logprobs and candidates are synthetic functions of the token id (docs/reference/mock.md#text-logprobs-and-candidates); the protobuf pieces of the
   responses are built here too, so the server only moves them.
+* Engine argument ``text_mode = "bytes"`` replaces the ``<token:{id}>`` text by a byte-level one
+  (:func:`token_bytes`, :class:`ByteDetokenizer`): each token is one to three bytes of UTF-8, some of them
+  pieces of multi-byte characters, and the text of each message is what vLLM's incremental detokenizer
+  would send: ``""`` while the text decoded so far ends with an incomplete character (U+FFFD), then the
+  completed characters; at the finish the bytes still held back are flushed (an incomplete tail as U+FFFD).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ __all__ = [
     "OutputPlan",
     "RequestRejected",
     "TokenPlan",
+    "ByteDetokenizer",
     "build_prompt_info",
     "build_sequence_output",
     "candidates_for",
@@ -49,6 +55,7 @@ __all__ = [
     "token_logprob",
     "token_response_encoder",
     "token_seed",
+    "token_bytes",
     "token_text",
 ]
 
@@ -59,9 +66,9 @@ _MIX2 = 0x94D049BB133111EB
 
 TOKEN_BASE = 1000
 TOKEN_SPAN = 31000
-DEFAULT_MAX_NEW_TOKENS = 20  # StoppingCriteria.max_new_tokens == 0 means this (vllm-grpc-contract §8)
-MAX_NEW_TOKENS_LIMIT = 32768  # the upstream stack's limit (mock-server §6 row 16)
-MAX_CANDIDATES = 20  # per position; more are truncated, not rejected (§7.4)
+DEFAULT_MAX_NEW_TOKENS = 20  # StoppingCriteria.max_new_tokens == 0 means this (docs/reference/wire.md#default-values)
+MAX_NEW_TOKENS_LIMIT = 32768  # the upstream stack's limit (docs/reference/mock.md#request-validation row 16)
+MAX_CANDIDATES = 20  # per position; more are truncated, not rejected (docs/reference/mock.md#text-logprobs-and-candidates)
 
 FinishReason = pb.FinishInfo.FinishReason
 
@@ -82,7 +89,7 @@ class RequestRejected(Exception):
         return f"RequestRejected({self.code.name}, {self.message!r})"
 
 
-# --- identity and seeds (§7.1) ------------------------------------------------------------------------
+# --- identity and seeds (docs/reference/mock.md#token-seed-and-request-uuid) ------------------------------------------------------------------------
 
 
 def _digest(seed: int, request_id: str) -> bytes:
@@ -90,7 +97,7 @@ def _digest(seed: int, request_id: str) -> bytes:
 
 
 def request_uuid(seed: int, request_id: str) -> str:
-    """The request UUID of §7.1: the digest's first 16 bytes with the version-4 and RFC 4122 variant bits."""
+    """The request UUID of docs/reference/mock.md#token-seed-and-request-uuid: the digest's first 16 bytes with the version-4 and RFC 4122 variant bits."""
     b = bytearray(_digest(seed, request_id)[:16])
     b[6] = (b[6] & 0x0F) | 0x40
     b[8] = (b[8] & 0x3F) | 0x80
@@ -98,12 +105,12 @@ def request_uuid(seed: int, request_id: str) -> str:
 
 
 def token_seed(seed: int, request_id: str) -> int:
-    """The token seed of §7.1: the raw digest's first 8 bytes as a little-endian u64."""
+    """The token seed of docs/reference/mock.md#token-seed-and-request-uuid: the raw digest's first 8 bytes as a little-endian u64."""
     return int.from_bytes(_digest(seed, request_id)[:8], "little")
 
 
 def prompt_token_seed(seed: int, prompt: Iterable[int]) -> int:
-    """The token seed for ``token_seed_source = "prompt"`` (clarifications.md #9).
+    """The token seed for ``token_seed_source = "prompt"`` (docs/reference/mock.md#token-seed-and-request-uuid).
 
     ``blake3(seed as u64 LE ‖ each prompt id as u32 LE)``, first 8 bytes little-endian.
     """
@@ -112,7 +119,7 @@ def prompt_token_seed(seed: int, prompt: Iterable[int]) -> int:
     return int.from_bytes(hasher.digest()[:8], "little")
 
 
-# --- tokens (§7.2) ------------------------------------------------------------------------------------
+# --- tokens (docs/reference/mock.md#tokens) ------------------------------------------------------------------------------------
 
 
 def token_at(seed_value: int, position: int) -> int:
@@ -133,7 +140,7 @@ def planned_tokens(seed: int, request_id: str, n: int) -> list[int]:
 class TokenPlan(Sequence[int]):
     """The planned output tokens of one request, computed on access.
 
-    Positions are independent (§7.2), so a plan is just ``(token seed, length)``: creating one costs
+    Positions are independent (docs/reference/mock.md#tokens), so a plan is just ``(token seed, length)``: creating one costs
     nothing and holds no per-token memory, however large ``max_new_tokens`` is. Indexing and slicing
     behave like a tuple's.
     """
@@ -182,7 +189,7 @@ class TokenPlan(Sequence[int]):
 
 @attrs.frozen(eq=False)
 class OutputPlan:
-    """What the scheduler will emit for one request, decided up front (§8)."""
+    """What the scheduler will emit for one request, decided up front (docs/reference/mock.md#termination)."""
 
     tokens: Sequence[int]
     finish_reason: int  # FinishReason.LENGTH or FinishReason.STOP
@@ -208,11 +215,58 @@ def plan_output(
     return OutputPlan(TokenPlan(seed_value, max_tokens), FinishReason.LENGTH)
 
 
-# --- text, logprobs, candidates (§7.4) ----------------------------------------------------------------
+# --- text, logprobs, candidates (docs/reference/mock.md#text-logprobs-and-candidates) ----------------------------------------------------------------
 
 
 def token_text(token: int) -> str:
     return f"<token:{token}>"
+
+
+# text_mode "bytes": what a token is, by ``token % 8``. Random tokens make a mix of ASCII, whole two-byte
+# characters, lead bytes whose character a later continuation byte completes, and stray continuation bytes
+# (invalid: U+FFFD), like the partial-UTF-8 byte tokens of a byte-level BPE vocabulary.
+_ASCII = b"abcdefghijklmnopqrstuvwxyz "
+
+
+def token_bytes(token: int) -> bytes:
+    """The UTF-8 bytes of ``token`` in ``text_mode = "bytes"`` (a pure function of the id)."""
+    kind, value = token % 8, token >> 3
+    if kind < 2:  # an ASCII letter or space
+        return _ASCII[value % len(_ASCII) : value % len(_ASCII) + 1]
+    if kind == 2:  # a whole two-byte character, U+00E0..U+00FF
+        return chr(0xE0 + value % 32).encode()
+    if kind == 3:  # the lead byte of a two-byte character (U+00C0..U+00FF): a continuation completes it
+        return b"\xc3"
+    if kind == 4:  # the first two bytes of a three-byte CJK character: a continuation completes it
+        return bytes((0xE4, 0xB8 + value % 4))
+    return bytes((0x80 + value % 64,))  # a continuation byte
+
+
+class ByteDetokenizer:
+    """One request's incremental detokenizer for ``text_mode = "bytes"``, with vLLM's rule: the text of a
+    message is ``""`` while everything not sent yet decodes to a text ending with U+FFFD (an incomplete
+    character, or an invalid byte that more bytes may still explain), else all of it; :meth:`finish`
+    flushes what is held back (decoded with U+FFFD replacements)."""
+
+    __slots__ = ("_pending",)
+
+    def __init__(self) -> None:
+        self._pending = b""
+
+    def step(self, tokens: Iterable[int]) -> str:
+        """The text of the message that carries ``tokens``."""
+        pending = self._pending + b"".join([token_bytes(t) for t in tokens])
+        text = pending.decode("utf-8", "replace")
+        if not text or text.endswith("\ufffd"):
+            self._pending = pending
+            return ""
+        self._pending = b""
+        return text
+
+    def finish(self) -> str:
+        """The held-back bytes, decoded (an incomplete tail as U+FFFD); nothing is held back afterwards."""
+        pending, self._pending = self._pending, b""
+        return pending.decode("utf-8", "replace")
 
 
 def token_logprob(token: int) -> float:
@@ -242,7 +296,7 @@ class CandidateSpec:
 
 
 def candidates_for(token: int, logprob: float, spec: CandidateSpec | None) -> list[tuple[int, float, int]]:
-    """The candidate list ``(id, logprob, rank)`` for a selected token (§7.4 with clarifications.md #6).
+    """The candidate list ``(id, logprob, rank)`` for a selected token (docs/reference/mock.md#text-logprobs-and-candidates with docs/reference/sidecar.md#per-message-checks).
 
     ``top_n = n`` matches real vLLM: the sampled token first (rank 1, its own logprob), then the next
     ``n − 1`` synthetic ids. ``token_ids`` and ``all`` list synthetic alternatives only: candidate ``i``
@@ -288,11 +342,14 @@ class OutputOptions:
         )
 
 
-def fill_sequence_output(out: pb.SequenceOutput, tokens: Sequence[int], options: OutputOptions) -> None:
-    """Fill an empty ``SequenceOutput`` in place (no copy: the hot path of streaming)."""
+def fill_sequence_output(
+    out: pb.SequenceOutput, tokens: Sequence[int], options: OutputOptions, text: str | None = None
+) -> None:
+    """Fill an empty ``SequenceOutput`` in place (no copy: the hot path of streaming). ``text``: the text
+    when the options ask for it (``text_mode = "bytes"``: the detokenizer's); ``None``: the tokens' tags."""
     out.num_tokens = len(tokens)
     if options.text:
-        out.text = "".join([f"<token:{t}>" for t in tokens])
+        out.text = "".join([f"<token:{t}>" for t in tokens]) if text is None else text
     if options.token_ids:
         out.token_ids.extend(tokens)
     if options.logprobs or options.candidates_requested:
@@ -359,15 +416,15 @@ def token_response_encoder(options: OutputOptions) -> Callable[[int], bytes]:
     return encode
 
 
-def build_sequence_output(tokens: Sequence[int], options: OutputOptions) -> pb.SequenceOutput:
+def build_sequence_output(tokens: Sequence[int], options: OutputOptions, text: str | None = None) -> pb.SequenceOutput:
     """One ``SequenceOutput`` delta carrying ``tokens`` as the options ask (no ``finish_info``)."""
     out = pb.SequenceOutput()
-    fill_sequence_output(out, tokens, options)
+    fill_sequence_output(out, tokens, options, text)
     return out
 
 
 def build_prompt_info(prompt: Sequence[int], response: pb.ResponseOptions) -> pb.PromptInfo:
-    """``PromptInfo`` of §7.5: the count, and ids/logprobs/ranks/candidates when asked."""
+    """``PromptInfo`` of docs/reference/mock.md#prompt-info: the count, and ids/logprobs/ranks/candidates when asked."""
     info = pb.PromptInfo(num_prompt_tokens=len(prompt))
     if response.prompt_token_ids or response.prompt_logprobs:
         info.token_ids.extend(prompt)

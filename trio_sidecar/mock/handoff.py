@@ -1,4 +1,4 @@
-"""Disaggregated prefill/decode emulation, wire level only (mock-server.md §15). PURE: no I/O, no Trio.
+"""Disaggregated prefill/decode emulation, wire level only (docs/reference/mock.md#prefill-and-decode-emulation). PURE: no I/O, no Trio.
 
 The mock moves no KV: a prefill server answers with a vLLM-shaped ``kv_transfer_params`` handoff, and a
 decode server checks that the handoff came back verbatim (the ``mocker_request_id`` sentinel proves the
@@ -103,10 +103,10 @@ def _check_decode(params: Mapping[str, Any]) -> None:
 
 
 def classify_kv_transfer_params(kv_transfer_params: struct_pb2.Struct | None) -> Role:
-    """Classify ``KVCacheParameters.kv_transfer_params`` (§15.1); ``None`` means the field is absent.
+    """Classify ``KVCacheParameters.kv_transfer_params`` (docs/reference/mock.md#prefill-and-decode-emulation); ``None`` means the field is absent.
 
     Raises:
-        RequestRejected: ``INVALID_ARGUMENT`` with the §15.1 message for malformed parameters.
+        RequestRejected: ``INVALID_ARGUMENT`` with the message (docs/reference/mock.md#prefill-and-decode-emulation) for malformed parameters.
     """
     if kv_transfer_params is None:
         return Role.AGGREGATED
@@ -139,7 +139,7 @@ _ROLE_MISMATCH = {
 
 
 def check_role(server_mode: Role, request_role: Role) -> None:
-    """Enforce §15.2: the request's role must equal the server's mode.
+    """Enforce docs/reference/mock.md#prefill-and-decode-emulation: the request's role must equal the server's mode.
 
     Raises:
         RequestRejected: ``FAILED_PRECONDITION`` with the server mode's message.
@@ -149,7 +149,7 @@ def check_role(server_mode: Role, request_role: Role) -> None:
 
 
 def prefill_terminal_params(request_uuid: str, request_id: str, prompt_len: int) -> struct_pb2.Struct:
-    """The prefill terminal's ``finish_info.kv_transfer_params`` (§15.3)."""
+    """The prefill terminal's ``finish_info.kv_transfer_params`` (docs/reference/mock.md#prefill-and-decode-emulation)."""
     chunks = -(-prompt_len // HANDOFF_CHUNK_TOKENS)
     params = struct_pb2.Struct()
     params.update(

@@ -1,4 +1,4 @@
-"""KV events over ZMQ (mock-server.md §10.3–10.5): one PUB socket per DP rank, optional replay ROUTER.
+"""KV events over ZMQ (docs/reference/mock.md#kv-event-messages): one PUB socket per DP rank, optional replay ROUTER.
 
 Nothing here blocks the Trio thread. PUB sends use ``zmq.NOBLOCK`` (a PUB socket drops rather than
 blocks at its high-water mark, and a message nobody can take is a lost event, as with any PUB). The
@@ -53,7 +53,7 @@ class KvEventBindError(OSError):
 
 
 def encode_event(event: KvEvent) -> dict[str, Any]:
-    """The MessagePack map of one event (§10.4); GPU tier, so no ``medium`` key."""
+    """The MessagePack map of one event (docs/reference/mock.md#kv-event-messages); GPU tier, so no ``medium`` key."""
     if isinstance(event, BlockStored):
         return {
             "type": "BlockStored",
@@ -79,7 +79,7 @@ def _endpoint(host: str, port: int | str) -> str:
 
 
 def wildcard_endpoint(endpoint: str) -> str:
-    """``tcp://127.0.0.1:5557`` → ``tcp://0.0.0.0:5557`` (the form §10.6 reports on purpose)."""
+    """``tcp://127.0.0.1:5557`` → ``tcp://0.0.0.0:5557`` (the form the mock reports on purpose, docs/reference/mock.md#kv-event-discovery)."""
     port = endpoint.rsplit(":", 1)[1]
     return f"tcp://0.0.0.0:{port}"
 

@@ -1,4 +1,4 @@
-"""Simulated paged KV cache of one DP rank, with prefix caching and KV events (mock-server.md §10.1–10.2)
+"""Simulated paged KV cache of one DP rank, with prefix caching and KV events (docs/reference/mock.md#kv-cache-and-kv-events)
 — pure: no I/O, no Trio.
 
 Theory of operation
@@ -69,7 +69,7 @@ _ZERO_PARENT = bytes(8)
 
 
 def block_hash(parent: int | None, tokens: Sequence[int], salt: str = "") -> int:
-    """Chained content hash of one full block (project choice, §10.1).
+    """Chained content hash of one full block (project choice, docs/reference/mock.md#kv-cache-and-kv-events).
 
     ``u64_le(blake3(parent as u64 LE, or 8 zero bytes for the first block ‖ tokens as u32 LE)[0:8])``;
     a non-empty cache salt is appended (UTF-8) to the *first* block's input only, so the whole chain of a

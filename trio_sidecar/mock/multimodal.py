@@ -1,4 +1,4 @@
-"""Image media acceptance and placeholder expansion (mock-server.md §16, clarifications.md #1). PURE.
+"""Image media acceptance and placeholder expansion (docs/reference/mock.md#multimodal). PURE.
 
 Images are never fetched or decoded. With ``--supports-multimodal`` each image placeholder token
 (``image_token_id``, default 31999) in ``token_ids`` stands for one ``media`` item and is expanded to
@@ -34,7 +34,7 @@ def _invalid(message: str) -> RequestRejected:
 
 
 def check_media(media: Sequence[pb.MediaItem], supports_multimodal: bool) -> None:
-    """Validate ``GenerateRequest.media`` (§6 rows 9–10).
+    """Validate ``GenerateRequest.media`` (docs/reference/mock.md#request-validation rows 9–10).
 
     Raises:
         RequestRejected: ``INVALID_ARGUMENT`` naming the first bad item.
@@ -54,7 +54,7 @@ def check_media(media: Sequence[pb.MediaItem], supports_multimodal: bool) -> Non
 def expand_image_placeholders(
     token_ids: Sequence[int], media_count: int, image_token_id: int, tokens_per_image: int
 ) -> tuple[int, ...]:
-    """Replace each placeholder by ``tokens_per_image`` copies of it (clarifications.md #1).
+    """Replace each placeholder by ``tokens_per_image`` copies of it (docs/reference/mock.md#multimodal).
 
     With no media the ids are returned unchanged.
 

@@ -1,5 +1,5 @@
 """The simulated engine of one DP rank: vLLM-v1-like continuous batching over a paged KV pool
-(mock-server.md §10–§12, clarifications.md #22).
+(docs/reference/mock.md#kv-cache-and-kv-events, docs/reference/mock.md#scheduler).
 
 Theory of operation
 -------------------
@@ -98,14 +98,14 @@ class SchedulerError(Exception):
 
 
 class CapacityError(SchedulerError):
-    """The prompt needs more KV blocks than the whole pool (mock-server.md §6 row 20; sent after
+    """The prompt needs more KV blocks than the whole pool (docs/reference/mock.md#request-validation row 20; sent after
     ``prompt_info``)."""
 
     code = StatusCode.RESOURCE_EXHAUSTED
 
 
 class BudgetError(SchedulerError):
-    """Chunked prefill is off and the prompt exceeds the token budget (clarifications.md #22; sent
+    """Chunked prefill is off and the prompt exceeds the token budget (docs/reference/mock.md#scheduler; sent
     before ``prompt_info``)."""
 
     code = StatusCode.INVALID_ARGUMENT
@@ -289,7 +289,7 @@ def open_token_channel(plan: Sequence[int]) -> tuple[TokenSender, TokenReceiver]
 
 @attrs.frozen(kw_only=True)
 class Metrics:
-    """Snapshot of one rank (mock-server.md §17 ``mock.metrics``)."""
+    """Snapshot of one rank (``mock.metrics``, docs/reference/mock.md#in-process-api-and-test-hooks)."""
 
     dp_rank: int
     active_decode_blocks: int

@@ -1,4 +1,4 @@
-"""The mock vLLM gRPC server: Inference, Control and Health on one port (mock-server.md §4–§17).
+"""The mock vLLM gRPC server: Inference, Control and Health on one port (docs/reference/mock.md#startup-and-shutdown, docs/reference/mock.md#in-process-api-and-test-hooks).
 
 Theory of operation
 -------------------
@@ -6,7 +6,7 @@ Theory of operation
 (:class:`~trio_sidecar.mock.scheduler.RankEngine`) per DP rank and the gRPC server (``serve_grpc``) with
 three servicers. Leaving the context cancels all of it and closes the ZMQ sockets.
 
-A generation call goes through the §6 rows in order: the DP-rank metadata (rows 1–2), a non-blocking
+A generation call goes through the rows (docs/reference/mock.md#request-validation) in order: the DP-rank metadata (rows 1–2), a non-blocking
 concurrency permit (row 3), the pure checks and output planning of :mod:`.validation` (rows 4–18), the
 in-flight id check (row 19); then the request is submitted to its rank's scheduler (row 20 may reject
 it). From then on it is a :class:`_Call` registered under its request UUID in the server's routes until
@@ -18,7 +18,7 @@ no memory per token it has not read (docs/reliability.md). ``Control.Abort`` and
 wake a waiting handler by cancelling the scheduler request, which closes that buffer; signals already in
 it are still received. Exactly one terminal is sent per request: a claim flag on the call decides between
 the natural finish and an abort that race. Abort flushes the already-buffered tokens first, then sends an
-``ABORTED`` terminal with no tokens (clarifications.md #15) and the RPC ends OK, like vLLM.
+``ABORTED`` terminal with no tokens (docs/reference/mock.md#cancellation-and-abort) and the RPC ends OK, like vLLM.
 
 A dropped stream (RST_STREAM, disconnect, deadline) cancels the handler; its ``finally`` cancels the
 scheduler request at once, which frees its KV blocks and its running/waiting slot.
@@ -46,6 +46,7 @@ from trio_sidecar.mock import engine_args as _engine_args
 from trio_sidecar.mock.generation import (
     TOKEN_BASE,
     TOKEN_SPAN,
+    ByteDetokenizer,
     OutputOptions,
     RequestRejected,
     build_prompt_info,
@@ -120,7 +121,7 @@ def parse_listen(text: str) -> tuple[str, int]:
 
 @attrs.frozen(kw_only=True)
 class MockConfig:
-    """The mock server's configuration: the CLI's fields (mock-server.md §2, §17)."""
+    """The mock server's configuration: the CLI's fields (docs/reference/mock.md#cli, docs/reference/mock.md#in-process-api-and-test-hooks)."""
 
     listen: str = "127.0.0.1:50051"
     model: str = "mocker-model"
@@ -153,10 +154,10 @@ class _Prepared:
 
 
 def prepare_config(config: MockConfig) -> _Prepared:
-    """Every configuration check that needs no socket (§3.1 order, then listen address and mode).
+    """Every configuration check that needs no socket (the order of docs/reference/mock.md#startup-validation, then listen address and mode).
 
     Raises:
-        MockConfigError: the first problem, with the spec's message.
+        MockConfigError: the first problem, with its documented message (docs/reference/mock.md#startup-validation).
     """
     try:
         args = (
@@ -244,7 +245,7 @@ class _Call:
             return
         try:
             self.engine.cancel(self.prepared.uuid)  # applied at once; closes the output channel
-        except Exception as exc:  # an engine bug; Abort reports it (§14.2)
+        except Exception as exc:  # an engine bug; Abort reports it (docs/reference/mock.md#cancellation-and-abort)
             LOGGER.exception("abort of request %s failed", self.prepared.request_id)
             raise RpcError(StatusCode.INTERNAL, f"Mocker abort failed: {exc}") from None
 
@@ -264,7 +265,7 @@ class _Call:
     # --- the output pump -------------------------------------------------------------------------------
 
     def submit(self) -> None:
-        """Hand the request to the scheduler (§6 row 20 may raise ``CapacityError``)."""
+        """Hand the request to the scheduler (row 20 of docs/reference/mock.md#request-validation may raise ``CapacityError``)."""
         from trio_sidecar.mock.scheduler import SimRequest
 
         p = self.prepared
@@ -369,7 +370,7 @@ CALL_HISTORY = 1024
 
 
 class MockServer:
-    """A running mock server and its test hooks (mock-server.md §17). Built by :func:`open_mock_server`."""
+    """A running mock server and its test hooks (docs/reference/mock.md#in-process-api-and-test-hooks). Built by :func:`open_mock_server`."""
 
     def __init__(self, prepared: _Prepared, engines: Sequence[Any], publishers: Sequence[Any]) -> None:
         self._prepared = prepared
@@ -381,6 +382,7 @@ class MockServer:
         self._active = trio_util.AsyncValue(0)
         self._shutting_down = False
         self._record = prepared.config.record_requests
+        self._byte_text = prepared.args.text_mode is _engine_args.TextMode.BYTES
         self.health = HealthServicer({name: SERVING for name in HEALTH_SERVICES})
         self.host = prepared.host
         self.port = 0
@@ -440,7 +442,7 @@ class MockServer:
             self.health.set_status(service, int(status))
 
     async def graceful_shutdown(self) -> None:
-        """§4 step 7 without exiting: NOT_SERVING everywhere, Watch streams end OK, in-flight generation
+        """The shutdown of docs/reference/mock.md#startup-and-shutdown (step 6) without exiting: NOT_SERVING everywhere, Watch streams end OK, in-flight generation
         fails with ``UNAVAILABLE "server shutting down"``, and new calls are refused the same way.
 
         Returns once the failed calls have left (bounded by ``DRAIN_GRACE_S``).
@@ -455,7 +457,7 @@ class MockServer:
     # --- request plumbing ---------------------------------------------------------------------------
 
     def _begin(self, rpc: str, request: pb.GenerateRequest, context: Any) -> _Call:
-        """Rows 1–19 of §6, then register the call. Raises RpcError."""
+        """Rows 1–19 of docs/reference/mock.md#request-validation, then register the call. Raises RpcError."""
         metadata = tuple(getattr(context, "metadata", ()))
         if self._record:
             self.recorded_requests.append((rpc, request, metadata, getattr(context, "peer", None)))
@@ -541,7 +543,13 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
                 tokens.extend(chunk)
                 if terminal is not None:
                     break
-            outputs = build_sequence_output(tokens, call.prepared.output)
+            text = None
+            if self._server._byte_text:
+                detokenizer = ByteDetokenizer()
+                text = detokenizer.step(tokens)
+                if terminal.finish_reason != FinishReason.ABORTED:
+                    text += detokenizer.finish()
+            outputs = build_sequence_output(tokens, call.prepared.output, text)
             outputs.finish_info.CopyFrom(terminal)
             return pb.GenerateResponse(
                 prompt_info=build_prompt_info(call.prepared.prompt, request.response), outputs=outputs
@@ -557,21 +565,25 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
             if rejection is not None:
                 raise rejection
             options = call.prepared.output
-            encode = _framed_token_encoder(options)
+            detokenizer = ByteDetokenizer() if self._server._byte_text else None
+            encode = _framed_token_encoder(options) if detokenizer is None else _byte_text_encoder(options, detokenizer)
             while True:
                 tokens, terminal = await call.next_output()
                 if terminal is None or terminal.finish_reason == FinishReason.ABORTED:
                     plain, last_token = tokens, None
                 else:
                     plain, last_token = tokens[:-1], tokens[-1]
-                # One message per token, all that are ready written in one send (§9 items 2-3).
+                # One message per token, all that are ready written in one send (docs/reference/mock.md#stream-shape-and-buffering).
                 framed = [encode(token) for token in plain]
                 if terminal is not None:
                     message = pb.GenerateResponse()
                     if last_token is None:
                         message.outputs.SetInParent()  # the ABORTED terminal carries no token
-                    else:
+                    elif detokenizer is None:
                         fill_sequence_output(message.outputs, (last_token,), options)
+                    else:  # the finish flushes what the detokenizer holds back
+                        text = detokenizer.step((last_token,)) + detokenizer.finish()
+                        fill_sequence_output(message.outputs, (last_token,), options, text)
                     message.outputs.finish_info.CopyFrom(terminal)
                     framed.append(FramedMessages.frame(message.SerializeToString()))
                 if framed:
@@ -606,6 +618,19 @@ def _framed_token_encoder(options: OutputOptions) -> Callable[[int], bytes]:
                 data = table[index] = frame(encode(token))
             return data
         return frame(encode(token))
+
+    return framed
+
+
+def _byte_text_encoder(options: OutputOptions, detokenizer: ByteDetokenizer) -> Callable[[int], bytes]:
+    """``token -> framed GenerateResponse`` in ``text_mode = "bytes"``: the text is the request's
+    detokenizer's, so nothing is cached."""
+    frame = FramedMessages.frame
+
+    def framed(token: int) -> bytes:
+        message = pb.GenerateResponse()
+        fill_sequence_output(message.outputs, (token,), options, detokenizer.step((token,)))
+        return frame(message.SerializeToString())
 
     return framed
 
@@ -669,7 +694,7 @@ _ControlServicer.Shutdown = _unimplemented(SHUTDOWN_UNIMPLEMENTED)  # type: igno
 del _name
 
 
-# --- fixed Control values (§5.3, §5.4) --------------------------------------------------------------------
+# --- fixed Control values (docs/reference/mock.md#control-and-health-answers) --------------------------------------------------------------------
 
 
 def _server_info(prepared: _Prepared) -> control_pb2.ServerInfo:
@@ -715,7 +740,7 @@ def _model_info(prepared: _Prepared) -> control_pb2.ModelInfo:
 
 
 def _open_publishers(prepared: _Prepared) -> list[Any]:
-    """§4 step 2: one PUB (and optional replay ROUTER) per rank on the listen IP, all or nothing."""
+    """docs/reference/mock.md#startup-and-shutdown step 2: one PUB (and optional replay ROUTER) per rank on the listen IP, all or nothing."""
     args = prepared.args
     if not args.enable_prefix_caching or prepared.mode is Role.DECODE:
         return []
@@ -745,7 +770,7 @@ async def open_mock_server(config: MockConfig) -> AsyncIterator[MockServer]:
         config: the server configuration (``listen="127.0.0.1:0"`` picks a free port).
 
     Returns:
-        The running :class:`MockServer` (``.address``, ``.port`` and the §17 hooks).
+        The running :class:`MockServer` (``.address``, ``.port`` and the hooks of docs/reference/mock.md#in-process-api-and-test-hooks).
 
     Raises:
         MockConfigError: an invalid configuration (nothing was bound).

@@ -1,4 +1,4 @@
-"""The mock's "polynomial" timing model (mock-server.md §11, clarifications.md #22) — pure.
+"""The mock's "polynomial" timing model (docs/reference/mock.md#timing-model, docs/reference/mock.md#scheduler) — pure.
 
 Times are modelled in milliseconds for one scheduler pass and then divided by the speedup ratios. The
 scheduler sleeps for :func:`pass_seconds` only when ``speedup_ratio > 0``; a ratio of 0 means "no

@@ -1,6 +1,6 @@
-"""Request validation in the mock's fixed order (mock-server.md §6, clarifications.md #1, #11, #22). PURE.
+"""Request validation in the mock's fixed order (docs/reference/mock.md#request-validation, docs/reference/mock.md#multimodal, docs/reference/mock.md#scheduler). PURE.
 
-The order of the table in §6 is the contract: the first failing row decides the status. Rows that need
+The order of the table in docs/reference/mock.md#request-validation is the contract: the first failing row decides the status. Rows that need
 server state stay in the server and bracket the pure part:
 
 * rows 1–2 (``x-data-parallel-rank``): :func:`parse_dp_rank`;
@@ -8,15 +8,15 @@ server state stay in the server and bracket the pure part:
 * rows 4–18 and the chunked-prefill budget: :func:`prepare_request`, which also plans the output;
 * row 19 (duplicate in-flight id) and row 20 (KV capacity): the server's routes and the scheduler.
 
-Differences from the §6 table adopted from clarifications.md #11 (parity with vLLM): a wrong model is
-``NOT_FOUND`` ``model `{name}` not found``; ``lora_name`` is ``FAILED_PRECONDITION``; ``top_p`` outside
-(0, 1] and an empty stop string are rejected (after row 11, where vLLM checks sampling parameters).
+Differences from the upstream mocker's order, adopted for parity with vLLM (docs/reference/mock.md#request-validation): a wrong model is
+``NOT_FOUND`` ``model `{name}` not found``; ``lora_name`` is ``FAILED_PRECONDITION``; an empty stop string
+is rejected after row 11; vLLM's float sampling checks (``trio_sidecar.sampling_checks``: temperature,
+top_p, min_p and the penalties, with vLLM's texts) run after row 18 (context length and ``min_new_tokens``),
+where vLLM runs them (docs/conformance.md).
 """
 
 from __future__ import annotations
 
-import math
-import struct
 import uuid as _uuid
 from collections.abc import Callable, Sequence
 
@@ -36,6 +36,7 @@ from trio_sidecar.mock.generation import (
     token_seed,
 )
 from trio_sidecar.mock.handoff import Role
+from trio_sidecar.sampling_checks import format_f32, sampling_error
 from trio_sidecar.status import StatusCode
 
 __all__ = [
@@ -86,25 +87,6 @@ def parse_dp_rank(metadata: Sequence[tuple[str, str]], dp_size: int) -> int | No
     return rank
 
 
-def format_f32(value: float) -> str:
-    """Format a float32 the way Rust's ``Display`` does (``2`` not ``2.0``; shortest round-trip digits)."""
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    f32 = struct.unpack("<f", struct.pack("<f", value))[0]
-    for digits in range(1, 10):
-        text = f"{f32:.{digits}g}"
-        if struct.unpack("<f", struct.pack("<f", float(text)))[0] == f32:
-            break
-    as_float = float(text)
-    if as_float.is_integer() and abs(as_float) < 1e16:
-        return str(int(as_float)) if as_float != 0 or not math.copysign(1, as_float) < 0 else "-0"
-    if "e" in text:  # Rust never prints exponents for Display
-        return f"{as_float:.{abs(int(text.split('e')[1])) + digits}f}".rstrip("0").rstrip(".")
-    return text
-
-
 @attrs.frozen(kw_only=True)
 class RequestPolicy:
     """What validation needs to know about the server (from ``MockConfig`` and the engine arguments)."""
@@ -146,7 +128,7 @@ def prepare_request(
     *,
     new_request_id: Callable[[], str] = _new_request_id,
 ) -> PreparedRequest:
-    """Rows 4–18 of §6 in order, then plan the output (§7–§8).
+    """Rows 4–18 of docs/reference/mock.md#request-validation in order, then plan the output (docs/reference/mock.md#deterministic-generation, docs/reference/mock.md#termination).
 
     Args:
         request: the decoded ``GenerateRequest``.
@@ -156,7 +138,7 @@ def prepare_request(
     Raises:
         RequestRejected: the first failing row's status and message.
     """
-    # Row 4 (clarifications.md #11: vLLM's status and wording).
+    # Row 4 (docs/reference/mock.md#request-validation: vLLM's status and wording).
     if request.model and request.model != policy.served_model_name:
         raise RequestRejected(StatusCode.NOT_FOUND, f"model `{request.model}` not found")
     # Rows 5–7.
@@ -173,28 +155,25 @@ def prepare_request(
         raise _invalid("token_ids must not be empty")
     if 0 < request.truncate_prompt_tokens < len(prompt):
         prompt = prompt[-request.truncate_prompt_tokens :]
-    # Row 8 (clarifications.md #11).
+    # Row 8 (docs/reference/mock.md#request-validation).
     if request.lora_name:
         raise RequestRejected(StatusCode.FAILED_PRECONDITION, "engine was not started with LoRA enabled")
-    # Rows 9–10, then the placeholder expansion of clarifications.md #1.
+    # Rows 9–10, then the placeholder expansion of docs/reference/mock.md#multimodal.
     multimodal.check_media(request.media, policy.supports_multimodal)
     if request.media:
         prompt = multimodal.expand_image_placeholders(
             prompt, len(request.media), policy.image_token_id, policy.tokens_per_image
         )
-    # Row 11, then vLLM's sampling checks (clarifications.md #11).
+    # Row 11, then vLLM's sampling checks (docs/reference/mock.md#request-validation).
     if request.sampling.num_sequences > 1:
         raise _invalid("num_sequences must be 0 or 1")
-    top_p = request.sampling.top_p
-    if top_p != 0.0 and not (0.0 < top_p <= 1.0):
-        raise _invalid(f"top_p must be in (0, 1], got {format_f32(top_p)}")
     if any(s == "" for s in request.stopping.stop_strings):
         raise _invalid("stop strings cannot be empty")
-    # Rows 12–13 are accepted (clarifications.md #7); rows 14–15.
+    # Rows 12–13 are accepted (docs/reference/mock.md#kv-cache-and-kv-events); rows 14–15.
     kv_params = request.kv.kv_transfer_params if request.kv.HasField("kv_transfer_params") else None
     role = handoff.classify_kv_transfer_params(kv_params)
     handoff.check_role(policy.mode, role)
-    # Rows 16–18 and the context cap of §8.
+    # Rows 16–18 and the context cap of docs/reference/mock.md#termination.
     stopping = request.stopping
     max_tokens = stopping.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
     if max_tokens > MAX_NEW_TOKENS_LIMIT:
@@ -210,7 +189,12 @@ def prepare_request(
         raise _invalid(
             f"min_new_tokens ({stopping.min_new_tokens}) must not exceed effective max_new_tokens ({max_tokens})"
         )
-    # clarifications.md #22: without chunked prefill a prompt must fit one pass.
+    # vLLM's float sampling checks, with its texts; vLLM runs them after the context-length and
+    # min_tokens checks (docs/conformance.md).
+    sampling_problem = sampling_error(request)
+    if sampling_problem is not None:
+        raise _invalid(sampling_problem)
+    # docs/reference/mock.md#scheduler: without chunked prefill a prompt must fit one pass.
     budget = policy.max_num_batched_tokens
     if not policy.enable_chunked_prefill and budget is not None and len(prompt) > budget:
         raise _invalid(

@@ -4,7 +4,7 @@ Theory of operation
 ===================
 
 purerpc's protocol core (``purerpc.grpclib``: ``GRPCConnection`` over h2, message framing, status and
-header parsing) is sound; its anyio I/O layer is not safe for a long-lived process (transport-findings §5).
+header parsing) is sound; its anyio I/O layer is not safe for a long-lived process (docs/reference/transport.md#why-not-purerpcs-own-io-layer).
 This package keeps the core and replaces the I/O layer with a small Trio one.
 
 Layers:
@@ -12,7 +12,7 @@ Layers:
 * ``_protocol`` (pure): ``GrpcProtocol``, a ``GRPCConnection`` subclass that turns every per-stream failure
   (RST_STREAM from the peer, an oversize message, malformed headers) into an event for that stream instead
   of an exception that kills the connection, and ``_H2Connection``, which tolerates h2 3.2.0's
-  WINDOW_UPDATE-after-close race inside h2's own frame handling (findings §10). It also caches HPACK
+  WINDOW_UPDATE-after-close race inside h2's own frame handling (docs/reference/transport.md#the-h2-320-window_update-race). It also caches HPACK
   encodings/decodings while the dynamic table is unchanged (steady-state gRPC header blocks repeat).
 * ``_connection``: one socket = one ``Connection`` with exactly two tasks. The **reader** feeds received
   bytes to the protocol and dispatches the events to ``Call`` objects (one per HTTP/2 stream) without

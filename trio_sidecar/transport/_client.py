@@ -51,7 +51,7 @@ def _deadline_exceeded() -> RpcError:
 
 
 class _StreamRefused(RpcError):
-    """RST_STREAM(REFUSED_STREAM): the server did not process the stream (RFC 9113 §8.7), so the call can be
+    """RST_STREAM(REFUSED_STREAM): the server did not process the stream (RFC 9113 section 8.7), so the call can be
     started again on a new stream. grpc-core does this transparently; a server at its
     MAX_CONCURRENT_STREAMS may refuse a stream our count saw as free (it still counts a stream we already
     saw end)."""

@@ -8,7 +8,7 @@ from trio_sidecar.status import StatusCode
 
 __all__ = ["DEFAULT_MAX_MESSAGE_LENGTH", "ConnectionLostError", "RpcError"]
 
-#: Default maximum size of one encoded message, each way (vllm-grpc-contract.md §2).
+#: Default maximum size of one encoded message, each way (docs/reference/wire.md#transport).
 DEFAULT_MAX_MESSAGE_LENGTH = 64 * 1024 * 1024
 
 

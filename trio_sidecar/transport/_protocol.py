@@ -1,6 +1,6 @@
 """purerpc's sans-IO gRPC core, with the gaps the transport needs closed (pure: no I/O, no Trio).
 
-``GrpcProtocol`` subclasses ``purerpc.grpclib.connection.GRPCConnection`` (transport-findings §10):
+``GrpcProtocol`` subclasses ``purerpc.grpclib.connection.GRPCConnection`` (docs/reference/transport.md#the-h2-320-window_update-race):
 
 * RST_STREAM from the peer becomes a ``StreamReset`` event (the core drops it);
 * an oversize inbound message fails only its stream (``StreamFailed`` RESOURCE_EXHAUSTED) instead of
@@ -224,7 +224,7 @@ class _H2Connection(h2.connection.H2Connection):
     grpcio's C core sends WINDOW_UPDATE for streams that are closing. h2 3.2.0 has already pruned them and
     raises ``StreamClosedError`` from ``_receive_window_update_frame``; ``receive_data`` then queues GOAWAY,
     moves the connection to CLOSED and drops the events of the frames before it in the same read
-    (transport-findings §5.7, §10). Catching the error here, per frame, turns it into "no events" as h2 4.x
+    (docs/reference/transport.md#the-h2-320-window_update-race). Catching the error here, per frame, turns it into "no events" as h2 4.x
     does, and the remaining frames of the read are processed normally.
     """
 
@@ -241,7 +241,7 @@ class _H2Connection(h2.connection.H2Connection):
     def _receive_goaway_frame(self, frame):  # type: ignore[no-untyped-def]
         """A graceful GOAWAY (NO_ERROR) leaves the connection usable for the streams already open.
 
-        RFC 9113 §6.8: streams up to ``last_stream_id`` still complete. h2 3.2.0 instead moves its state
+        RFC 9113 section 6.8: streams up to ``last_stream_id`` still complete. h2 3.2.0 instead moves its state
         machine to CLOSED, so every later frame of those streams (DATA, trailers, the PING grpcio sends
         right after its GOAWAY) raises a connection-level ProtocolError, and it drops our queued output.
         The transport refuses new calls itself after a GOAWAY (``GoAway`` event).

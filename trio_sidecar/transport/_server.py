@@ -267,7 +267,7 @@ class _ServerCall(Call):
         except h2.exceptions.ProtocolError:  # e.g. the stream was closed meanwhile
             pass
         if not self.request_ended:
-            # The request is not complete: tell the client to stop sending (RFC 9113 §8.1).
+            # The request is not complete: tell the client to stop sending (RFC 9113 section 8.1).
             conn.protocol.reset_stream(self.stream_id, ErrorCodes.NO_ERROR)
         self.release_messages()
         conn.flush()

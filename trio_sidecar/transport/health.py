@@ -1,4 +1,4 @@
-"""``grpc.health.v1.Health``: a servicer for ``serve_grpc`` and client helpers (vllm-grpc-contract §7)."""
+"""``grpc.health.v1.Health``: a servicer for ``serve_grpc`` and client helpers (docs/reference/wire.md#health)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Helpers for the Dynamo end-to-end tests: an in-process mock on a thread and a per-module deployment."""
+"""Helpers for the Dynamo end-to-end tests (tests/dynamo, tests/launch): an in-process mock on a thread and a
+per-module deployment. It sits beside the root conftest, whose directory pytest puts on the import path."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import trio
 
 from trio_sidecar.dynamo import local
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 FAST_ENGINE_ARGS = {
     "block_size": 4,
@@ -139,9 +140,9 @@ class Deployment:
         self.mocks.append(mock)
         return mock
 
-    def frontend(self, **kw: Any) -> local.Process:
+    def frontend(self, env_overrides: dict[str, str] | None = None, **kw: Any) -> local.Process:
         kw.setdefault("namespace", self.namespace)
-        proc, self.http_port = local.start_frontend(self.workdir, self.env, **kw)
+        proc, self.http_port = local.start_frontend(self.workdir, {**self.env, **(env_overrides or {})}, **kw)
         self.processes.append(proc)
         return proc
 
@@ -182,3 +183,41 @@ class Deployment:
                 proc.stop(grace=max(0.1, grace - (time.monotonic() - start)))
         for mock in self.mocks:
             mock.stop()
+
+
+class Pair:
+    """The same mock behind two frontends: ``native`` and ``trio``."""
+
+    def __init__(self, dep, mocks):
+        self.dep = dep
+        self.mocks = mocks
+        self.ports: dict[str, int] = {}
+
+    def post(self, path: str, payload: dict) -> dict[str, tuple[int, object]]:
+        return {side: local.post_json(port, path, payload) for side, port in self.ports.items()}
+
+    def stream(self, path: str, payload: dict) -> dict[str, list[dict]]:
+        out = {}
+        for side, port in self.ports.items():
+            with local.stream_sse(port, path, payload) as events:
+                out[side] = list(events)
+        return out
+
+
+def start_pair(dep, mode_args: dict[str, tuple[str, ...]], mocks) -> Pair:
+    """Each side (``native``, ``trio``) behind its own frontend (its ``--namespace`` scopes discovery to one
+    sidecar family), every sidecar of a side on the mock at the same position in ``mocks``."""
+    pair = Pair(dep, mocks)
+    for side in ("native", "trio"):
+        namespace = f"{dep.namespace}-{side}"
+        dep.frontend(namespace=namespace)
+        pair.ports[side] = dep.http_port
+        for mock, args in zip(mocks, mode_args[side], strict=True):
+            if side == "native":
+                dep.native_sidecar(mock, *args, namespace=namespace, name=f"native-{len(dep.processes)}")
+            else:
+                dep.trio_sidecar(mock, "--no-abort-on-cancel", *args, namespace=namespace,
+                                 name=f"trio-{len(dep.processes)}")
+    for port in pair.ports.values():
+        local.wait_for_models(port, ["tiny"], timeout=180, watch=dep.processes)
+    return pair
