@@ -38,6 +38,9 @@ def test_help_documents_every_flag(capsys):
         "--max-concurrent-requests",
         "--extra-engine-args",
         "--supports-multimodal",
+        "--handshake-timeout",
+        "--idle-timeout",
+        "--max-connections",
         "--log-level",
     ):
         assert flag in text
@@ -62,6 +65,10 @@ def test_help_documents_every_flag(capsys):
         (["--disaggregation-mode", "encode"], "invalid choice"),
         (["--seed", "-1"], "unsigned 64-bit"),
         (["--bogus"], "unrecognized arguments"),
+        (["--handshake-timeout", "0"], "must be a positive number of seconds"),
+        (["--handshake-timeout", "soon"], "invalid number of seconds"),
+        (["--idle-timeout", "-1"], "must be a positive number of seconds"),
+        (["--max-connections", "0"], "must be at least 1"),
     ],
 )
 def test_configuration_errors_exit_2(argv, fragment, capsys):
@@ -69,6 +76,20 @@ def test_configuration_errors_exit_2(argv, fragment, capsys):
     err = capsys.readouterr().err
     assert fragment in err
     assert err.startswith("error: ") and err.count("\n") == 1, err  # one line, run's convention
+
+
+def test_limit_flags_reach_the_server_limits():
+    from trio_sidecar.mock.cli import build_parser
+    from trio_sidecar.mock.server import MockConfig, prepare_config
+
+    ns = build_parser().parse_args(["--handshake-timeout", "2.5", "--idle-timeout", "0", "--max-connections", "7"])
+    assert (ns.handshake_timeout, ns.idle_timeout, ns.max_connections) == (2.5, None, 7)
+    limits = prepare_config(
+        MockConfig(handshake_timeout=ns.handshake_timeout, idle_timeout=ns.idle_timeout, max_connections=ns.max_connections)
+    ).limits
+    assert (limits.handshake_timeout, limits.idle_timeout, limits.max_connections) == (2.5, None, 7)
+    defaults = build_parser().parse_args([])
+    assert (defaults.handshake_timeout, defaults.idle_timeout, defaults.max_connections) == (10.0, 300.0, 1000)
 
 
 def test_engine_args_from_a_file(tmp_path, capsys):

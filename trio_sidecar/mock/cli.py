@@ -54,6 +54,35 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid number of seconds: '{text}'") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds: '{text}'")
+    return value
+
+
+def _idle_seconds(text: str) -> float | None:
+    try:
+        if float(text) == 0:
+            return None
+    except ValueError:
+        pass
+    return _positive_seconds(text)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer: '{text}'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: '{text}'")
+    return value
+
+
 class UsageError(Exception):
     """A bad command line (exit 2)."""
 
@@ -132,6 +161,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="advertise and accept image media (placeholders in token_ids are expanded)",
     )
     parser.add_argument(
+        "--handshake-timeout",
+        type=_positive_seconds,
+        default=10.0,
+        metavar="SECONDS",
+        help="close a connection that has not sent the HTTP/2 preface and SETTINGS within this time "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--idle-timeout",
+        type=_idle_seconds,
+        default=300.0,
+        metavar="SECONDS",
+        help="send GOAWAY and close a connection that has had no open stream for this long; 0 = never "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=_positive_int,
+        default=1000,
+        metavar="N",
+        help="connections served at once; further ones are closed on accept, with one WARNING log line "
+        "per 10 s while it lasts (default: %(default)s)",
+    )
+    parser.add_argument(
         "--log-level",
         default=None,
         choices=LOG_LEVELS,
@@ -174,6 +227,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             engine_args=parse_engine_args(ns.extra_engine_args),
             supports_multimodal=ns.supports_multimodal,
             record_requests=False,
+            handshake_timeout=ns.handshake_timeout,
+            idle_timeout=ns.idle_timeout,
+            max_connections=ns.max_connections,
         )
         prepare_config(config)
     except (EngineArgsError, MockConfigError) as exc:
