@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import logging
 import sys
-from datetime import datetime, timezone
+from datetime import UTC, datetime
+from typing import Any
 
 __all__ = ["UtcFormatter", "configure_logging", "emit", "utc_timestamp"]
 
 
 def utc_timestamp(created: float) -> str:
     """``created`` (seconds since the epoch) as ``YYYY-MM-DDTHH:MM:SS.ffffffZ``."""
-    return datetime.fromtimestamp(created, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return datetime.fromtimestamp(created, tz=UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 class UtcFormatter(logging.Formatter):
@@ -29,9 +30,11 @@ class UtcFormatter(logging.Formatter):
         return text
 
 
-def _rich_time(moment: datetime) -> str:
+def _rich_time(moment: datetime) -> Any:
     # RichHandler passes a naive local datetime; astimezone() interprets it as local time.
-    return moment.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"
+    from rich.text import Text
+
+    return Text(moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z")
 
 
 def configure_logging(level: str, *, logger: str = "trio_sidecar") -> None:
@@ -55,7 +58,7 @@ def configure_logging(level: str, *, logger: str = "trio_sidecar") -> None:
     else:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(UtcFormatter())
-    handler._trio_sidecar = True  # type: ignore[attr-defined]
+    setattr(handler, "_trio_sidecar", True)  # noqa: B010 - marks the handler as this module's
     target.addHandler(handler)
 
 

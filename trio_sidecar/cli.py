@@ -23,10 +23,10 @@ import attrs
 import cattrs
 
 from . import __version__
+from ._signals import Interrupted, install_interrupt_handlers, interrupted_exit, restore_handlers
 from .config import DisaggregationMode, SidecarConfig, WorkerOptions, discovery_banner, prepare
 from .endpoint import GrpcEndpoint
 from .errors import SidecarError
-from ._signals import Interrupted, install_interrupt_handlers, interrupted_exit, restore_handlers
 
 __all__ = ["main", "parse_run_args", "UsageError", "OPTIONS", "parse_bool"]
 

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from dynamo_harness import FAST_ENGINE_ARGS, MockThread, require_dynamo
@@ -172,13 +172,13 @@ def test_while_waiting_for_vllm_a_line_every_10s_reports_attempts_elapsed_and_th
         r"failed: connection refused; hint: nothing accepts connections there; .*", error), error
     assert "sub-exception" not in log
     # Every other line, the first included, is a log line stamped in UTC like Dynamo's, whatever TZ says.
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     for line in log.splitlines():
         if line.startswith("error:"):
             continue
         match = UTC_LINE.match(line)
         assert match, line
-        stamp = datetime.fromisoformat(match.group(1)).replace(tzinfo=timezone.utc)
+        stamp = datetime.fromisoformat(match.group(1)).replace(tzinfo=UTC)
         assert now - timedelta(minutes=5) < stamp <= now + timedelta(seconds=1), line
     assert "phase=" not in log and "_the_" not in log
 

@@ -47,9 +47,9 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from ..config import DisaggregationMode, SidecarConfig, WorkerOptions
 from .._logging import emit, print_error
 from .._signals import SIGNALS, held, hold_signals, interrupted_code
+from ..config import DisaggregationMode, SidecarConfig, WorkerOptions
 from ..diagnostics import round_duration, startup_hint
 from ..errors import InvalidArgument, SidecarError, format_duration
 from ..progress import StartupProgress, tracking
@@ -666,7 +666,6 @@ async def _run_with_runtime(
     vllm: str,
 ) -> int:
     from ..api import open_sidecar
-
     from .prerequisites import PrerequisiteUnreachable, prerequisites, wait_reachable
 
     for needed in prerequisites(options):

@@ -21,7 +21,6 @@ import trio
 
 from trio_sidecar._logging import configure_logging, print_error
 from trio_sidecar._signals import SIGNALS, held, hold_signals
-
 from trio_sidecar.mock.engine_args import EngineArgsError, parse_engine_args
 
 if TYPE_CHECKING:
