@@ -259,14 +259,14 @@ def _convert(opt: Option, raw: Any, source: str) -> Any:
         return value
     if kind in ("secs", "pos_secs"):
         try:
-            value = float(text.strip())
+            seconds = float(text.strip())
         except ValueError:
             raise UsageError(f"invalid value `{text}` for {source}: expected a number of seconds") from None
-        if kind == "pos_secs" and not value > 0:
+        if kind == "pos_secs" and not seconds > 0:
             raise UsageError(f"`{opt.flag}` must be a finite, positive number of seconds" + _from_env(source))
-        if not value >= 0 or value == float("inf"):
+        if not seconds >= 0 or seconds == float("inf"):
             raise UsageError(f"`{opt.flag}` must be a finite, non-negative number of seconds" + _from_env(source))
-        return value
+        return seconds
     if kind in ("choice", "opt_choice"):
         lowered = text.strip().lower()
         if kind == "opt_choice" and not lowered:

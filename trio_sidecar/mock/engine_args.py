@@ -23,7 +23,7 @@ import json
 import math
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
@@ -313,7 +313,7 @@ def engine_args_from_mapping(obj: Mapping[str, Any] | None) -> EngineArgs:
             raise EngineArgsError(unknown_key_message(key))
         if entry is _IGNORED:
             continue
-        convert, nullable = entry  # type: ignore[misc]
+        convert, nullable = cast("tuple[Callable[[str, Any], Any], bool]", entry)
         if value is None:
             if not nullable:
                 raise EngineArgsError(f"engine arg '{key}' must not be null")

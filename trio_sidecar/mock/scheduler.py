@@ -171,7 +171,7 @@ class _TokenBuffer:
         self.completed = False  # the last token emitted completes the request
         self.send_closed = False
         self.receive_closed = False
-        self.waiter = None  # the task parked in receive()
+        self.waiter: trio.lowlevel.Task | None = None  # the task parked in receive()
 
     def wake(self) -> None:
         task = self.waiter

@@ -13,7 +13,7 @@ import os
 import select
 import struct
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import h2.exceptions
@@ -48,7 +48,7 @@ def frame_message(data: bytes) -> bytes:
     return _pack_prefix(0, len(data)) + data
 
 
-def encode_metadata(metadata: Sequence[tuple[str, Any]]) -> list[tuple[str, str]]:
+def encode_metadata(metadata: Iterable[tuple[str, Any]]) -> list[tuple[str, str]]:
     """Lower-case keys; base64 for ``-bin`` keys; reserved keys are a programming error (ValueError)."""
     encoded = []
     for key, value in metadata:
@@ -83,7 +83,7 @@ class Call:
         self.messages: deque = deque()  # purerpc MessageReceived events, not yet acknowledged
         self.error: RpcError | None = None
         self.done = False
-        self._task = None
+        self._task: trio.lowlevel.Task | None = None
 
     def wake(self) -> None:
         task = self._task
@@ -131,7 +131,7 @@ class Connection:
         self.closing = False
         self.window_waiters: set[Call] = set()
         self.nursery: trio.Nursery | None = None
-        self._writer = None  # the writer task while it is parked
+        self._writer: trio.lowlevel.Task | None = None  # the writer task while it is parked
         self._drain_waiters: list = []
         self._burst = 0  # messages queued since the last yield
         self._pending = b""  # bytes a direct write (flush) could not send; the writer sends them first
@@ -363,9 +363,9 @@ class Connection:
             for call in waiters:
                 call.wake()
         else:
-            call = self.calls.get(stream_id)
-            if call is not None and call in self.window_waiters:
-                call.wake()
+            waiting = self.calls.get(stream_id)
+            if waiting is not None and waiting in self.window_waiters:
+                waiting.wake()
 
     # -- reading -------------------------------------------------------------------------------------
 

@@ -235,7 +235,7 @@ class _H2Connection(h2.connection.H2Connection):
         super().__init__(config)
         self.encoder = _CachingEncoder()
         decoder = _CachingDecoder()
-        decoder.max_header_list_size = self.decoder.max_header_list_size
+        decoder.max_header_list_size = self.decoder.max_header_list_size  # type: ignore[has-type]  # h2 sets it untyped
         self.decoder = decoder
 
     def _receive_goaway_frame(self, frame):  # type: ignore[no-untyped-def]
@@ -477,7 +477,7 @@ class GrpcProtocol(GRPCConnection):
         if frames.data:
             data = frames.data + data
             frames.data = b""
-        events: list = []
+        events = []
         total = len(data)
         position = 0
         streams = h2conn.streams
