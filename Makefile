@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 PYTEST_ARGS ?=
 
-.PHONY: install venv deps dynamo test test-fast test-real demo bench fuzz protos dist check-dist clean
+.PHONY: install venv deps dynamo check test test-fast test-real demo bench fuzz protos dist check-dist clean
 
 $(VENV)/bin/python:
 	@echo "==> creating $(VENV) with $(PYTHON) and upgrading pip"
@@ -42,6 +42,12 @@ dynamo: $(VENV)/.stamp-dynamo
 
 test: deps dynamo
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Lint, format and types: ruff on the whole tree; mypy on the package (its --strict flags on the pure core).
+check: deps
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 test-fast: deps
 	$(PY) -m pytest -x -q -m "not slow and not dynamo" $(PYTEST_ARGS)
