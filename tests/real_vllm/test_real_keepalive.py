@@ -34,13 +34,13 @@ async def silent_connection(nursery, server, **options):
     channel = await connect_channel(nursery, server.host, server.grpc_port, **options)
     conn = channel._conn
     sent: list[float] = []
-    ping = conn.h2.ping
+    ping = conn.protocol.ping
 
-    def counting_ping(data: bytes) -> None:
+    def counting_ping(data: bytes) -> bool:
         sent.append(trio.current_time())
-        ping(data)
+        return ping(data)
 
-    conn.h2.ping = counting_ping
+    conn.protocol.ping = counting_ping
     watch = channel.unary_stream(WATCH, health_pb2.HealthCheckRequest(service="vllm.Control"), health_pb2.HealthCheckResponse)
     await watch.__aenter__()
     with trio.fail_after(30):

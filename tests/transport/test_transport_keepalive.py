@@ -231,11 +231,11 @@ async def test_a_stall_of_this_process_is_not_taken_for_a_hung_peer(nursery, pee
     channel = await connect_channel(nursery, "127.0.0.1", peer_process_port, keepalive_time=0.2, keepalive_timeout=0.2)
     conn = channel._conn
     sent: list[float] = []
-    ping, flush = conn.h2.ping, conn.flush
+    ping, flush = conn.protocol.ping, conn.flush
 
-    def counting_ping(data: bytes) -> None:
+    def counting_ping(data: bytes) -> bool:
         sent.append(time.monotonic())
-        ping(data)
+        return ping(data)
 
     def stalling_flush() -> None:
         flush()
@@ -243,7 +243,7 @@ async def test_a_stall_of_this_process_is_not_taken_for_a_hung_peer(nursery, pee
             time.sleep(0.5)  # (fault injection: the ACK arrives meanwhile, unread)
 
     stalls = 0
-    conn.h2.ping = counting_ping
+    conn.protocol.ping = counting_ping
     conn.flush = stalling_flush
     async with channel.unary_stream(GENERATE_STREAM, request("silent", n=2, interval_ms=600_000), None) as stream:
         await stream.__anext__()  # the first message; the second one is ten minutes away

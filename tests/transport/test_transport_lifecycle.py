@@ -252,7 +252,7 @@ async def test_abandoned_streams_hand_back_memory_and_window(target):
         await trio.sleep(0.1)  # frames already in flight arrive and are credited
         conn = channel._conn
         assert conn.calls == {} and conn.protocol.message_read_buffers == {}
-        manager = conn.h2._inbound_flow_control_window_manager
+        manager = conn.protocol.h2_connection._inbound_flow_control_window_manager
         assert manager.current_window_size + manager._bytes_processed == manager.max_window_size
         produced = sum(target.recorder.produced[f"a{i}"] for i in range(20))
         assert produced < 20 * 10_000

@@ -318,7 +318,7 @@ async def test_stream_larger_than_the_flow_control_window_completes_while_listen
     with trio.fail_after(20):
         async with open_channel("127.0.0.1", target.port, max_message_length=16 * 1024) as channel:
             async with channel.unary_stream(GENERATE_STREAM, request("stream", text=text, n=2000), None) as stream:
-                window = channel._conn.h2.streams[stream._call.stream_id]._inbound_window_manager.max_window_size
+                window = channel._conn.protocol.h2_connection.streams[stream._call.stream_id]._inbound_window_manager.max_window_size
                 assert window == 32 * 1024
                 assert await stream.listen(collector) is False
             assert not channel.broken

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, NoReturn, cast
 
-import h2.exceptions
 import trio
 from google.protobuf.message import DecodeError
 from purerpc.grpclib.config import GRPCConfiguration
@@ -25,6 +24,8 @@ from ._protocol import (
     ResponseReceived,
     SettingsReceived,
     StreamFailed,
+    StreamIdsExhausted,
+    StreamLimitReached,
     StreamReset,
     WindowUpdated,
     encode_timeout,
@@ -176,7 +177,7 @@ class _ClientConnection(Connection):
             if kind is MessageReceived:
                 call = calls.get(event.stream_id)
                 if call is None:
-                    self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                    self.protocol.acknowledge(event.stream_id, event.flow_controlled_length)
                 elif call.listener is None:
                     call.messages.append(event)
                     call.wake()
@@ -323,13 +324,11 @@ class Channel:
             headers.append(("grpc-timeout", encode_timeout(timeout)))
         if metadata:
             headers.extend(encode_metadata(metadata))
-        h2conn = conn.h2
         try:
-            stream_id = h2conn.get_next_available_stream_id()
-            h2conn.open_request_stream(stream_id, headers)
-        except h2.exceptions.TooManyStreamsError:
+            stream_id = conn.protocol.open_stream(headers)
+        except StreamLimitReached:
             raise _NoStreamSlot from None
-        except h2.exceptions.NoAvailableStreamIDError:
+        except StreamIdsExhausted:
             conn.goaway = f"connection to {conn.description} ran out of stream ids"
             raise ConnectionLostError(conn.goaway) from None
         call = _ClientCall(conn, stream_id)
@@ -572,6 +571,20 @@ class ResponseStream:
         at once. Its contract is the listener's: True stops delivery as the listener's True does; it must not
         block, await or raise.
 
+        Contract for code that runs in the reader task (``listener`` and ``flush``; the engine's response
+        conversion runs here):
+
+        * It runs in the connection's reader task, not in the task that called ``listen``: the caller's
+          cancel scopes, deadlines and context variables do not apply to it, and an exception from it never
+          reaches the caller as itself (the call fails with INTERNAL ``response listener failed: ...``,
+          only this call; the reader carries on).
+        * While it runs, nothing else on this connection is read: other calls' messages, WINDOW_UPDATE,
+          PING acks and the keepalive all wait. It must be short and bounded (no awaiting, no blocking I/O,
+          no sleeping, no waiting on locks); hand bigger work to another task through a non-blocking
+          primitive (``send_nowait`` on an unbounded memory channel, ``Event.set``, ``reschedule``).
+        * It must not call this channel's async API; closing the call is done by returning True (the
+          caller's ``listen`` then returns and the caller decides).
+
         Returns:
             True: ``listener`` returned True (the stream stays open; messages after it are not delivered).
             False: the stream ended with OK trailers (``trailing_metadata`` is set).
@@ -692,7 +705,7 @@ async def connect_channel(
         channel = Channel(stream, host, port, max_message_length, keepalive)
         conn = channel._conn
         conn.protocol.initiate_connection()
-        await stream.send_all(conn.h2.data_to_send())
+        await stream.send_all(conn.protocol.data_to_send())
         settled = False
         while not settled:
             try:
@@ -710,7 +723,7 @@ async def connect_channel(
                     settled = True
                 elif type(event) is GoAway:
                     raise ConnectionLostError(f"connection to {host}:{port} refused during the handshake (GOAWAY)")
-        pending = conn.h2.data_to_send()
+        pending = conn.protocol.data_to_send()
         if pending:
             await stream.send_all(pending)
         await nursery.start(conn.run)

@@ -16,13 +16,11 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-import h2.exceptions
 import trio
-from h2.stream import STREAM_OPEN
 from trio.lowlevel import Abort, current_task, reschedule, wait_task_rescheduled
 
 from ._errors import ConnectionLostError, RpcError
-from ._protocol import CONNECTION_ERRORS, ErrorCodes, GrpcProtocol
+from ._protocol import CONNECTION_ERRORS, ErrorCodes, GrpcProtocol, StreamClosed
 from trio_sidecar.status import StatusCode
 
 LOGGER = logging.getLogger("trio_sidecar.transport")
@@ -124,7 +122,6 @@ class Connection:
     def __init__(self, stream: trio.SocketStream, protocol: GrpcProtocol, description: str) -> None:
         self.stream = stream
         self.protocol = protocol
-        self.h2 = protocol.h2_connection
         self.description = description
         self.calls: dict[int, Call] = {}
         self.lost: str | None = None  # why the connection is unusable; set once
@@ -163,7 +160,7 @@ class Connection:
         """
         if self._writer is None:
             return  # the writer is mid-send or already woken: it sends everything queued
-        data = self.h2.data_to_send()
+        data = self.protocol.data_to_send()
         if not data:
             return
         try:
@@ -175,57 +172,13 @@ class Connection:
             self.kick()
 
     def acknowledge(self, stream_id: int, length: int) -> None:
-        """The application consumed ``length`` flow-controlled bytes of a stream.
-
-        h2's ``acknowledge_received_data`` only counts the bytes until half a window is processed (or the
-        window is empty), then queues WINDOW_UPDATE. While neither window is near that point the counting is
-        done here (once per message on the streaming path); otherwise h2 does it all, as before.
-        """
-        if length and self.lost is None:
-            h2conn = self.h2
-            connection_window = h2conn._inbound_flow_control_window_manager
-            stream = h2conn.streams.get(stream_id)
-            if (
-                stream is None
-                and stream_id
-                <= (h2conn.highest_outbound_stream_id if h2conn._stream_id_is_outbound(stream_id) else h2conn.highest_inbound_stream_id)
-                and connection_window.current_window_size
-                and connection_window._bytes_processed + length < connection_window.max_window_size // 2
-            ):
-                # A closed stream h2 already forgot (its last messages often come with the trailers): h2
-                # would only count the connection window.
-                connection_window._bytes_processed += length
-                if h2conn._data_to_send:
-                    self.kick()
-                return
-            if (
-                stream is not None
-                and connection_window.current_window_size
-                and connection_window._bytes_processed + length < connection_window.max_window_size // 2
-            ):
-                counted = False
-                if not STREAM_OPEN[stream.state_machine.state]:
-                    connection_window._bytes_processed += length  # (h2 ignores a closed stream's window)
-                    counted = True
-                else:
-                    stream_window = stream._inbound_window_manager
-                    if (
-                        stream_window.current_window_size
-                        and stream_window._bytes_processed + length < stream_window.max_window_size // 2
-                    ):
-                        connection_window._bytes_processed += length
-                        stream_window._bytes_processed += length
-                        counted = True
-                if counted:
-                    if h2conn._data_to_send:
-                        self.kick()
-                    return
-            h2conn.acknowledge_received_data(length, stream_id)
-            if h2conn._data_to_send:
-                self.kick()
+        """The application consumed ``length`` flow-controlled bytes of a stream (``GrpcProtocol.acknowledge``);
+        wakes the writer if that queued a WINDOW_UPDATE (or anything else is queued)."""
+        if length and self.lost is None and self.protocol.acknowledge(stream_id, length):
+            self.kick()
 
     async def _write_loop(self) -> None:
-        h2conn = self.h2
+        protocol = self.protocol
         send_all = self.stream.send_all
         try:
             while True:
@@ -233,13 +186,13 @@ class Connection:
                 if data:
                     self._pending = b""
                 else:
-                    data = h2conn.data_to_send()
+                    data = protocol.data_to_send()
                 if data:
                     self._writing = True
                     await send_all(data)
                     self._writing = False
                     if self._backlog:
-                        self._backlog = min(self._backlog, len(h2conn._data_to_send) + len(self._pending))
+                        self._backlog = min(self._backlog, protocol.output_size() + len(self._pending))
                     if self._drain_waiters:
                         self._wake_drain_waiters()
                 elif self.closing:
@@ -287,62 +240,58 @@ class Connection:
         if self.lost is not None:
             # Also keeps a producer that never awaits from spinning on a dead connection.
             raise ConnectionLostError(self.lost)
-        h2conn = self.h2
         stream_id = call.stream_id
         total = len(payload)
         try:
-            await self._send(call, h2conn, stream_id, payload, total, end_stream, flush)
-        except h2.exceptions.StreamClosedError:
+            await self._send(call, self.protocol, stream_id, payload, total, end_stream, flush)
+        except StreamClosed:
             if call.peer_ended():
                 return
             raise RpcError(StatusCode.CANCELLED, "stream closed by the peer") from None
 
-    async def _send(self, call: Call, h2conn, stream_id: int, payload: bytes, total: int, end_stream: bool, flush: bool) -> None:  # type: ignore[no-untyped-def]
-        if call.error is None:
-            try:
-                window = h2conn.local_flow_control_window(stream_id)
-            except h2.exceptions.StreamClosedError:
-                window = -1
-            if total <= window and total <= h2conn.max_outbound_frame_size:
-                # Fast path: the whole message fits the window and one frame. No checkpoint per message
-                # (batching is what makes streaming fast), but at most YIELD_EVERY messages or
-                # WRITE_HIGH_WATER bytes before the writer and the reader get to run.
-                h2conn.send_data(stream_id, payload, end_stream=end_stream)
-                if flush:
-                    self.flush()
+    async def _send(
+        self, call: Call, protocol: GrpcProtocol, stream_id: int, payload: bytes, total: int, end_stream: bool, flush: bool
+    ) -> None:
+        if call.error is None and protocol.send_message(stream_id, payload, end_stream):
+            # Fast path: the whole message fitted the window and one frame. No checkpoint per message
+            # (batching is what makes streaming fast), but at most YIELD_EVERY messages or
+            # WRITE_HIGH_WATER bytes before the writer and the reader get to run.
+            if flush:
+                self.flush()
+            else:
+                self.kick()
+            self._burst += 1
+            queued = protocol.output_size()
+            if self._burst >= YIELD_EVERY or queued >= WRITE_HIGH_WATER:
+                self._burst = 0
+                if queued >= WRITE_HIGH_WATER:
+                    await self.wait_drained()
                 else:
-                    self.kick()
-                self._burst += 1
-                if self._burst >= YIELD_EVERY or len(h2conn._data_to_send) >= WRITE_HIGH_WATER:
-                    self._burst = 0
-                    if len(h2conn._data_to_send) >= WRITE_HIGH_WATER:
-                        await self.wait_drained()
-                    else:
-                        await trio.lowlevel.checkpoint()
-                    self._raise_if_failed(call)
-                return
+                    await trio.lowlevel.checkpoint()
+                self._raise_if_failed(call)
+            return
         position = 0
         while True:
             self._raise_if_failed(call)
             if call.peer_ended():
                 return
             try:
-                window = h2conn.local_flow_control_window(stream_id)
-            except h2.exceptions.StreamClosedError:
+                window = protocol.send_window(stream_id)
+            except StreamClosed:
                 # The peer closed the stream; its RST_STREAM event will (or did) fail the call.
                 raise RpcError(StatusCode.CANCELLED, "stream closed by the peer") from None
-            frame_size = h2conn.max_outbound_frame_size
+            frame_size = protocol.max_outbound_frame_size
             while window > 0 and position < total:
                 size = min(window, frame_size, total - position)
                 last = position + size >= total
-                h2conn.send_data(stream_id, payload[position:position + size], end_stream=end_stream and last)
+                protocol.send_data(stream_id, payload[position:position + size], end_stream and last)
                 position += size
                 window -= size
             if position >= total:
                 if total == 0 and end_stream:
-                    h2conn.send_data(stream_id, b"", end_stream=True)
+                    protocol.send_data(stream_id, b"", True)
                 self.kick()
-                if len(h2conn._data_to_send) >= WRITE_HIGH_WATER:
+                if protocol.output_size() >= WRITE_HIGH_WATER:
                     await self.wait_drained()
                     self._raise_if_failed(call)
                 return
@@ -383,8 +332,9 @@ class Connection:
         fd = self._fileno
         read = os.read
         wait_readable = trio.lowlevel.wait_readable
-        receive_data = self.protocol.receive_data
-        h2conn = self.h2
+        protocol = self.protocol
+        receive_data = protocol.receive_data
+        output_size = protocol.output_size
         current_time = trio.current_time
         while True:
             try:
@@ -403,7 +353,7 @@ class Connection:
                 self.lose(f"connection to {self.description} closed by the peer")
                 return
             self.last_read = current_time()
-            queued = len(h2conn._data_to_send)
+            queued = output_size()
             try:
                 events = receive_data(data)
             except CONNECTION_ERRORS as exc:
@@ -412,8 +362,9 @@ class Connection:
                 return
             if events:
                 self.handle_events(events)
-            if h2conn._data_to_send:
-                if len(h2conn._data_to_send) > queued and self._over_backlog(len(h2conn._data_to_send) - queued):
+            unsent = output_size()
+            if unsent:
+                if unsent > queued and self._over_backlog(unsent - queued):
                     return
                 self.flush()
             try:
@@ -431,7 +382,7 @@ class Connection:
         The count never exceeds what is still unsent (the writer's progress shrinks it), so a peer that
         reads its acks, however many it provokes, never trips it.
         """
-        unsent = len(self.h2._data_to_send) + len(self._pending)
+        unsent = self.protocol.output_size() + len(self._pending)
         backlog = min(self._backlog + added, unsent)
         self._backlog = backlog
         if backlog <= CONTROL_BACKLOG_LIMIT:
@@ -440,10 +391,7 @@ class Connection:
             "transport: %s does not read the answers to its control frames (%d bytes unsent); closing the "
             "connection with ENHANCE_YOUR_CALM", self.description, unsent
         )
-        try:
-            self.h2.close_connection(ErrorCodes.ENHANCE_YOUR_CALM)
-        except h2.exceptions.ProtocolError:
-            pass
+        self.protocol.close_connection(ErrorCodes.ENHANCE_YOUR_CALM)
         self._flush_final()
         self.lose(f"connection to {self.description} closed: ENHANCE_YOUR_CALM (unread control frames)")
         return True
@@ -453,7 +401,7 @@ class Connection:
         writer is mid-send (a frame it started must not be interleaved). Best effort."""
         if self._writing:
             return
-        data = self._pending + self.h2.data_to_send()
+        data = self._pending + self.protocol.data_to_send()
         self._pending = b""
         if data:
             try:
@@ -506,10 +454,8 @@ class Connection:
                 continue  # re-check: a read or the end of every call may have come meanwhile
             count += 1
             sent = trio.current_time()
-            try:
-                self.h2.ping(struct.pack(">Q", count))
-            except h2.exceptions.ProtocolError:  # the connection is closing (GOAWAY sent): nothing to keep
-                return
+            if not self.protocol.ping(struct.pack(">Q", count)):
+                return  # the connection is closing (GOAWAY sent): nothing to keep
             self.flush()  # (or the writer sends it, if it is busy or the kernel did not take it all)
             await trio.sleep_until(sent + timeout)
             # Nothing read since the PING (a read at its very instant counts), and nothing waiting to be
@@ -565,10 +511,7 @@ class Connection:
         """Send GOAWAY, let the writer flush for up to ``grace`` seconds, then close the socket."""
         if self.lost is None and not self.closing:
             self.closing = True
-            try:
-                self.h2.close_connection()
-            except h2.exceptions.ProtocolError:
-                pass
+            self.protocol.close_connection()
             self.kick()
             with trio.move_on_after(grace) as scope:
                 scope.shield = True

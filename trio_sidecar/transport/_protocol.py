@@ -37,6 +37,7 @@ import hpack
 import hpack.table
 from h2.errors import ErrorCodes
 from h2.settings import SettingCodes
+from h2.stream import STREAM_OPEN
 from hyperframe.frame import HeadersFrame
 from purerpc.grpclib.buffers import MessageReadBuffer
 from purerpc.grpclib.config import GRPCConfiguration
@@ -65,7 +66,10 @@ __all__ = [
     "ResponseEnded",
     "ResponseReceived",
     "SettingsReceived",
+    "StreamClosed",
     "StreamFailed",
+    "StreamIdsExhausted",
+    "StreamLimitReached",
     "StreamReset",
     "WindowUpdated",
     "decode_grpc_message",
@@ -99,6 +103,18 @@ _HEADER_ERRORS = (GrpcProtocolError, ValueError, TypeError, KeyError, IndexError
 #: What ``receive_data`` raises for input that breaks the whole connection: h2's ProtocolError (GOAWAY is
 #: queued) and undecodable header bytes (h2 decodes header blocks as UTF-8 after HPACK).
 CONNECTION_ERRORS = (h2.exceptions.ProtocolError, UnicodeDecodeError)
+
+
+#: Raised by ``send_message``/``send_data``/``send_window`` for a stream that is closed (h2's exception).
+StreamClosed = h2.exceptions.StreamClosedError
+
+
+class StreamLimitReached(Exception):
+    """``open_stream``: the peer's MAX_CONCURRENT_STREAMS is reached; a stream must end first."""
+
+
+class StreamIdsExhausted(Exception):
+    """``open_stream``: the connection has used every stream id; a new connection is needed."""
 
 
 class StreamReset:
@@ -294,16 +310,22 @@ class _H2Connection(h2.connection.H2Connection):
         ``DataFrame`` (a request's message, and every message a server streams). Anything else (padding, an
         unknown stream, a frame h2 would refuse) goes to h2 unchanged, which raises as before.
         """
+        if pad_length is not None or not self.try_send_data(stream_id, data, end_stream):
+            return super().send_data(stream_id, data, end_stream, pad_length)
+        return None
+
+    def try_send_data(self, stream_id: int, data: bytes, end_stream: bool) -> bool:
+        """``send_data``'s fast path: queue ``data`` as one DATA frame if the stream is known and it fits both
+        windows and one frame; False (nothing done) otherwise. Raises as h2 for a closed stream."""
         stream = self.streams.get(stream_id)
         size = len(data)
         if (
-            pad_length is not None
-            or stream is None
+            stream is None
             or size > self.outbound_flow_control_window
             or size > stream.outbound_flow_control_window
             or size > self.max_outbound_frame_size
         ):
-            return super().send_data(stream_id, data, end_stream, pad_length)
+            return False
         self.state_machine.process_input(_SEND_DATA)
         machine = stream.state_machine
         machine.process_input(_STREAM_SEND_DATA)
@@ -312,7 +334,7 @@ class _H2Connection(h2.connection.H2Connection):
         stream.outbound_flow_control_window -= size
         self._data_to_send += _frame_header(size >> 16, size & 0xFFFF, 0x0, 0x1 if end_stream else 0, stream_id) + data
         self.outbound_flow_control_window -= size
-        return None
+        return True
 
     def _receive_window_update_frame(self, frame):  # type: ignore[no-untyped-def]
         try:
@@ -456,6 +478,131 @@ class GrpcProtocol(GRPCConnection):
             },
         )
         self.h2_connection.max_inbound_frame_size = self.MAX_INBOUND_FRAME_SIZE
+
+    # -- the surface the I/O layer uses (Connection, the client, the server) ----------------------------
+    #
+    # Everything below the h2/hpack/purerpc API line stays in this module: the I/O layer only calls these
+    # methods (and ``receive_data``, ``discard_stream``, ``reset_stream``, ``initiate_connection``), and
+    # catches only the exceptions this module exports (``StreamClosed``, ``StreamLimitReached``,
+    # ``StreamIdsExhausted``, ``CONNECTION_ERRORS``). ``tests/transport/test_protocol_boundary.py`` checks it.
+
+    def open_stream(self, headers: list) -> int:
+        """Open a client stream with the request ``headers`` (no END_STREAM); returns its stream id.
+
+        Raises:
+            StreamLimitReached: the peer's MAX_CONCURRENT_STREAMS is reached (nothing was sent).
+            StreamIdsExhausted: this connection has used every client stream id.
+        """
+        h2conn = self.h2_connection
+        try:
+            stream_id = h2conn.get_next_available_stream_id()
+            h2conn.open_request_stream(stream_id, headers)
+        except h2.exceptions.TooManyStreamsError:
+            raise StreamLimitReached from None
+        except h2.exceptions.NoAvailableStreamIDError:
+            raise StreamIdsExhausted from None
+        return stream_id
+
+    def send_headers(self, stream_id: int, headers: list | tuple) -> None:
+        """Queue a server's response headers on ``stream_id`` (raises as h2 for a closed stream)."""
+        self.h2_connection.send_headers(stream_id, headers)
+
+    def send_trailers(self, stream_id: int, headers: list) -> bool:
+        """Queue ``headers`` with END_STREAM (trailers, or a trailers-only response); False when the stream
+        can no longer take them (closed or reset meanwhile: nothing is queued)."""
+        try:
+            self.h2_connection.send_headers(stream_id, headers, end_stream=True)
+        except h2.exceptions.ProtocolError:
+            return False
+        return True
+
+    def send_message(self, stream_id: int, data: bytes, end_stream: bool) -> bool:
+        """Queue ``data`` (framed gRPC messages) as one DATA frame if it fits both flow-control windows and one
+        frame; False, with nothing queued, otherwise (``send_window`` and ``send_data`` then split it).
+
+        Raises:
+            StreamClosed: the stream is closed.
+        """
+        return self.h2_connection.try_send_data(stream_id, data, end_stream)
+
+    def send_data(self, stream_id: int, data: bytes, end_stream: bool) -> None:
+        """Queue one DATA frame; it must fit ``send_window`` and ``max_outbound_frame_size``.
+
+        Raises:
+            StreamClosed: the stream is closed.
+        """
+        self.h2_connection.send_data(stream_id, data, end_stream=end_stream)
+
+    def send_window(self, stream_id: int) -> int:
+        """How many bytes ``stream_id`` may send now (the smaller of its window and the connection's).
+
+        Raises:
+            StreamClosed: the stream is closed and forgotten.
+        """
+        return self.h2_connection.local_flow_control_window(stream_id)  # type: ignore[no-any-return]
+
+    @property
+    def max_outbound_frame_size(self) -> int:
+        """The largest DATA frame the peer accepts (its SETTINGS_MAX_FRAME_SIZE)."""
+        return self.h2_connection.max_outbound_frame_size  # type: ignore[no-any-return]
+
+    def acknowledge(self, stream_id: int, length: int) -> bool:
+        """The application consumed ``length`` flow-controlled bytes of ``stream_id``; returns whether output
+        is queued now (a WINDOW_UPDATE, or anything queued before).
+
+        h2's ``acknowledge_received_data`` only counts the bytes until half a window is processed (or the
+        window is empty), then queues WINDOW_UPDATE. While neither window is near that point the counting is
+        done here (once per message on the streaming path); otherwise h2 does it all.
+        ``tests/transport/test_transport_fastpath.py`` compares the two.
+        """
+        h2conn = self.h2_connection
+        connection_window = h2conn._inbound_flow_control_window_manager
+        processed = connection_window._bytes_processed + length
+        if connection_window.current_window_size and processed < connection_window.max_window_size // 2:
+            stream = h2conn.streams.get(stream_id)
+            if stream is None:
+                if stream_id <= (
+                    h2conn.highest_outbound_stream_id
+                    if h2conn._stream_id_is_outbound(stream_id)
+                    else h2conn.highest_inbound_stream_id
+                ):
+                    # A closed stream h2 already forgot (its last messages often come with the trailers):
+                    # h2 would only count the connection window.
+                    connection_window._bytes_processed = processed
+                    return bool(h2conn._data_to_send)
+            elif not STREAM_OPEN[stream.state_machine.state]:
+                connection_window._bytes_processed = processed  # (h2 ignores a closed stream's window)
+                return bool(h2conn._data_to_send)
+            else:
+                stream_window = stream._inbound_window_manager
+                if (
+                    stream_window.current_window_size
+                    and stream_window._bytes_processed + length < stream_window.max_window_size // 2
+                ):
+                    connection_window._bytes_processed = processed
+                    stream_window._bytes_processed += length
+                    return bool(h2conn._data_to_send)
+        h2conn.acknowledge_received_data(length, stream_id)
+        return bool(h2conn._data_to_send)
+
+    def output_size(self) -> int:
+        """How many bytes are queued for the socket (``data_to_send`` takes them)."""
+        return len(self.h2_connection._data_to_send)
+
+    def ping(self, opaque_data: bytes) -> bool:
+        """Queue a PING; False when the connection is closing (GOAWAY sent) and nothing was queued."""
+        try:
+            self.h2_connection.ping(opaque_data)
+        except h2.exceptions.ProtocolError:
+            return False
+        return True
+
+    def close_connection(self, error_code: int = ErrorCodes.NO_ERROR) -> None:
+        """Queue GOAWAY with ``error_code`` (nothing if the connection is already closed)."""
+        try:
+            self.h2_connection.close_connection(error_code)
+        except h2.exceptions.ProtocolError:
+            pass
 
     def receive_data(self, data: bytes) -> list:
         """Feed bytes from the socket; returns events. h2 ``ProtocolError`` means the connection is dead.

@@ -12,7 +12,6 @@ from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
 import attrs
-import h2.exceptions
 import trio
 from google.protobuf.message import DecodeError
 from purerpc.grpclib.config import GRPCConfiguration
@@ -239,7 +238,7 @@ class _ServerCall(Call):
     async def _send_payload(self, payload: bytes) -> None:
         if not self.response_started:
             self.response_started = True
-            self.conn.h2.send_headers(self.stream_id, _RESPONSE_HEADERS)
+            self.conn.protocol.send_headers(self.stream_id, _RESPONSE_HEADERS)
         await self.conn.send_message(self, payload, False)
 
     def finish(self, code: StatusCode, message: str = "", metadata: Iterable[tuple[str, str]] = ()) -> None:
@@ -262,10 +261,7 @@ class _ServerCall(Call):
                     trailers.extend(encode_metadata(metadata))
                 except (ValueError, TypeError, AttributeError):
                     LOGGER.error("invalid trailing metadata for %s dropped: %r", self.path, metadata)
-        try:
-            conn.h2.send_headers(self.stream_id, trailers, end_stream=True)
-        except h2.exceptions.ProtocolError:  # e.g. the stream was closed meanwhile
-            pass
+        conn.protocol.send_trailers(self.stream_id, trailers)  # (False: the stream was closed meanwhile)
         if not self.request_ended:
             # The request is not complete: tell the client to stop sending (RFC 9113 section 8.1).
             conn.protocol.reset_stream(self.stream_id, ErrorCodes.NO_ERROR)
@@ -331,7 +327,7 @@ class _ServerConnection(Connection):
             if kind is MessageReceived:
                 call = calls.get(event.stream_id)
                 if call is None:
-                    self.h2.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                    self.protocol.acknowledge(event.stream_id, event.flow_controlled_length)
                 else:
                     call.messages.append(event)
             elif kind is RequestReceived:
@@ -363,10 +359,7 @@ class _ServerConnection(Connection):
 
     def _reject(self, stream_id: int, code: StatusCode, message: str) -> None:
         trailers = [*_RESPONSE_HEADERS, ("grpc-status", str(int(code))), ("grpc-message", encode_grpc_message(message))]
-        try:
-            self.h2.send_headers(stream_id, trailers, end_stream=True)
-        except h2.exceptions.ProtocolError:
-            pass
+        self.protocol.send_trailers(stream_id, trailers)
         self.protocol.reset_stream(stream_id, ErrorCodes.NO_ERROR)
         self.kick()
         self.last_active = trio.current_time()
