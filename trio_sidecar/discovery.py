@@ -17,10 +17,17 @@ from ._proto.vllm import control_pb2
 from .config import SidecarConfig, validate_sidecar_config
 from .diagnostics import round_duration
 from .endpoint import GrpcEndpoint
-from .errors import CannotConnect, ConnectionTimeout, ProtocolError, format_duration, format_status
+from .errors import (
+    CannotConnect,
+    ConnectionTimeout,
+    ProtocolError,
+    SidecarError,
+    format_duration,
+    format_status,
+)
 from .model import DiscoveredModel
-from .progress import note_failure
 from .pool import ChannelPool, cause_chain, open_channel_pool
+from .progress import note_failure
 from .status import StatusCode
 
 __all__ = [
@@ -30,6 +37,7 @@ __all__ = [
     "discover_model",
     "discover",
     "fetch_kv_event_sources",
+    "HEALTH_CHECK",
 ]
 
 LOGGER = logging.getLogger("trio_sidecar.discovery")
@@ -40,6 +48,7 @@ INFERENCE_SERVICE = "vllm.Inference"
 GET_MODEL_INFO = "/vllm.Control/GetModelInfo"
 GET_SERVER_INFO = "/vllm.Control/GetServerInfo"
 GET_KV_EVENT_SOURCES = "/vllm.Control/GetKvEventSources"
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _FAIL_AT_ONCE = (StatusCode.NOT_FOUND, StatusCode.UNIMPLEMENTED)
@@ -62,8 +71,6 @@ async def wait_for_services(
         ProtocolError: the health service answered ``NOT_FOUND``/``UNIMPLEMENTED`` (fails at once).
         CannotConnect: ``{service} did not become SERVING before the total vLLM startup deadline ...``.
     """
-    from .transport import RpcError, check_health
-
     for service in services:
         start = trio.current_time()
         last = "health check exceeded the startup deadline"
@@ -72,16 +79,8 @@ async def wait_for_services(
                 last = "health check exceeded the startup deadline"
                 with trio.move_on_at(deadline):
                     try:
-                        channel = await pool.channel("Health.Check")
-                        status = await check_health(channel, service)
-                    except RpcError as exc:
-                        if exc.code in _FAIL_AT_ONCE:
-                            raise ProtocolError(
-                                f"{service} is unavailable through the standard gRPC health API: "
-                                f"{format_status(exc.code, exc.message)}"
-                            ) from exc
-                        last = f"health check failed: {format_status(exc.code, exc.message)}"
-                    except CannotConnect as exc:
+                        status = await _check_health(pool, service)
+                    except (_HealthCheckFailed, CannotConnect) as exc:  # (CannotConnect: the pool's own)
                         last = f"health check failed: {exc}"
                     except OSError as exc:
                         last = f"health check failed: {cause_chain(exc)}"
@@ -100,37 +99,81 @@ async def wait_for_services(
             await trio.sleep_until(min(now + retry_interval, deadline))
 
 
+class _HealthCheckFailed(Exception):
+    """``Health.Check`` answered another gRPC status; the text is the status (``{message} ({Code})``)."""
+
+
+async def _check_health(pool: ChannelPool, service: str) -> int:
+    """``Health.Check(service)`` on the next connection; its ``ServingStatus`` value.
+
+    Raises:
+        ProtocolError: ``NOT_FOUND``/``UNIMPLEMENTED``: no standard health API for ``service``.
+        _HealthCheckFailed: any other gRPC status.
+        CannotConnect: the pool's own (a broken connection that could not be replaced).
+    """
+    channel = await pool.channel("Health.Check")
+    try:
+        response = await pool.unary(
+            "Health.Check", HEALTH_CHECK, health_pb2.HealthCheckRequest(service=service),
+            health_pb2.HealthCheckResponse, channel=channel,
+        )
+    except SidecarError as exc:
+        if exc.grpc_code is None:
+            raise
+        status = format_status(exc.grpc_code, exc.grpc_message)
+        if exc.grpc_code in _FAIL_AT_ONCE:
+            raise ProtocolError(f"{service} is unavailable through the standard gRPC health API: {status}") from exc
+        raise _HealthCheckFailed(status) from exc
+    return response.status
+
+
 async def _bounded_unary(pool: ChannelPool, channel: Any, rpc: str, method: str, request: Any,
-                         response_type: Any, deadline: float) -> Any:
+                         response_type: Any, deadline: float, timeout: float | None) -> Any:
     with trio.move_on_at(deadline):
-        return await pool.unary(rpc, method, request, response_type, channel=channel)
+        return await pool.unary(rpc, method, request, response_type, channel=channel, timeout=timeout)
     raise ConnectionTimeout(f"{rpc} exceeded the total vLLM startup deadline")
 
 
-async def discover_model(pool: ChannelPool, *, deadline: float) -> DiscoveredModel:
+async def discover_model(
+    pool: ChannelPool, *, deadline: float, timeout: float | None = None, channel: Any = None
+) -> DiscoveredModel:
     """``GetModelInfo`` then ``GetServerInfo`` on the same connection, validated (docs/reference/sidecar.md#bootstrap-phase step 3, docs/reference/sidecar.md#control-metadata-validation).
+
+    Args:
+        deadline: the phase deadline (``math.inf``: none, as for the prober's rediscovery).
+        timeout: each RPC's own timeout (``grpc-timeout``), if any.
+        channel: the connection to use (default: the pool's next one).
 
     Raises:
         ConnectionTimeout: ``GetModelInfo exceeded the total vLLM startup deadline`` (or ``GetServerInfo``).
         SidecarError: a mapped gRPC status (rpc name ``GetModelInfo``/``GetServerInfo``).
         ProtocolError: the validation of docs/reference/sidecar.md#control-metadata-validation.
     """
-    channel = await pool.channel("GetModelInfo")
+    if channel is None:
+        channel = await pool.channel("GetModelInfo")
     model_info = await _bounded_unary(
         pool, channel, "GetModelInfo", GET_MODEL_INFO, control_pb2.GetModelInfoRequest(), control_pb2.ModelInfo,
-        deadline,
+        deadline, timeout,
     )
     server_info = await _bounded_unary(
         pool, channel, "GetServerInfo", GET_SERVER_INFO, control_pb2.GetServerInfoRequest(),
-        control_pb2.ServerInfo, deadline,
+        control_pb2.ServerInfo, deadline, timeout,
     )
     return DiscoveredModel.from_proto(model_info, server_info)
 
 
 async def fetch_kv_event_sources(
-    pool: ChannelPool, endpoint: GrpcEndpoint, model: DiscoveredModel, *, deadline: float
+    pool: ChannelPool,
+    endpoint: GrpcEndpoint,
+    model: DiscoveredModel,
+    *,
+    deadline: float,
+    timeout: float | None = None,
+    channel: Any = None,
 ) -> tuple[Any, ...]:
     """``GetKvEventSources``, validated and rewritten (docs/reference/sidecar.md#kv-event-sources); warnings are logged.
+
+    ``deadline``, ``timeout`` and ``channel`` as for :func:`discover_model`.
 
     Raises:
         ConnectionTimeout: ``GetKvEventSources exceeded the total vLLM startup deadline``.
@@ -138,10 +181,11 @@ async def fetch_kv_event_sources(
     """
     from .routing import validate_kv_event_sources
 
-    channel = await pool.channel("GetKvEventSources")
+    if channel is None:
+        channel = await pool.channel("GetKvEventSources")
     response = await _bounded_unary(
         pool, channel, "GetKvEventSources", GET_KV_EVENT_SOURCES, control_pb2.GetKvEventSourcesRequest(),
-        control_pb2.GetKvEventSourcesResponse, deadline,
+        control_pb2.GetKvEventSourcesResponse, deadline, timeout,
     )
     sources, warnings = validate_kv_event_sources(
         list(response.sources), model.data_parallel_size(), endpoint.host

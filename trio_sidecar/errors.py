@@ -8,8 +8,9 @@ error kinds (``lib/sidecar/common/src/error.rs``). gRPC statuses are translated 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
 import math
+from collections.abc import Callable
+from typing import Any
 
 from .status import StatusCode
 
@@ -45,6 +46,10 @@ class SidecarError(Exception):
     """Root of the family. ``str(err) == err.message``; ``err.kind`` is its kind (docs/reference/sidecar.md#error-kinds)."""
 
     kind: ErrorKind = ErrorKind.UNKNOWN
+    #: The gRPC status code this error translates (set by :func:`status_to_error`), else None.
+    grpc_code: StatusCode | None = None
+    #: That status's message (the percent-decoded ``grpc-message``); empty without a status.
+    grpc_message: str = ""
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -56,8 +61,12 @@ class SidecarError(Exception):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.message!r})"
 
-    def __reduce__(self) -> tuple[Callable[[type[SidecarError], str], SidecarError], tuple[type[SidecarError], str]]:  # keep pickling (and copy) working despite subclass __init__ signatures
-        return (_rebuild, (type(self), self.message))
+    def __reduce__(
+        self,
+    ) -> tuple[Callable[[type[SidecarError], str], SidecarError], tuple[type[SidecarError], str], dict[str, Any]]:
+        # Keeps pickling (and copy) working despite subclass __init__ signatures; the state keeps the
+        # attributes set after construction (``grpc_code``, ``grpc_message``).
+        return (_rebuild, (type(self), self.message), dict(self.__dict__))
 
 
 def _rebuild(cls: type[SidecarError], message: str) -> SidecarError:
@@ -137,11 +146,15 @@ def status_to_error(rpc: str, code: StatusCode, message: str) -> SidecarError:
         message: the percent-decoded ``grpc-message``.
 
     Returns:
-        The error (not raised): ``"{rpc}: {message} ({CodeName})"`` with the kind of docs/reference/sidecar.md#grpc-status-mapping.
+        The error (not raised): ``"{rpc}: {message} ({CodeName})"`` with the kind of docs/reference/sidecar.md#grpc-status-mapping;
+        ``grpc_code`` and ``grpc_message`` keep the status for callers that branch on the code.
     """
     code = StatusCode(code)
     cls = _STATUS_CLASS.get(code, UnknownError)
-    return cls(f"{rpc}: {format_status(code, message)}")
+    error = cls(f"{rpc}: {format_status(code, message)}")
+    error.grpc_code = code
+    error.grpc_message = message
+    return error
 
 
 def _trim_fraction(integer: int, fraction: int, digits: int, unit: str) -> str:

@@ -42,15 +42,11 @@ __all__ = [
     "ChannelPool",
     "open_channel_pool",
     "connect_with_retry",
-    "MAX_MESSAGE_LENGTH",
     "cause_chain",
     "channel_options",
 ]
 
 LOGGER = logging.getLogger("trio_sidecar.pool")
-
-#: docs/reference/sidecar.md#connection-pool: maximum send/receive message size on Inference and Control calls.
-MAX_MESSAGE_LENGTH = 64 * 1024 * 1024
 
 #: docs/reference/sidecar.md#construction-and-retries: a repeated failure text is logged at most this often.
 LOG_INTERVAL = 30.0
@@ -98,9 +94,13 @@ class _RateLimitedLog:
 
 
 def channel_options(config: SidecarConfig) -> dict[str, Any]:
-    """``connect_channel``'s options for every connection to vLLM: message limit and keepalive."""
+    """``connect_channel``'s options for every connection to vLLM: message limit and keepalive.
+
+    The message limit each way on Inference and Control calls (docs/reference/sidecar.md#connection-pool) is
+    the transport's ``DEFAULT_MAX_MESSAGE_LENGTH`` (64 MiB), the one definition of it.
+    """
     return {
-        "max_message_length": MAX_MESSAGE_LENGTH,
+        "max_message_length": _transport().DEFAULT_MAX_MESSAGE_LENGTH,
         "keepalive_time": config.keepalive_time or None,  # 0: no keepalive
         "keepalive_timeout": config.keepalive_timeout,
     }
@@ -181,11 +181,16 @@ class ChannelPool:
         channels: Sequence[Any],
         *,
         name: str = "vLLM",
+        reconnect: bool = True,
     ) -> None:
+        """Wrap connected ``channels`` (``connect`` builds them). ``reconnect=False`` makes a dedicated pool
+        (the prober's): a broken connection is handed out as it is (its calls fail UNAVAILABLE) instead of
+        being replaced, so the owner decides when to connect again."""
         self._nursery = nursery
         self.endpoint = endpoint
         self._config = config
         self.name = name
+        self._reconnect = reconnect
         self._slots = [_Slot(i + 1, ch) for i, ch in enumerate(channels)]
         self._counter = 0
         self.closed = False
@@ -287,7 +292,7 @@ class ChannelPool:
         if self.closed:
             raise status_to_error(rpc, StatusCode.UNAVAILABLE, f"the {self.name} connection pool is closed")
         slot = self._next_slot()
-        if not _unusable(slot.channel):
+        if not self._reconnect or not _unusable(slot.channel):
             return slot.channel
         async with slot.lock:
             if not _unusable(slot.channel):  # another user already reconnected it
@@ -324,12 +329,63 @@ class ChannelPool:
         timeout: float | None = None,
         channel: Any = None,
     ) -> Any:
-        """A unary call on the next connection, with gRPC failures mapped as in docs/reference/sidecar.md#grpc-status-mapping (rpc name ``rpc``)."""
+        """A unary call on ``channel`` (default: the next connection, :meth:`channel`).
+
+        The edge for gRPC errors (with :meth:`stream`): a transport ``RpcError`` (``ConnectionLostError``
+        included) is raised as ``status_to_error(rpc, code, message)``, chained from it
+        (docs/reference/sidecar.md#grpc-status-mapping); its ``grpc_code``/``grpc_message`` keep the status.
+
+        Raises:
+            SidecarError: the translated status, or :meth:`channel`'s ``CannotConnect``.
+        """
         transport = _transport()
         if channel is None:
             channel = await self.channel(rpc)
         try:
             return await channel.unary_unary(method, request, response_type, metadata=metadata, timeout=timeout)
+        except transport.RpcError as exc:
+            raise status_to_error(rpc, exc.code, exc.message) from exc
+
+    @asynccontextmanager
+    async def stream(
+        self,
+        rpc: str,
+        method: str,
+        request: Any,
+        response_type: Any,
+        *,
+        metadata: Sequence[tuple[str, str]] = (),
+        timeout: float | None = None,
+        channel: Any = None,
+    ) -> AsyncIterator[Any]:
+        """A server-streaming call on ``channel`` (default: the next connection, :meth:`channel`)::
+
+            async with pool.stream("GenerateStream", method, request, None, channel=channel) as responses:
+                async for data in responses: ...      # or: await responses.listen(listener, flush)
+
+        ``responses`` is the transport's ``ResponseStream`` (``response_type=None``: serialized messages,
+        ``listen`` available). Entering sends the request and waits for the response headers.
+
+        The edge for gRPC errors, as :meth:`unary`: every transport ``RpcError`` (``ConnectionLostError``
+        included) that leaves the block, whether raised on entering, while iterating, from ``listen`` or
+        ``next_buffered``, is raised as ``status_to_error(rpc, code, message)``, chained from it; other
+        exceptions (``SidecarError``, ``trio.Cancelled``, ...) leave unchanged. Inside the block the stream
+        raises the transport's ``RpcError``: code there catches ``SidecarError`` only after the block.
+
+        Leaving the block before the server's trailers (break, exception, cancellation) resets the stream
+        (RST_STREAM CANCEL) at once; the connection stays usable.
+
+        Raises:
+            SidecarError: the translated status, or :meth:`channel`'s ``CannotConnect``.
+        """
+        transport = _transport()
+        if channel is None:
+            channel = await self.channel(rpc)
+        try:
+            async with channel.unary_stream(
+                method, request, response_type, metadata=metadata, timeout=timeout
+            ) as responses:
+                yield responses
         except transport.RpcError as exc:
             raise status_to_error(rpc, exc.code, exc.message) from exc
 

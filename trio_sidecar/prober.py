@@ -47,22 +47,22 @@ import enum
 import logging
 import math
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import attrs
 import trio
 import trio_util
 
 from ._proto.grpc.health.v1 import health_pb2
-from ._proto.vllm import control_pb2
 from .config import SidecarConfig
+from .discovery import HEALTH_CHECK, discover_model, fetch_kv_event_sources
 from .endpoint import GrpcEndpoint
-from .errors import ProtocolError, SidecarError, status_to_error
+from .errors import CannotConnect, ConnectionTimeout, ProtocolError, SidecarError, format_status
 from .model import DiscoveredModel
-from .pool import cause_chain, channel_options
-from .routing import KvEventSource, validate_kv_event_sources
+from .pool import ChannelPool, cause_chain, channel_options
+from .routing import KvEventSource
 from .status import StatusCode
-from .transport import Channel, ConnectionLostError, RpcError, check_health, connect_channel, watch_health
+from .transport import Channel, RpcError, connect_channel
 
 __all__ = [
     "HealthKind",
@@ -110,11 +110,20 @@ class HealthState:
 SERVING_STATE = HealthState(HealthKind.SERVING)
 RECOVERING_STATE = HealthState(HealthKind.RECOVERING)
 _CLOSED_KINDS = frozenset({HealthKind.NOT_SERVING, HealthKind.UNREACHABLE})
-# gRPC codes of a failed rediscovery RPC that mean "vLLM cannot be reached" rather than "not ready".
-_UNREACHABLE_CODES = frozenset({StatusCode.UNAVAILABLE, StatusCode.DEADLINE_EXCEEDED})
+# Translated gRPC failures of a rediscovery RPC that mean "vLLM cannot be reached" rather than "not ready"
+# (UNAVAILABLE, a lost connection, DEADLINE_EXCEEDED).
+_UNREACHABLE_ERRORS = (CannotConnect, ConnectionTimeout)
 # Socket-level failures the transport may let through besides RpcError (a reset during the HTTP/2 preface
 # surfaces as trio.BrokenResourceError).
 _IO_ERRORS: tuple[type[BaseException], ...] = (OSError, trio.BrokenResourceError, SidecarError, RpcError)
+WATCH = "/grpc.health.v1.Health/Watch"
+
+
+def _detail(exc: BaseException) -> str:
+    """A failed health call's detail: the gRPC status (``{message} ({Code})``) or the cause chain."""
+    if isinstance(exc, SidecarError) and exc.grpc_code is not None:
+        return format_status(exc.grpc_code, exc.grpc_message)
+    return cause_chain(exc)
 
 
 # --- events from the session's tasks to its coordinator -------------------------------------------------
@@ -154,14 +163,6 @@ class _RecoveryFatal:
 
 
 _Event = _Status | _SessionEnd | _RecoveryDone | _RecoveryFailed | _RecoveryFatal
-
-
-class _Transient(Exception):
-    """A rediscovery step failed in a way that may pass (a transient failure, docs/reference/sidecar.md#recovery)."""
-
-    def __init__(self, kind: HealthKind, reason: str) -> None:
-        super().__init__(reason)
-        self.state = HealthState(kind, reason)
 
 
 class _Prober:
@@ -210,11 +211,14 @@ class _Prober:
             async with trio.open_nursery() as conn_nursery:
                 channel = await self.connect(conn_nursery)
                 if channel is not None:
+                    # A dedicated pool of this one connection: the pool is the edge for gRPC errors, and a
+                    # broken connection is not replaced under the session (its calls fail; a new session
+                    # connects again).
+                    pool = ChannelPool(conn_nursery, self.endpoint, self.config, [channel], reconnect=False)
                     try:
-                        fatal = await self.session(channel)
+                        fatal = await self.session(pool)
                     finally:
-                        with trio.CancelScope(shield=True):
-                            await channel.aclose()
+                        await pool.aclose()  # (shielded)
                 conn_nursery.cancel_scope.cancel()
             if fatal is not None:
                 # Raised outside every nursery: a single failure never surfaces as an ExceptionGroup.
@@ -237,8 +241,8 @@ class _Prober:
         )
         return None
 
-    async def session(self, channel: Channel) -> BaseException | None:
-        """Watch both services on ``channel`` until the session ends; returns a fatal error, if any.
+    async def session(self, pool: ChannelPool) -> BaseException | None:
+        """Watch both services on ``pool``'s connection until the session ends; returns a fatal error, if any.
 
         The coordinator (this function) alone changes ``health``; watchers and recovery attempts only
         send events. Each recovery attempt carries a number, and an outcome that arrives after its attempt
@@ -266,7 +270,7 @@ class _Prober:
 
         async with send, receive, trio.open_nursery() as nursery:
             for service in SERVICES:
-                nursery.start_soon(self.watch, channel, service, send.clone())
+                nursery.start_soon(self.watch, pool, service, send.clone())
 
             def start_recovery() -> None:
                 nonlocal attempt, attempts, recovery_scope, retry_recovery_at
@@ -275,7 +279,7 @@ class _Prober:
                 retry_recovery_at = math.inf
                 recovery_scope = trio.CancelScope()
                 self.publish(RECOVERING_STATE)
-                nursery.start_soon(self.recover, channel, attempt, recovery_scope, send.clone())
+                nursery.start_soon(self.recover, pool, attempt, recovery_scope, send.clone())
 
             while True:
                 waiting_initial = any(status is None for status in latest.values())
@@ -323,32 +327,38 @@ class _Prober:
 
     # --- watchers -----------------------------------------------------------------------------------
 
-    async def watch(self, channel: Channel, service: str, send: trio.MemorySendChannel[_Event]) -> None:
+    async def watch(self, pool: ChannelPool, service: str, send: trio.MemorySendChannel[_Event]) -> None:
         async with send:
+            request = health_pb2.HealthCheckRequest(service=service)
             try:
-                async with watch_health(channel, service) as statuses:
-                    async for status in statuses:
-                        await send.send(_Status(service, int(status)))
-            except RpcError as exc:
-                if exc.code == StatusCode.UNIMPLEMENTED:
-                    await self.poll(channel, service, send)
+                async with pool.stream("Health.Watch", WATCH, request, health_pb2.HealthCheckResponse) as responses:
+                    async for response in responses:
+                        await send.send(_Status(service, int(response.status)))
+            except SidecarError as exc:
+                if exc.grpc_code == StatusCode.UNIMPLEMENTED:
+                    await self.poll(pool, service, send)
                     return
-                reason = f"{service} Health.Watch failed: {exc}"
+                reason = f"{service} Health.Watch failed: {_detail(exc)}"
                 await send.send(_SessionEnd(HealthState(HealthKind.UNREACHABLE, reason)))
             except _IO_ERRORS as exc:
-                reason = f"{service} Health.Watch failed: {cause_chain(exc)}"
+                reason = f"{service} Health.Watch failed: {_detail(exc)}"
                 await send.send(_SessionEnd(HealthState(HealthKind.UNREACHABLE, reason)))
             else:
                 await send.send(_SessionEnd(HealthState(HealthKind.NOT_SERVING, WATCH_ENDED)))
 
-    async def poll(self, channel: Channel, service: str, send: trio.MemorySendChannel[_Event]) -> None:
+    async def poll(self, pool: ChannelPool, service: str, send: trio.MemorySendChannel[_Event]) -> None:
         """The ``Health.Check`` fallback for a server without ``Watch`` (docs/reference/sidecar.md#watching)."""
         cfg = self.config
+        request = health_pb2.HealthCheckRequest(service=service)
         while True:
             try:
-                status = await check_health(channel, service, timeout=cfg.connect_attempt_timeout)
+                response = await pool.unary(
+                    "Health.Check", HEALTH_CHECK, request, health_pb2.HealthCheckResponse,
+                    timeout=cfg.connect_attempt_timeout,
+                )
+                status = response.status
             except _IO_ERRORS as exc:
-                reason = f"{service} Health.Check failed: {cause_chain(exc)}"
+                reason = f"{service} Health.Check failed: {_detail(exc)}"
                 await send.send(_SessionEnd(HealthState(HealthKind.UNREACHABLE, reason)))
                 return
             await send.send(_Status(service, int(status), via_check=True))
@@ -357,52 +367,35 @@ class _Prober:
     # --- recovery (docs/reference/sidecar.md#recovery) ---------------------------------------------------------------------------
 
     async def recover(
-        self, channel: Channel, attempt: int, scope: trio.CancelScope, send: trio.MemorySendChannel[_Event]
+        self, pool: ChannelPool, attempt: int, scope: trio.CancelScope, send: trio.MemorySendChannel[_Event]
     ) -> None:
         async with send:
             with scope:
-                outcome = await self._rediscover(channel, attempt)
+                outcome = await self._rediscover(pool, attempt)
                 await send.send(outcome)
 
-    async def _rediscover(self, channel: Channel, attempt: int) -> _Event:
+    async def _rediscover(self, pool: ChannelPool, attempt: int) -> _Event:
+        """Discovery again (``discover_model``, then ``fetch_kv_event_sources``), each RPC bounded by
+        ``connect_attempt_timeout``; an outcome, never an exception."""
         timeout = self.config.connect_attempt_timeout
-
-        async def call(rpc: str, request: Any, response_type: Any) -> Any:
-            try:
-                return await channel.unary_unary(f"/vllm.Control/{rpc}", request, response_type, timeout=timeout)
-            except ConnectionLostError as exc:
-                raise _Transient(HealthKind.UNREACHABLE, str(status_to_error(rpc, exc.code, exc.message))) from exc
-            except RpcError as exc:
-                kind = HealthKind.UNREACHABLE if exc.code in _UNREACHABLE_CODES else HealthKind.NOT_SERVING
-                raise _Transient(kind, str(status_to_error(rpc, exc.code, exc.message))) from exc
-            except _IO_ERRORS as exc:
-                raise _Transient(HealthKind.UNREACHABLE, f"{rpc}: {cause_chain(exc)}") from exc
-
         try:
-            model_info = await call("GetModelInfo", control_pb2.GetModelInfoRequest(), control_pb2.ModelInfo)
-            server_info = await call("GetServerInfo", control_pb2.GetServerInfoRequest(), control_pb2.ServerInfo)
-            try:
-                observed = DiscoveredModel.from_proto(model_info, server_info)
-            except ProtocolError as exc:  # a half-started server may answer blanks: not a verdict yet
-                raise _Transient(HealthKind.NOT_SERVING, exc.message) from exc
+            observed = await discover_model(pool, deadline=math.inf, timeout=timeout)
             fatal = self._compare(observed)
             if fatal is not None:
                 return _RecoveryFatal(attempt, fatal)
-            response = await call(
-                "GetKvEventSources", control_pb2.GetKvEventSourcesRequest(), control_pb2.GetKvEventSourcesResponse
-            )
-            try:
-                sources, warnings = validate_kv_event_sources(
-                    response.sources, observed.data_parallel_size(), self.endpoint.host
-                )
-            except ProtocolError as exc:
-                raise _Transient(HealthKind.NOT_SERVING, exc.message) from exc
-        except _Transient as exc:
-            LOGGER.debug("vLLM recovery attempt failed: %s", exc.state.reason)
-            return _RecoveryFailed(attempt, exc.state)
-        for warning in warnings:
-            LOGGER.warning("%s", warning)
-        return _RecoveryDone(attempt, observed, tuple(sources))
+            sources = await fetch_kv_event_sources(pool, self.endpoint, observed, deadline=math.inf, timeout=timeout)
+        except ProtocolError as exc:  # a half-started server may answer blanks: not a verdict yet
+            state = HealthState(HealthKind.NOT_SERVING, exc.message)
+        except _UNREACHABLE_ERRORS as exc:
+            state = HealthState(HealthKind.UNREACHABLE, str(exc))
+        except SidecarError as exc:  # another gRPC status: vLLM answers, but is not ready
+            state = HealthState(HealthKind.NOT_SERVING, str(exc))
+        except _IO_ERRORS as exc:
+            state = HealthState(HealthKind.UNREACHABLE, f"rediscovery failed: {cause_chain(exc)}")
+        else:
+            return _RecoveryDone(attempt, observed, tuple(sources))
+        LOGGER.debug("vLLM recovery attempt failed: %s", state.reason)
+        return _RecoveryFailed(attempt, state)
 
     def _compare(self, observed: DiscoveredModel) -> ProtocolError | None:
         """The recovery comparison (docs/reference/sidecar.md#recovery): identity and DP size; KV sources may change."""

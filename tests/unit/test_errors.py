@@ -127,3 +127,11 @@ def test_errors_survive_pickle_and_copy(err: SidecarError) -> None:
 )
 def test_format_duration_matches_rust_debug(seconds: float, text: str) -> None:
     assert format_duration(seconds) == text
+
+
+def test_a_translated_status_keeps_its_code_and_message_through_pickle_and_copy() -> None:
+    err = status_to_error("Health.Check", StatusCode.UNIMPLEMENTED, "no such method")
+    for clone in (err, pickle.loads(pickle.dumps(err)), copy.copy(err)):
+        assert (clone.grpc_code, clone.grpc_message) == (StatusCode.UNIMPLEMENTED, "no such method")
+        assert str(clone) == "Health.Check: no such method (Unimplemented)"
+    assert (InvalidArgument("a").grpc_code, InvalidArgument("a").grpc_message) == (None, "")
