@@ -58,7 +58,15 @@ from trio_sidecar.mock.generation import (
 from trio_sidecar.mock.handoff import Role, prefill_terminal_params
 from trio_sidecar.mock.validation import PreparedRequest, RequestPolicy, parse_dp_rank, prepare_request
 from trio_sidecar.status import StatusCode
-from trio_sidecar.transport import FramedMessages, HealthServicer, RpcError, ServerLimits, serve_grpc
+from trio_sidecar.transport import (
+    DEFAULT_MAX_MESSAGE_LENGTH,
+    FramedMessages,
+    HealthServicer,
+    RpcError,
+    ServerLimits,
+    collapse_single_exception,
+    serve_grpc,
+)
 
 __all__ = [
     "CALL_HISTORY",
@@ -75,7 +83,6 @@ __all__ = [
 LOGGER = logging.getLogger("trio_sidecar.mock")
 
 HEALTH_SERVICES = ("", "vllm.Control", "vllm.Inference")
-MAX_MESSAGE_LENGTH = 64 * 1024 * 1024
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 FinishReason = pb.FinishInfo.FinishReason
@@ -755,13 +762,6 @@ def _open_publishers(prepared: _Prepared) -> list[Any]:
         return []
 
 
-def _unwrap_single(eg: BaseExceptionGroup) -> BaseException:
-    """The one exception of a nursery's group (the project never lets a group escape for one failure)."""
-    while isinstance(eg, BaseExceptionGroup) and len(eg.exceptions) == 1:
-        eg = eg.exceptions[0]  # type: ignore[assignment]
-    return eg
-
-
 @asynccontextmanager
 async def open_mock_server(config: MockConfig) -> AsyncIterator[MockServer]:
     """Run a mock vLLM gRPC server for the duration of the block.
@@ -786,7 +786,7 @@ async def open_mock_server(config: MockConfig) -> AsyncIterator[MockServer]:
     if config.supports_multimodal and prepared.args.enable_prefix_caching:
         LOGGER.warning("multimodal with prefix caching: KV blocks are keyed by token ids only")
     try:
-        try:
+        with collapse_single_exception():
             async with trio.open_nursery() as nursery:
                 engines = [
                     RankEngine(rank, prepared.args, publishers[rank] if publishers else None)
@@ -803,7 +803,7 @@ async def open_mock_server(config: MockConfig) -> AsyncIterator[MockServer]:
                         [_InferenceServicer(server), _ControlServicer(server), server.health],
                         host=prepared.host,
                         port=prepared.port,
-                        max_message_length=MAX_MESSAGE_LENGTH,
+                        max_message_length=DEFAULT_MAX_MESSAGE_LENGTH,
                         limits=prepared.limits,
                     )
                 )
@@ -817,8 +817,6 @@ async def open_mock_server(config: MockConfig) -> AsyncIterator[MockServer]:
                 )
                 yield server
                 nursery.cancel_scope.cancel()
-        except BaseExceptionGroup as eg:
-            raise _unwrap_single(eg) from None
     finally:
         for pub in publishers:
             pub.close()

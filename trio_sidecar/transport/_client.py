@@ -12,7 +12,7 @@ import trio
 from google.protobuf.message import DecodeError
 from purerpc.grpclib.config import GRPCConfiguration
 
-from ._connection import Call, Connection, _copy_error, deadline_after, encode_metadata, frame_message
+from ._connection import Call, Connection, _copy_error, deadline_after, encode_metadata
 from ._errors import DEFAULT_MAX_MESSAGE_LENGTH, ConnectionLostError, RpcError
 from ._protocol import (
     CONNECTION_ERRORS,
@@ -29,6 +29,7 @@ from ._protocol import (
     StreamReset,
     WindowUpdated,
     encode_timeout,
+    frame_message,
 )
 from ._util import collapse_single_exception
 from trio_sidecar.status import StatusCode

@@ -38,14 +38,6 @@ YIELD_EVERY = 32
 # ENHANCE_YOUR_CALM and close, so its unread acks cannot grow our memory (about 15,000 PING acks).
 CONTROL_BACKLOG_LIMIT = 256 * 1024
 
-_pack_prefix = struct.Struct(">BI").pack
-
-
-def frame_message(data: bytes) -> bytes:
-    """gRPC length-prefixed message (never compressed)."""
-    return _pack_prefix(0, len(data)) + data
-
-
 def encode_metadata(metadata: Iterable[tuple[str, Any]]) -> list[tuple[str, str]]:
     """Lower-case keys; base64 for ``-bin`` keys; reserved keys are a programming error (ValueError)."""
     encoded = []

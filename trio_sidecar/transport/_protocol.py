@@ -25,6 +25,7 @@ import math
 import struct
 import urllib.parse
 import zlib
+from collections.abc import Iterable
 
 import h2.config
 import h2.connection
@@ -75,6 +76,8 @@ __all__ = [
     "decode_grpc_message",
     "encode_grpc_message",
     "encode_timeout",
+    "frame_message",
+    "frame_messages",
     "ErrorCodes",
 ]
 
@@ -93,7 +96,9 @@ _CLIENT_STREAM_IDS = h2.connection.AllowedStreamIDs(True)
 _HEADERS_FLAG_SETS = {0x4: frozenset({"END_HEADERS"}), 0x5: frozenset({"END_HEADERS", "END_STREAM"})}
 _PLAIN_HEADERS_FLAGS = frozenset(_HEADERS_FLAG_SETS)
 _new_object = object.__new__
-_unpack_message_prefix = struct.Struct(">BL").unpack_from  # gRPC: compressed flag, message length
+_MESSAGE_PREFIX = struct.Struct(">BL")  # gRPC's message prefix: compressed flag, big-endian length
+_unpack_message_prefix = _MESSAGE_PREFIX.unpack_from
+_pack_message_prefix = _MESSAGE_PREFIX.pack
 _OPEN_CONNECTION_STATES = frozenset({h2.connection.ConnectionState.CLIENT_OPEN, h2.connection.ConnectionState.SERVER_OPEN})
 _DATA_STREAM_STATES = frozenset({h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL})
 
@@ -878,6 +883,24 @@ class GrpcProtocol(GRPCConnection):
 
     def _connection_terminated(self, event: h2.events.ConnectionTerminated) -> list:
         return [GoAway(event.last_stream_id or 0, event.error_code)]
+
+
+# -- message framing ---------------------------------------------------------------------------------
+
+
+def frame_message(data: bytes) -> bytes:
+    """One serialized message with its gRPC length prefix (never compressed)."""
+    return _pack_message_prefix(0, len(data)) + data
+
+
+def frame_messages(messages: Iterable[bytes]) -> bytes:
+    """Serialized messages, each with its gRPC length prefix, back to back (one join)."""
+    parts: list[bytes] = []
+    append = parts.append
+    for data in messages:
+        append(_pack_message_prefix(0, len(data)))
+        append(data)
+    return b"".join(parts)
 
 
 # -- header values -----------------------------------------------------------------------------------

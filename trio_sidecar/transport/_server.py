@@ -7,7 +7,6 @@ import inspect
 import logging
 import math
 import socket as stdlib_socket
-import struct
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
@@ -17,7 +16,7 @@ from google.protobuf.message import DecodeError
 from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.rpc import Cardinality
 
-from ._connection import Call, Connection, encode_metadata, frame_message
+from ._connection import Call, Connection, encode_metadata
 from ._errors import DEFAULT_MAX_MESSAGE_LENGTH, RpcError
 from ._protocol import (
     ErrorCodes,
@@ -31,6 +30,8 @@ from ._protocol import (
     StreamReset,
     WindowUpdated,
     encode_grpc_message,
+    frame_message,
+    frame_messages,
 )
 from ._util import collapse_single_exception
 from trio_sidecar.status import StatusCode
@@ -42,8 +43,6 @@ LOGGER = logging.getLogger("trio_sidecar.transport.server")
 UNEXPECTED_ERROR_MESSAGE = "unexpected server error"
 _RESPONSE_HEADERS = ((":status", "200"), ("content-type", "application/grpc"))
 _OK_TRAILERS = (("grpc-status", "0"),)
-# The gRPC message prefix (uncompressed flag, big-endian length), for FramedMessages.
-_pack_prefix = struct.Struct(">BI").pack
 # accept() failures that mean "out of resources right now": wait and retry (as trio.serve_listeners does).
 _ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 
@@ -90,20 +89,13 @@ class FramedMessages(bytes):
 
     __slots__ = ()
 
-    @staticmethod
-    def frame(data: bytes) -> bytes:
-        """One serialized message with its gRPC prefix (``b"".join`` such pieces into a FramedMessages)."""
-        return _pack_prefix(0, len(data)) + data
+    #: One serialized message with its gRPC prefix (``b"".join`` such pieces into a FramedMessages).
+    frame = staticmethod(frame_message)
 
     @classmethod
     def of(cls, messages: Iterable[bytes]) -> FramedMessages:
         """Frame serialized messages (``message.SerializeToString()`` results) into one payload."""
-        parts: list[bytes] = []
-        append = parts.append
-        for data in messages:
-            append(_pack_prefix(0, len(data)))
-            append(data)
-        return cls(b"".join(parts))
+        return cls(frame_messages(messages))
 
 
 def _oversize_split(payload: bytes, limit: int) -> tuple[int, int] | None:
