@@ -9,10 +9,9 @@ from contextlib import asynccontextmanager
 from typing import Any, NoReturn, cast
 
 import trio
-from google.protobuf.message import DecodeError
 from purerpc.grpclib.config import GRPCConfiguration
 
-from ._connection import Call, Connection, _copy_error, deadline_after, encode_metadata
+from ._connection import Call, Connection, _copy_error, deadline_after, encode_metadata, parse_message
 from ._errors import DEFAULT_MAX_MESSAGE_LENGTH, ConnectionLostError, RpcError
 from ._protocol import (
     CONNECTION_ERRORS,
@@ -355,6 +354,51 @@ class Channel:
             if timeout is not None:
                 timeout = deadline - now
 
+    async def _request(
+        self,
+        method: str,
+        metadata: Sequence[tuple[str, Any]],
+        timeout: float | None,
+        deadline: float,
+        data: bytes,
+        *,
+        headers_only: bool,
+    ) -> tuple[_ClientCall, bool]:
+        """Start a call, send the request ``data`` and wait for the response headers (``headers_only``) or
+        the call's end; returns the call and whether ``deadline`` passed first.
+
+        A stream the server refuses (RST_STREAM REFUSED_STREAM: not processed) is started again on a new
+        stream, up to ``REFUSED_STREAM_RETRIES`` times, after a short pause, within the deadline. On any
+        exception (cancellation included) the call is closed: RST_STREAM(CANCEL) at once.
+        """
+        attempt = 0
+        while True:
+            call = await self._open_call(method, metadata, timeout, deadline)
+            try:
+                if deadline == math.inf:
+                    # (No cancel scope when there is no deadline: one less enter and exit per call.)
+                    await self._exchange(call, data, headers_only)
+                    return call, False
+                with trio.move_on_at(deadline) as scope:
+                    await self._exchange(call, data, headers_only)
+                return call, scope.cancelled_caught
+            except _StreamRefused:
+                call.close()
+                if attempt == REFUSED_STREAM_RETRIES:
+                    raise
+                timeout = await _pause_before_retry(attempt, deadline, timeout)
+                attempt += 1
+            except BaseException:
+                call.close()
+                raise
+
+    async def _exchange(self, call: _ClientCall, data: bytes, headers_only: bool) -> None:
+        await self._conn.send_message(call, frame_message(data), True, flush=True)
+        while call.end is None and (not headers_only or call.headers is None):
+            if call.error is not None:
+                _raise_call_error(call.error)
+            await call.wait()
+
     async def unary_unary(
         self,
         method: str,
@@ -378,26 +422,9 @@ class Channel:
         deadline = deadline_after(timeout)
         if timeout is not None and timeout <= 0:
             raise _deadline_exceeded()
-        for attempt in range(REFUSED_STREAM_RETRIES + 1):
-            call = await self._open_call(method, metadata, timeout, deadline)
-            try:
-                with trio.move_on_at(deadline) as scope:
-                    await self._conn.send_message(call, frame_message(data), True, flush=True)
-                    while call.end is None:
-                        if call.error is not None:
-                            _raise_call_error(call.error)
-                        await call.wait()
-                break
-            except _StreamRefused:
-                call.close()
-                if attempt == REFUSED_STREAM_RETRIES:
-                    raise
-                timeout = await _pause_before_retry(attempt, deadline, timeout)
-            except BaseException:
-                call.close()  # cancellation or failure: RST_STREAM(CANCEL) at once
-                raise
+        call, timed_out = await self._request(method, metadata, timeout, deadline, data, headers_only=False)
         try:
-            if scope.cancelled_caught:
+            if timed_out:
                 raise _deadline_exceeded()
             error = call.status_error()
             if error is not None:
@@ -409,10 +436,7 @@ class Channel:
             payload = call.take_message()
         finally:
             call.close()
-        try:
-            return response_type.FromString(payload)
-        except DecodeError:
-            raise RpcError(StatusCode.INTERNAL, f"failed to parse the response message of {method}") from None
+        return parse_message(response_type, payload, f"the response message of {method}")
 
     def unary_stream(
         self,
@@ -480,26 +504,10 @@ class ResponseStream:
         if timeout is not None and timeout <= 0:
             raise _deadline_exceeded()
         self._deadline = deadline_after(timeout)
-        for attempt in range(REFUSED_STREAM_RETRIES + 1):
-            call = self._call = await channel._open_call(self._method, self._metadata, timeout, self._deadline)
-            try:
-                if self._deadline == math.inf:
-                    # (No cancel scope when there is no deadline: one less enter and exit per call.)
-                    await self._send_request(call, data)
-                    timed_out = False
-                else:
-                    with trio.move_on_at(self._deadline) as scope:
-                        await self._send_request(call, data)
-                    timed_out = scope.cancelled_caught
-                break
-            except _StreamRefused:
-                call.close()
-                if attempt == REFUSED_STREAM_RETRIES:
-                    raise
-                timeout = await _pause_before_retry(attempt, self._deadline, timeout)
-            except BaseException:
-                call.close()
-                raise
+        call, timed_out = await channel._request(
+            self._method, self._metadata, timeout, self._deadline, data, headers_only=True
+        )
+        self._call = call
         try:
             if timed_out:
                 raise _deadline_exceeded()
@@ -514,14 +522,6 @@ class ResponseStream:
             call.close()
             raise
         return self
-
-    async def _send_request(self, call: _ClientCall, data: bytes) -> None:
-        """Send the request message and wait for the response headers (or the call's end)."""
-        await self._channel._conn.send_message(call, frame_message(data), True, flush=True)
-        while call.headers is None and call.end is None:
-            if call.error is not None:
-                _raise_call_error(call.error)
-            await call.wait()
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.aclose()
@@ -546,14 +546,17 @@ class ResponseStream:
         if call is None or call.done or not call.messages:
             return None
         payload = call.take_message()
-        response_type = self._response_type
-        if response_type is None:
+        if self._response_type is None:
             return payload
+        return self._parse(call, payload)
+
+    def _parse(self, call: _ClientCall, payload: bytes) -> Any:
+        """A response message parsed; one that does not parse closes the call and raises INTERNAL."""
         try:
-            return response_type.FromString(payload)
-        except DecodeError:
+            return parse_message(self._response_type, payload, f"a response message of {self._method}")
+        except RpcError:
             call.close()
-            raise RpcError(StatusCode.INTERNAL, f"failed to parse a response message of {self._method}") from None
+            raise
 
     async def listen(
         self, listener: Callable[[bytes], bool], flush: Callable[[], bool] | None = None
@@ -660,13 +663,7 @@ class ResponseStream:
                 payload = call.take_message()
                 if self._response_type is None:
                     return payload
-                try:
-                    return self._response_type.FromString(payload)
-                except DecodeError:
-                    call.close()
-                    raise RpcError(
-                        StatusCode.INTERNAL, f"failed to parse a response message of {self._method}"
-                    ) from None
+                return self._parse(call, payload)
             if self._ended(call):
                 raise StopAsyncIteration
             if await self._wait(call) and not call.messages and call.end is None:

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import trio
+from google.protobuf.message import DecodeError
 from trio.lowlevel import Abort, current_task, reschedule, wait_task_rescheduled
 
 from ._errors import ConnectionLostError, RpcError
@@ -37,6 +38,15 @@ YIELD_EVERY = 32
 # is still unsent. A peer that floods control frames without reading the answers trips it: GOAWAY
 # ENHANCE_YOUR_CALM and close, so its unread acks cannot grow our memory (about 15,000 PING acks).
 CONTROL_BACKLOG_LIMIT = 256 * 1024
+
+def parse_message(message_type: Any, data: bytes, what: str) -> Any:
+    """``message_type.FromString(data)``; bytes that do not parse raise ``RpcError`` INTERNAL
+    ``failed to parse {what}`` (the one place the transport parses a protobuf message)."""
+    try:
+        return message_type.FromString(data)
+    except DecodeError:
+        raise RpcError(StatusCode.INTERNAL, f"failed to parse {what}") from None
+
 
 def encode_metadata(metadata: Iterable[tuple[str, Any]]) -> list[tuple[str, str]]:
     """Lower-case keys; base64 for ``-bin`` keys; reserved keys are a programming error (ValueError)."""

@@ -12,11 +12,10 @@ from typing import Any, NoReturn
 
 import attrs
 import trio
-from google.protobuf.message import DecodeError
 from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.rpc import Cardinality
 
-from ._connection import Call, Connection, encode_metadata
+from ._connection import Call, Connection, encode_metadata, parse_message
 from ._errors import DEFAULT_MAX_MESSAGE_LENGTH, RpcError
 from ._protocol import (
     ErrorCodes,
@@ -196,10 +195,7 @@ class _ServerCall(Call):
             raise RpcError(StatusCode.INTERNAL, f"expected 1 request message, received {len(self.messages)}")
         event = self.messages.popleft()
         self.conn.acknowledge(self.stream_id, event.flow_controlled_length)
-        try:
-            return request_type.FromString(event.data)
-        except DecodeError:
-            raise RpcError(StatusCode.INTERNAL, "failed to parse the request message") from None
+        return parse_message(request_type, event.data, "the request message")
 
     async def send_response(self, response: Any) -> None:
         if self.reset:
