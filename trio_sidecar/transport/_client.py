@@ -126,7 +126,9 @@ class _ClientCall(Call):
 
     def take_message(self) -> bytes:
         event = self.messages.popleft()
-        self.conn.acknowledge(self.stream_id, event.flow_controlled_length)
+        conn = self.conn  # (Connection.acknowledge, inlined: once per message)
+        if conn.lost is None and conn.protocol.acknowledge(self.stream_id, event.flow_controlled_length):
+            conn.kick()
         return event.data
 
 
@@ -221,7 +223,9 @@ class _ClientConnection(Connection):
 
     def _deliver(self, call: _ClientCall, event: MessageReceived) -> None:
         """Hand a message to the call's listener (``ResponseStream.listen``), from this reader task."""
-        self.acknowledge(call.stream_id, event.flow_controlled_length)  # consumed now, by the listener
+        # Consumed now, by the listener (Connection.acknowledge, inlined: the connection is not lost).
+        if self.protocol.acknowledge(call.stream_id, event.flow_controlled_length):
+            self.kick()
         try:
             stop = call.listener(event.data)  # type: ignore[misc]
         except Exception as exc:  # a listener must not raise; if one does, only its own call fails
@@ -493,6 +497,7 @@ class ResponseStream:
         self._timeout = timeout
         self._deadline = math.inf
         self._call: _ClientCall | None = None
+        self._what = f"a response message of {method}"  # (parse_message's text, built once per call)
         self.initial_metadata: tuple = ()
         self.trailing_metadata: tuple = ()
 
@@ -548,13 +553,9 @@ class ResponseStream:
         payload = call.take_message()
         if self._response_type is None:
             return payload
-        return self._parse(call, payload)
-
-    def _parse(self, call: _ClientCall, payload: bytes) -> Any:
-        """A response message parsed; one that does not parse closes the call and raises INTERNAL."""
         try:
-            return parse_message(self._response_type, payload, f"a response message of {self._method}")
-        except RpcError:
+            return parse_message(self._response_type, payload, self._what)
+        except RpcError:  # it does not parse: the call is over
             call.close()
             raise
 
@@ -663,7 +664,11 @@ class ResponseStream:
                 payload = call.take_message()
                 if self._response_type is None:
                     return payload
-                return self._parse(call, payload)
+                try:
+                    return parse_message(self._response_type, payload, self._what)
+                except RpcError:
+                    call.close()
+                    raise
             if self._ended(call):
                 raise StopAsyncIteration
             if await self._wait(call) and not call.messages and call.end is None:
