@@ -14,6 +14,10 @@ Layers:
   of an exception that kills the connection, and ``_H2Connection``, which tolerates h2 3.2.0's
   WINDOW_UPDATE-after-close race inside h2's own frame handling (docs/reference/transport.md#the-h2-320-window_update-race). It also caches HPACK
   encodings/decodings while the dynamic table is unchanged (steady-state gRPC header blocks repeat).
+  It is the only module that touches h2, hpack or purerpc internals: the layers below use its explicit
+  surface (``open_stream``, ``send_message``/``send_data``/``send_trailers``, ``acknowledge``,
+  ``data_to_send``/``output_size``, ``ping``, ``close_connection``, ...), so the h2 pin (3.2.0) is this
+  module's concern alone (checked by ``tests/transport/test_protocol_boundary.py``).
 * ``_connection``: one socket = one ``Connection`` with exactly two tasks. The **reader** feeds received
   bytes to the protocol and dispatches the events to ``Call`` objects (one per HTTP/2 stream) without
   awaiting. The **writer** is the only task that awaits on the socket: everyone else queues frames in h2
