@@ -346,8 +346,7 @@ class ChannelPool:
         except transport.RpcError as exc:
             raise status_to_error(rpc, exc.code, exc.message) from exc
 
-    @asynccontextmanager
-    async def stream(
+    def stream(
         self,
         rpc: str,
         method: str,
@@ -357,7 +356,7 @@ class ChannelPool:
         metadata: Sequence[tuple[str, str]] = (),
         timeout: float | None = None,
         channel: Any = None,
-    ) -> AsyncIterator[Any]:
+    ) -> _PoolStream:
         """A server-streaming call on ``channel`` (default: the next connection, :meth:`channel`)::
 
             async with pool.stream("GenerateStream", method, request, None, channel=channel) as responses:
@@ -378,16 +377,7 @@ class ChannelPool:
         Raises:
             SidecarError: the translated status, or :meth:`channel`'s ``CannotConnect``.
         """
-        transport = _transport()
-        if channel is None:
-            channel = await self.channel(rpc)
-        try:
-            async with channel.unary_stream(
-                method, request, response_type, metadata=metadata, timeout=timeout
-            ) as responses:
-                yield responses
-        except transport.RpcError as exc:
-            raise status_to_error(rpc, exc.code, exc.message) from exc
+        return _PoolStream(self, rpc, (method, request, response_type, metadata, timeout), channel)
 
     async def aclose(self) -> None:
         """Close every connection (idempotent). Shielded: cleanup must not be interrupted half-way."""
@@ -395,6 +385,40 @@ class ChannelPool:
         with trio.CancelScope(shield=True):
             for slot in self._slots:
                 await slot.channel.aclose()
+
+
+class _PoolStream:
+    """``ChannelPool.stream``'s context manager (a class: one object per call, no generator)."""
+
+    __slots__ = ("_args", "_channel", "_pool", "_rpc", "_stream")
+
+    def __init__(self, pool: ChannelPool, rpc: str, args: tuple, channel: Any) -> None:
+        self._pool = pool
+        self._rpc = rpc
+        self._args = args
+        self._channel = channel
+        self._stream: Any = None
+
+    async def __aenter__(self) -> Any:
+        rpc = self._rpc
+        channel = self._channel
+        if channel is None:
+            channel = await self._pool.channel(rpc)
+        method, request, response_type, metadata, timeout = self._args
+        stream = channel.unary_stream(method, request, response_type, metadata=metadata, timeout=timeout)
+        try:
+            await stream.__aenter__()
+        except _transport().RpcError as exc:  # (the stream closed its call)
+            raise status_to_error(rpc, exc.code, exc.message) from exc
+        self._stream = stream
+        return stream
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        await self._stream.__aexit__(exc_type, exc, tb)  # resets the stream unless the server ended it
+        if exc is not None and isinstance(exc, _transport().RpcError):
+            error: Any = exc  # (the transport is imported lazily: its types are Any here)
+            raise status_to_error(self._rpc, error.code, error.message) from exc
+        return False
 
 
 def _unusable(channel: Any) -> bool:
