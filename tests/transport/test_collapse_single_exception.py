@@ -50,6 +50,7 @@ async def test_nested_groups_of_one_are_unwrapped() -> None:
     with pytest.raises(Boom):
         with collapse_single_exception():
             async with trio.open_nursery() as outer:
+
                 async def inner() -> None:
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(_fail_with_context_only)

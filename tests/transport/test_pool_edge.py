@@ -35,7 +35,9 @@ async def pool(our_server: Any) -> AsyncIterator[ChannelPool]:
 
 async def test_stream_yields_the_responses_and_ends_with_ok(pool: ChannelPool) -> None:
     with trio.fail_after(20):
-        async with pool.stream("GenerateStream", GENERATE_STREAM, request("s", text="t", n=3), pb.GenerateResponse) as responses:
+        async with pool.stream(
+            "GenerateStream", GENERATE_STREAM, request("s", text="t", n=3), pb.GenerateResponse
+        ) as responses:
             got = [response.outputs.index async for response in responses]
     assert got == [0, 1, 2]
 
