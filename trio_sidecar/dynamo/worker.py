@@ -30,6 +30,7 @@ as ``error: {message}``), a fatal identity change after recovery, or a runtime t
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -45,7 +46,8 @@ import trio
 from ..config import DisaggregationMode, SidecarConfig, WorkerOptions
 from ..errors import InvalidArgument, SidecarError, format_duration
 from ..transport import collapse_single_exception
-from .bridge import AsyncioThread, RequestBridge
+from .bridge import RequestBridge
+from .host import HostLoop, run_as_guest
 
 if TYPE_CHECKING:
     from ..api import Sidecar
@@ -443,11 +445,14 @@ class _Shutdown:
             self._startup_scope.cancel()
 
 
-async def _watch_signals(state: _Shutdown, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as receiver:
-        task_status.started()
-        async for signum in receiver:
-            state.on_signal(signum)
+async def _watch_signals(state: _Shutdown, host: HostLoop, *,
+                         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    """SIGINT/SIGTERM go to ``state.on_signal``: the host loop owns signal handling (Trio is its guest), and
+    its callback runs on the thread Trio runs on."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        host.loop.add_signal_handler(signum, state.on_signal, signum)
+    task_status.started()
+    await trio.sleep_forever()
 
 
 def _print_error(message: str) -> None:
@@ -466,7 +471,7 @@ def run_worker(config: SidecarConfig, options: WorkerOptions) -> int:
         (the message is printed as ``error: {message}``).
     """
     try:
-        return trio.run(_main, config, options)
+        return run_as_guest(functools.partial(_main, config, options), loop_factory=_loop_factory())
     finally:
         exit_on_late_signals()
 
@@ -487,18 +492,19 @@ def exit_on_late_signals() -> None:
         signal.signal(signum, exit_now)
 
 
-async def _main(config: SidecarConfig, options: WorkerOptions) -> int:
+async def _main(config: SidecarConfig, options: WorkerOptions, host: HostLoop) -> int:
     state = _Shutdown()
     reporter = Reporter()
     async with trio.open_nursery() as root:
-        await root.start(_watch_signals, state)
+        await root.start(_watch_signals, state, host)
         try:
-            return await _run(config, options, state, reporter)
+            return await _run(config, options, state, reporter, host)
         finally:
             root.cancel_scope.cancel()
 
 
-async def _run(config: SidecarConfig, options: WorkerOptions, state: _Shutdown, reporter: Reporter) -> int:
+async def _run(config: SidecarConfig, options: WorkerOptions, state: _Shutdown, reporter: Reporter,
+               thread: HostLoop) -> int:
     from ..api import discover
 
     with state.startup() as scope:
@@ -516,9 +522,7 @@ async def _run(config: SidecarConfig, options: WorkerOptions, state: _Shutdown, 
     mode = DisaggregationMode.parse(config.disaggregation_mode)
     component = _FIXED_COMPONENT.get(mode, options.component)
     endpoint_path = f"{worker_namespace(options.namespace)}.{component}.{options.endpoint}"
-    thread = AsyncioThread(loop_factory=_loop_factory())
     dynamo = DynamoSide(options)
-    await thread.start()
     try:
         return await _run_with_runtime(config, options, state, reporter, thread, dynamo, bootstrap, endpoint_path)
     finally:
@@ -531,7 +535,7 @@ async def _run_with_runtime(
     options: WorkerOptions,
     state: _Shutdown,
     reporter: Reporter,
-    thread: AsyncioThread,
+    thread: HostLoop,
     dynamo: DynamoSide,
     bootstrap: DiscoveredModel,
     endpoint_path: str,
@@ -550,7 +554,6 @@ async def _run_with_runtime(
         LOGGER.info(INIT_SHUTDOWN)
         return 0
 
-    bridge = RequestBridge(thread)
     code = 0
     with state.startup() as scope:
         reporter.phase("start phase", config.startup_deadline)
@@ -558,8 +561,9 @@ async def _run_with_runtime(
             with collapse_single_exception():
                 async with open_sidecar(config, expected=bootstrap) as sidecar:
                     reporter.phase_done("start phase")
+                    bridge = RequestBridge(sidecar.submit)
                     async with trio.open_nursery() as requests:
-                        requests.start_soon(bridge.run_dispatcher, sidecar.submit)
+                        await requests.start(bridge.run)
                         code = await _register_and_serve(config, options, state, reporter, thread, dynamo,
                                                          bridge, sidecar)
                         requests.cancel_scope.cancel()
@@ -580,7 +584,7 @@ async def _register_and_serve(
     options: WorkerOptions,
     state: _Shutdown,
     reporter: Reporter,
-    thread: AsyncioThread,
+    thread: HostLoop,
     dynamo: DynamoSide,
     bridge: RequestBridge,
     sidecar: Sidecar,
@@ -609,7 +613,7 @@ async def _register_and_serve(
     if not state.requested.is_set():
         _print_error("the Dynamo runtime stopped serving the endpoint")
         return 1
-    await _drain(options, thread, dynamo, bridge)
+    await _drain(options, thread, dynamo, sidecar)
     return 0
 
 
@@ -618,7 +622,7 @@ async def _set_when(event: trio.Event, scope: trio.CancelScope) -> None:
     scope.cancel()
 
 
-async def _watch_serving(thread: AsyncioThread, dynamo: DynamoSide, ended: trio.Event) -> None:
+async def _watch_serving(thread: HostLoop, dynamo: DynamoSide, ended: trio.Event) -> None:
     try:
         await thread.run(dynamo.wait_serving_ended)
     except Exception as exc:  # noqa: BLE001
@@ -626,26 +630,32 @@ async def _watch_serving(thread: AsyncioThread, dynamo: DynamoSide, ended: trio.
     ended.set()
 
 
-async def _drain(options: WorkerOptions, thread: AsyncioThread, dynamo: DynamoSide, bridge: RequestBridge) -> None:
-    """Graceful shutdown: unregister at once, drain up to ``drain_timeout``, then stop the rest (docs/reference/worker.md#graceful-shutdown-and-drain)."""
-    in_flight = len(bridge.in_flight)
-    LOGGER.info("draining %d in-flight request(s) (up to %s)", in_flight, format_duration(options.drain_timeout))
+async def _drain(options: WorkerOptions, thread: HostLoop, dynamo: DynamoSide, sidecar: Sidecar) -> None:
+    """Graceful shutdown: unregister at once, drain up to ``drain_timeout``, then stop the rest (docs/reference/worker.md#graceful-shutdown-and-drain).
+
+    Admission and the in-flight requests are the engine's: it refuses new requests from here on
+    (``EngineShutdown``, which the frontend migrates), and its in-flight count is what the drain waits for.
+    """
+    engine = sidecar.engine
+    LOGGER.info("draining %d in-flight request(s) (up to %s)", engine.in_flight,
+                format_duration(options.drain_timeout))
     await thread.run(dynamo.shutdown)
-    bridge.stop_admitting()
+    engine.stop_admission()
     with trio.move_on_after(options.drain_timeout) as drain:
         await thread.run(dynamo.wait_serving_ended)
-        await bridge.wait_idle()
+        await engine.wait_idle()
     if drain.cancelled_caught:
-        stopped = bridge.stop_all()
+        stopped = engine.in_flight
+        engine.cancel_in_flight()
         LOGGER.warning("drain timeout reached; cancelling %d remaining request(s)", stopped)
         with trio.move_on_after(STOP_GRACE):
-            await bridge.wait_idle()
+            await engine.wait_idle()
             await thread.run(dynamo.wait_serving_ended)
 
 
 async def _supervise_health(
     options: WorkerOptions,
-    thread: AsyncioThread,
+    thread: HostLoop,
     dynamo: DynamoSide,
     sidecar: Sidecar,
     plan: WorkerPlan,
@@ -694,17 +704,15 @@ async def _supervise_health(
                 LOGGER.error("register_endpoint_instance failed: %s", exc)
 
 
-async def _stop_runtime(thread: AsyncioThread, dynamo: DynamoSide) -> None:
-    """Idempotent final teardown: publishers, ``runtime.shutdown()``, the serve future, the thread."""
-    if thread.loop is not None:
-        try:
-            with trio.move_on_after(STOP_GRACE):
-                await thread.run(_call_sync, dynamo.shutdown_publishers)
-                await thread.run(dynamo.shutdown)
-                await thread.run(dynamo.wait_serving_ended)
-        except Exception:  # noqa: BLE001 - the runtime is going away regardless
-            LOGGER.debug("Dynamo runtime shutdown failed", exc_info=True)
-    await thread.stop()
+async def _stop_runtime(thread: HostLoop, dynamo: DynamoSide) -> None:
+    """Idempotent final teardown: publishers, ``runtime.shutdown()``, the serve future."""
+    try:
+        with trio.move_on_after(STOP_GRACE):
+            await thread.run(_call_sync, dynamo.shutdown_publishers)
+            await thread.run(dynamo.shutdown)
+            await thread.run(dynamo.wait_serving_ended)
+    except Exception:  # noqa: BLE001 - the runtime is going away regardless
+        LOGGER.debug("Dynamo runtime shutdown failed", exc_info=True)
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
