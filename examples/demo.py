@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     try:
-        from trio_sidecar.dynamo import local
+        from trio_sidecar._devtools import local
     except ImportError as exc:  # pragma: no cover - the package itself is missing
         console.print(f"[red]error:[/] {exc}")
         return 1

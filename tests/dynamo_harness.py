@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import trio
 
-from trio_sidecar.dynamo import local
+from trio_sidecar._devtools import local
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -16,7 +16,7 @@ A :class:`Topology` says how the Dynamo processes find each other:
 Both Dynamo 1.6.1 processes read the same variables: ``ETCD_ENDPOINTS`` (comma list of URLs, default
 ``http://localhost:2379``) and ``NATS_SERVER`` (default ``nats://localhost:4222``); the flags
 ``--discovery-backend/--request-plane/--event-plane`` select the backends. The flags are appended after the
-ones :mod:`trio_sidecar.dynamo.local` passes, and both ``dynamo.frontend`` and ``trio-sidecar run`` take the
+ones :mod:`trio_sidecar._devtools.local` passes, and both ``dynamo.frontend`` and ``trio-sidecar run`` take the
 last value of a repeated flag; the native sidecar (a clap parser, which rejects a repeated flag) gets its own
 command line here.
 """
@@ -36,7 +36,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from trio_sidecar.dynamo import local
+from trio_sidecar._devtools import local
 
 LOOPBACK = local.LOOPBACK
 READY_TIMEOUT = 30.0

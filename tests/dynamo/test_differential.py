@@ -22,7 +22,7 @@ import urllib.parse
 import pytest
 from dynamo_harness import FAST_ENGINE_ARGS, start_pair
 
-from trio_sidecar.dynamo import local
+from trio_sidecar._devtools import local
 
 pytestmark = pytest.mark.dynamo
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from trio_sidecar.dynamo import local
+from trio_sidecar._devtools import local
 
 from topology import etcd_get_prefix
 

@@ -28,7 +28,7 @@ import attrs
 import pytest
 import trio
 
-from trio_sidecar.dynamo import local
+from trio_sidecar._devtools import local
 
 from dynamo_harness import MockThread, make_tiny_model, require_dynamo
 from topology import TOPOLOGIES, Topology, make_topology

@@ -28,7 +28,7 @@ from typing import Any
 import attrs
 import pytest
 
-from trio_sidecar.dynamo import local
+from trio_sidecar._devtools import local
 
 from real_vllm_server import MAX_MODEL_LEN, SERVED_MODEL_NAME
 
