@@ -143,7 +143,7 @@ async def test_discovery_reports_the_real_identity_limits_and_parallelism(real_s
             )
             engine_config, sources = sidecar.engine_config, sidecar.kv_event_sources
 
-    from trio_sidecar.dynamo.worker import plan_registration
+    from trio_sidecar.dynamo.plan import plan_registration
 
     plan = plan_registration(config, WorkerOptions(), engine_config, sources, environ={})
     assert plan.endpoint_path == "dynamo.backend.generate"

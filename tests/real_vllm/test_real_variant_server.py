@@ -181,7 +181,7 @@ async def test_rl_and_lora_rpcs_answer_on_the_real_server(direct):
 
 
 async def test_sidecar_discovers_the_kv_event_source_and_registers_kv_publishing(variant_server):
-    from trio_sidecar.dynamo.worker import plan_registration
+    from trio_sidecar.dynamo.plan import plan_registration
 
     config = SidecarConfig(grpc_endpoint=variant_server.endpoint, grpc_connections=1, startup_deadline=60.0,
                            connect_attempt_timeout=10.0, retry_interval=0.5)

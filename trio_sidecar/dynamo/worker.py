@@ -1,26 +1,30 @@
-"""``trio-sidecar run``: serve a vLLM gRPC engine as a Dynamo 1.6.1 worker (docs/reference/worker.md#registration, docs/reference/worker.md#the-asyncio-thread-bridge).
+"""``trio-sidecar run``: serve a vLLM gRPC engine as a Dynamo 1.6.1 worker (docs/reference/worker.md#registration, docs/reference/worker.md#trio-as-a-guest-on-dynamos-loop).
 
 Theory of operation
 -------------------
 
-Trio owns the process. Dynamo's runtime lives on one asyncio thread (:mod:`.bridge`); every Dynamo object
-is created and touched only there, through :meth:`AsyncioThread.run`. Lifetimes nest like this::
+One thread, one loop: the process runs the uvloop loop that Dynamo's runtime is given, and Trio runs on it as
+a guest (:mod:`.host`). Every Dynamo object is created and touched on that loop (:class:`.runtime.DynamoSide`,
+awaited from Trio with :meth:`HostLoop.run`); the handler and the sidecar exchange requests and chunks by
+plain calls (:mod:`.bridge`). The worker's lifetime is one Trio nursery tree::
 
-    trio.run
-    └─ signal watcher                      first signal: cancel startup / begin the graceful shutdown
-       └─ bootstrap discovery              (docs/reference/sidecar.md#bootstrap-phase) — before any Dynamo object exists
-          └─ asyncio thread + runtime      DistributedRuntime, endpoint (docs/reference/worker.md#startup-sequence)
-             └─ open_sidecar(expected=…)   the start phase (docs/reference/sidecar.md#start-phase, docs/reference/sidecar.md#identity-check), prober, abort sender
-                └─ request nursery         dispatcher + one task per request (bridge)
-                   registration            serve_endpoint, register_model, KvEventPublisher per source
-                   health supervisor       unregister/re-register on NOT_SERVING (docs/reference/worker.md#out-of-rotation-while-vllm-is-not-serving, docs/reference/sidecar.md#recovery)
-                   wait                    for the shutdown request, a fatal prober error or a dead runtime
+    asyncio.Runner (uvloop)
+    └─ Trio guest run                      ends → the loop stops; the loop's task cancelled → the run is cancelled
+       └─ signal watcher                   SIGINT/SIGTERM through the loop's signal handlers: cancel startup / drain
+          └─ bootstrap discovery           (docs/reference/sidecar.md#bootstrap-phase) — before any Dynamo object exists
+             └─ runtime                    DistributedRuntime, endpoint (docs/reference/worker.md#startup-sequence)
+                └─ open_sidecar(expected=…)   the start phase, prober, abort sender, the requests' tasks
+                   └─ bridge               the requests' egress tasks (:meth:`RequestBridge.run`)
+                      registration         serve_endpoint, register_model, KvEventPublisher per source
+                      health supervisor    unregister/re-register on NOT_SERVING (docs/reference/worker.md#out-of-rotation-while-vllm-is-not-serving, docs/reference/sidecar.md#recovery)
+                      wait                 for the shutdown request, a fatal prober error or a dead runtime
 
-Shutdown (docs/reference/sidecar.md#lifecycle, docs/reference/worker.md#graceful-shutdown-and-drain): stop admitting, ``runtime.shutdown()`` on the loop (unregisters the
-instance at once, then the runtime drains in-flight handlers), wait for ``serve_endpoint``'s future for up
-to ``drain_timeout`` — after it, every remaining request is stopped (it ends with its cancelled chunk and
-an Abort is queued, docs/reference/worker.md#graceful-shutdown-and-drain) — then leave ``open_sidecar`` (cleanup), stop the loop, join the
-thread. A second SIGINT/SIGTERM exits 1 at once.
+Shutdown (docs/reference/sidecar.md#lifecycle, docs/reference/worker.md#graceful-shutdown-and-drain):
+``runtime.shutdown()`` (unregisters the instance at once, then the runtime drains in-flight handlers), the
+engine stops admitting, wait for ``serve_endpoint``'s future and the engine's in-flight requests for up to
+``drain_timeout`` — after it, the engine cancels every remaining request (it ends with its cancelled chunk
+and an Abort is queued) — then leave the bridge and ``open_sidecar`` (cleanup), shut the runtime down, and
+end the Trio run, which stops the loop. A second SIGINT/SIGTERM exits 1 at once.
 
 Exit codes (docs/reference/sidecar.md#exit-codes): 0 after a graceful shutdown (also when the signal arrives during startup,
 with the log line ``runtime shut down during sidecar initialization``); 1 for a startup failure (printed
@@ -31,380 +35,38 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import os
 import signal
 import sys
-import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
-import attrs
 import trio
 
-from ..config import DisaggregationMode, SidecarConfig, WorkerOptions
-from ..errors import InvalidArgument, SidecarError, format_duration
+from ..config import SidecarConfig, WorkerOptions
+from ..errors import SidecarError, format_duration
 from ..transport import collapse_single_exception
 from .bridge import RequestBridge
 from .host import HostLoop, run_as_guest
+from .plan import WorkerPlan, endpoint_path, plan_registration
+from .reporter import Reporter
+from .runtime import DynamoSide
 
 if TYPE_CHECKING:
     from ..api import Sidecar
-    from ..model import DiscoveredModel, EngineConfig
+    from ..model import DiscoveredModel
     from ..routing import KvEventSource
 
-__all__ = ["run_worker", "WorkerPlan", "plan_registration", "worker_namespace"]
+__all__ = ["run_worker", "exit_on_late_signals"]
+
+T = TypeVar("T")
 
 LOGGER = logging.getLogger("trio_sidecar.dynamo.worker")
 
 INIT_SHUTDOWN = "runtime shut down during sidecar initialization"
 # After the drain bound, stopped requests end promptly; this bounds the wait for the runtime's own drain.
 STOP_GRACE = 10.0
-
-# --- pure registration planning ---------------------------------------------------------------------------
-
-_ENDPOINT_TYPES = {"chat": "Chat", "completions": "Completions"}
-_WORKER_TYPES = {
-    DisaggregationMode.AGG: "Aggregated",
-    DisaggregationMode.PREFILL: "Prefill",
-    DisaggregationMode.DECODE: "Decode",
-}
-_FIXED_COMPONENT = {DisaggregationMode.PREFILL: "prefill", DisaggregationMode.DECODE: "backend"}
-# register_model rejects Prefill/Decode without `needs`; the native sidecar declares the peer role.
-_NEEDS = {DisaggregationMode.PREFILL: (("Decode",),), DisaggregationMode.DECODE: (("Prefill",),)}
-
-
-def worker_namespace(namespace: str, environ: Mapping[str, str] = os.environ) -> str:
-    """Apply ``DYN_NAMESPACE_WORKER_SUFFIX`` like the native sidecar: ``-{suffix}`` unless empty or present."""
-    suffix = environ.get("DYN_NAMESPACE_WORKER_SUFFIX", "").strip()
-    if not suffix or namespace.endswith(f"-{suffix}"):
-        return namespace
-    return f"{namespace}-{suffix}"
-
-
-@attrs.frozen(kw_only=True)
-class WorkerPlan:
-    """Everything ``register_model`` and the publishers need, as plain values (docs/reference/worker.md#registration)."""
-
-    endpoint_path: str  # "ns.component.endpoint"
-    model_path: str
-    served_model_name: str
-    aliases: tuple[str, ...]
-    model_types: tuple[str, ...]  # dynamo.llm.ModelType member names, OR-ed together ("Prefill" for prefill)
-    worker_type: str  # dynamo.llm.WorkerType member name
-    needs: tuple[tuple[str, ...], ...]  # DNF of WorkerType names the role depends on (required for P/D)
-    kv_cache_block_size: int | None
-    runtime_config: dict[str, Any]  # ModelRuntimeConfig attributes to set (None values already dropped)
-    custom_template_path: str | None
-    # Dynamo's canary request, only when canaries are enabled (DYN_HEALTH_CHECK_ENABLED): with a payload the
-    # runtime derives /health from endpoint health and ignores set_health_status (docs/dynamo.md).
-    health_check_payload: dict[str, Any] | None
-    local_indexer: bool  # KvEventPublisher(enable_local_indexer=...): off for decode workers
-
-
-def plan_registration(
-    config: SidecarConfig,
-    options: WorkerOptions,
-    engine: EngineConfig,
-    sources: Sequence[KvEventSource],
-    *,
-    environ: Mapping[str, str] = os.environ,
-) -> WorkerPlan:
-    """Build the registration from the start-phase ``EngineConfig`` (docs/reference/sidecar.md#registration-data, docs/reference/worker.md#registration).
-
-    Raises:
-        InvalidArgument: an endpoint type other than ``chat``/``completions``, or an unsupported mode.
-    """
-    mode = DisaggregationMode.parse(config.disaggregation_mode)
-    if mode not in _WORKER_TYPES:
-        raise InvalidArgument("encode mode is not supported by the vLLM sidecar")
-    component = _FIXED_COMPONENT.get(mode, options.component)
-    path = f"{worker_namespace(options.namespace, environ)}.{component}.{options.endpoint}"
-    if mode is DisaggregationMode.PREFILL:
-        # Prefill workers have no OpenAI surface whatever --endpoint-types says; like the native sidecar
-        # they register the legacy ModelType.Prefill marker (so older frontends still see the role) and
-        # WorkerType.Prefill.
-        model_types: tuple[str, ...] = ("Prefill",)
-    else:
-        names = []
-        for kind in options.endpoint_types:
-            if kind not in _ENDPOINT_TYPES:
-                raise InvalidArgument(f"unsupported endpoint type `{kind}`; expected chat or completions")
-            names.append(_ENDPOINT_TYPES[kind])
-        if not names:
-            raise InvalidArgument("--endpoint-types must name at least one of chat, completions")
-        model_types = tuple(dict.fromkeys(names))
-    runtime = {
-        "context_length": engine.context_length,
-        "total_kv_blocks": engine.total_kv_blocks,
-        "max_num_seqs": engine.max_num_seqs,
-        "max_num_batched_tokens": engine.max_num_batched_tokens,
-        "data_parallel_size": engine.data_parallel_size,
-        "data_parallel_start_rank": engine.data_parallel_start_rank,
-    }
-    runtime = {k: v for k, v in runtime.items() if v is not None}
-    # Publishers need a block size (KvEventPublisher rejects 0); without one no events are relayed.
-    runtime["kv_event_publishing_enabled"] = bool(sources) and engine.kv_cache_block_size is not None
-    runtime["exclude_tools_when_tool_choice_none"] = bool(options.exclude_tools_when_tool_choice_none)
-    # The native 1.6.1 sidecar's model card says enable_local_indexer=true in every mode; decode workers
-    # get no KV publishers anyway (vLLM reports no KV-event sources in decode mode).
-    runtime["enable_local_indexer"] = True
-    local_indexer = mode is not DisaggregationMode.DECODE
-    return WorkerPlan(
-        endpoint_path=path,
-        model_path=engine.model,
-        served_model_name=engine.served_model_name,
-        aliases=tuple(engine.aliases),
-        model_types=model_types,
-        worker_type=_WORKER_TYPES[mode],
-        needs=_NEEDS.get(mode, ()),
-        kv_cache_block_size=engine.kv_cache_block_size,
-        runtime_config=runtime,
-        custom_template_path=options.custom_jinja_template,
-        health_check_payload=(
-            health_check_payload(engine.model, environ) if _truthy(environ.get("DYN_HEALTH_CHECK_ENABLED")) else None
-        ),
-        local_indexer=local_indexer,
-    )
-
-
-HEALTH_CHECK_KEY = "_HEALTH_CHECK"
-
-
-def _truthy(value: str | None) -> bool:
-    return (value or "").strip().lower() in {"1", "true", "yes", "on"}
-
-
-def health_check_payload(model_path: str, environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
-    """The canary request Dynamo sends when its health checks are enabled (``DYN_HEALTH_CHECK_ENABLED``).
-
-    Dynamo's token-input backends use one BOS token, ``max_tokens`` 1, ``ignore_eos``, temperature 0, and
-    the ``_HEALTH_CHECK`` marker; ``DYN_HEALTH_CHECK_PAYLOAD`` (JSON, or ``@file``) overrides it. The BOS id
-    comes from the model directory's ``generation_config.json``/``config.json`` when readable, else 1.
-    Canaries are served like any other request (docs/reference/worker.md#health-canaries).
-    """
-    payload: dict[str, Any] = {
-        "token_ids": [_bos_token_id(model_path)],
-        "stop_conditions": {"max_tokens": 1, "ignore_eos": True},
-        "sampling_options": {"temperature": 0.0},
-    }
-    override = environ.get("DYN_HEALTH_CHECK_PAYLOAD", "").strip()
-    if override:
-        try:
-            if override.startswith("@"):
-                with open(override[1:], encoding="utf-8") as f:
-                    parsed = json.load(f)
-            else:
-                parsed = json.loads(override)
-        except (OSError, ValueError) as exc:
-            LOGGER.warning("ignoring DYN_HEALTH_CHECK_PAYLOAD: %s", exc)
-        else:
-            if isinstance(parsed, dict):
-                payload = parsed
-            else:
-                LOGGER.warning("ignoring DYN_HEALTH_CHECK_PAYLOAD: not a JSON object")
-    return {**payload, HEALTH_CHECK_KEY: True}
-
-
-def _bos_token_id(model_path: str) -> int:
-    for name in ("generation_config.json", "config.json"):
-        try:
-            with open(os.path.join(model_path, name), encoding="utf-8") as f:
-                value = json.load(f).get("bos_token_id")
-        except (OSError, ValueError, AttributeError):
-            continue
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            return value
-    return 1
-
-
-# --- the asyncio side ---------------------------------------------------------------------------------------
-
-
-class DynamoSide:
-    """Owns the Dynamo objects. Every method runs on the asyncio thread (via ``AsyncioThread.run``)."""
-
-    def __init__(self, options: WorkerOptions) -> None:
-        self.options = options
-        self.runtime: Any = None
-        self.endpoint: Any = None
-        self.serve: asyncio.Future | None = None
-        self.publishers: list[Any] = []
-
-    async def create_runtime(self, endpoint_path: str) -> None:
-        from dynamo.runtime import DistributedRuntime
-
-        kwargs = {"response_plane": self.options.response_plane}
-        if self.options.event_plane:
-            kwargs["event_plane"] = self.options.event_plane
-        self.runtime = DistributedRuntime(
-            asyncio.get_running_loop(), self.options.discovery_backend, self.options.request_plane, **kwargs
-        )
-        self.endpoint = self.runtime.endpoint(endpoint_path)
-
-    async def serve_and_register(self, plan: WorkerPlan, handler: Callable[..., Any]) -> None:
-        from dynamo.llm import ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
-
-        # serve_endpoint returns a Future, not a coroutine (docs/reference/worker.md#pitfalls).
-        self.serve = asyncio.ensure_future(
-            self.endpoint.serve_endpoint(handler, health_check_payload=plan.health_check_payload)
-        )
-        rc = ModelRuntimeConfig()
-        for name, value in plan.runtime_config.items():
-            setattr(rc, name, value)
-        model_type = getattr(ModelType, plan.model_types[0])
-        for name in plan.model_types[1:]:
-            model_type = model_type | getattr(ModelType, name)
-        await register_model(
-            ModelInput.Tokens,
-            model_type,
-            self.endpoint,
-            plan.model_path,
-            plan.served_model_name,
-            worker_type=getattr(WorkerType, plan.worker_type),
-            needs=[[getattr(WorkerType, name) for name in group] for group in plan.needs] or None,
-            kv_cache_block_size=plan.kv_cache_block_size,
-            runtime_config=rc,
-            model_aliases=list(plan.aliases) or None,
-            custom_template_path=plan.custom_template_path,
-        )
-        if self.serve.done():  # serving failed at once (e.g. the request plane could not bind)
-            self.serve.result()
-
-    async def replace_publishers(self, plan: WorkerPlan, sources: Sequence[KvEventSource]) -> int:
-        """Shut down the current KV publishers and create one per source (docs/reference/worker.md#kv-events)."""
-        from dynamo.llm import KvEventPublisher
-
-        self.shutdown_publishers()
-        if not sources:
-            return 0
-        if not plan.kv_cache_block_size:
-            LOGGER.warning("vLLM reports no KV block size; KV events are not relayed to the router")
-            return 0
-        for source in sources:
-            self.publishers.append(
-                KvEventPublisher(
-                    self.endpoint,
-                    kv_block_size=plan.kv_cache_block_size,
-                    dp_rank=source.dp_rank,
-                    enable_local_indexer=plan.local_indexer,
-                    zmq_endpoint=source.endpoint,
-                    zmq_topic=source.topic,
-                )
-            )
-        return len(self.publishers)
-
-    def shutdown_publishers(self) -> None:
-        publishers, self.publishers = self.publishers, []
-        for publisher in publishers:
-            try:
-                publisher.shutdown()
-            except Exception:  # noqa: BLE001 - best effort on the way out
-                LOGGER.debug("KvEventPublisher.shutdown failed", exc_info=True)
-
-    async def set_ready(self, ready: bool) -> None:
-        """The runtime's system-level health (``/health`` and ``/live`` when ``DYN_SYSTEM_PORT`` is set).
-
-        The runtime starts ``NotReady``; the native sidecar reports ready once serving, so do we.
-        """
-        self.runtime.set_health_status(ready)
-
-    async def unregister(self) -> None:
-        await self.endpoint.unregister_endpoint_instance()
-        self.runtime.set_health_status(False)
-
-    async def register(self) -> None:
-        await self.endpoint.register_endpoint_instance()
-        self.runtime.set_health_status(True)
-
-    async def wait_serving_ended(self) -> None:
-        """Wait for ``serve_endpoint``'s future (shielded: a cancelled waiter never cancels serving)."""
-        if self.serve is not None:
-            await asyncio.shield(self.serve)
-
-    async def shutdown(self) -> None:
-        """``runtime.shutdown()``: unregister at once, then the runtime drains in-flight handlers."""
-        if self.runtime is not None:
-            self.runtime.shutdown()
-
-
-# --- output for humans (TTY) or plain logs --------------------------------------------------------------
-
-
-class Reporter:
-    """Startup phases, the discovered model and the ready line: rich on a TTY, plain log records otherwise."""
-
-    def __init__(self, *, rich_output: bool | None = None) -> None:
-        if rich_output is None:
-            rich_output = sys.stderr.isatty()
-        self.rich = rich_output
-        self._console = None
-        if self.rich:
-            from rich.console import Console
-
-            self._console = Console(stderr=True, highlight=False)
-        self._phase_started = 0.0
-
-    def phase(self, name: str, deadline: float | None = None) -> None:
-        self._phase_started = time.monotonic()
-        bound = f" (deadline {format_duration(deadline)})" if deadline is not None else ""
-        if self._console is not None:
-            self._console.print(f"[bold cyan]▶[/] {name}{bound}")
-        else:
-            LOGGER.info("phase=%s%s", name.replace(" ", "_"), f" deadline={format_duration(deadline)}" if deadline else "")
-
-    def phase_done(self, name: str) -> None:
-        elapsed = format_duration(round(time.monotonic() - self._phase_started, 3))
-        if self._console is not None:
-            self._console.print(f"  [green]✓[/] {name} in {elapsed}")
-        else:
-            LOGGER.info("phase=%s done elapsed=%s", name.replace(" ", "_"), elapsed)
-
-    def model_table(self, model: DiscoveredModel, engine: EngineConfig, plan: WorkerPlan,
-                    sources: Sequence[KvEventSource]) -> None:
-        rows = _model_rows(model, engine, plan, sources)
-        if self._console is not None:
-            from rich.table import Table
-
-            table = Table(title="Discovered vLLM model", show_header=False, title_justify="left")
-            table.add_column(style="bold")
-            table.add_column()
-            for key, value in rows:
-                table.add_row(key, value)
-            self._console.print(table)
-        else:
-            LOGGER.info("model %s", " ".join(f"{k.replace(' ', '_')}={v}" for k, v in rows))
-
-    def ready(self, plan: WorkerPlan) -> None:
-        text = f"ready: serving `{plan.served_model_name}` on dyn://{plan.endpoint_path} ({plan.worker_type})"
-        if self._console is not None:
-            self._console.print(f"[bold green]✔ {text}[/]", markup=True)
-        else:
-            LOGGER.info(text)
-
-
-def _model_rows(model: DiscoveredModel, engine: EngineConfig, plan: WorkerPlan,
-                sources: Sequence[KvEventSource]) -> list[tuple[str, str]]:
-    def show(value: Any) -> str:
-        return "-" if value is None else str(value)
-
-    info = model.server_info
-    return [
-        ("model", engine.model),
-        ("served name", engine.served_model_name),
-        ("aliases", ", ".join(engine.aliases) or "-"),
-        ("engine", f"{info.engine_version or '?'} (instance {info.instance_id or '?'})"),
-        ("context length", show(engine.context_length)),
-        ("KV block size", show(engine.kv_cache_block_size)),
-        ("total KV blocks", show(engine.total_kv_blocks)),
-        ("max seqs", show(engine.max_num_seqs)),
-        ("max batched tokens", show(engine.max_num_batched_tokens)),
-        ("DP size", show(model.data_parallel_size())),
-        ("KV events", ", ".join(f"{s.dp_rank}:{s.endpoint}" for s in sources) or "-"),
-        ("endpoint", f"dyn://{plan.endpoint_path}"),
-        ("worker type", plan.worker_type),
-    ]
 
 
 # --- the Trio orchestration ---------------------------------------------------------------------------------
@@ -519,12 +181,10 @@ async def _run(config: SidecarConfig, options: WorkerOptions, state: _Shutdown, 
         LOGGER.info(INIT_SHUTDOWN)
         return 0
 
-    mode = DisaggregationMode.parse(config.disaggregation_mode)
-    component = _FIXED_COMPONENT.get(mode, options.component)
-    endpoint_path = f"{worker_namespace(options.namespace)}.{component}.{options.endpoint}"
     dynamo = DynamoSide(options)
     try:
-        return await _run_with_runtime(config, options, state, reporter, thread, dynamo, bootstrap, endpoint_path)
+        return await _run_with_runtime(config, options, state, reporter, thread, dynamo, bootstrap,
+                                       endpoint_path(config, options))
     finally:
         with trio.CancelScope(shield=True):
             await _stop_runtime(thread, dynamo)
@@ -538,14 +198,14 @@ async def _run_with_runtime(
     thread: HostLoop,
     dynamo: DynamoSide,
     bootstrap: DiscoveredModel,
-    endpoint_path: str,
+    path: str,
 ) -> int:
     from ..api import open_sidecar
 
     with state.startup() as scope:
         reporter.phase("starting the Dynamo runtime")
         try:
-            await thread.run(dynamo.create_runtime, endpoint_path)
+            await thread.run(dynamo.create_runtime, path)
         except Exception as exc:  # noqa: BLE001 - Dynamo raises plain exceptions
             _print_error(f"failed to start the Dynamo runtime: {exc}")
             return 1
@@ -729,5 +389,5 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return uvloop.new_event_loop
 
 
-async def _call_sync(fn: Callable[[], Any]) -> Any:
+async def _call_sync(fn: Callable[[], T]) -> T:
     return fn()
