@@ -42,7 +42,7 @@ class DynamoSide:
     async def create_runtime(self, endpoint_path: str) -> None:
         from dynamo.runtime import DistributedRuntime
 
-        kwargs = {"response_plane": self.options.response_plane}
+        kwargs: dict[str, Any] = {"response_plane": self.options.response_plane}
         if self.options.event_plane:
             kwargs["event_plane"] = self.options.event_plane
         self.runtime = DistributedRuntime(
@@ -50,12 +50,20 @@ class DynamoSide:
         )
         self.endpoint = self.runtime.endpoint(endpoint_path)
 
+    def _runtime(self) -> DistributedRuntime:
+        assert self.runtime is not None, "create_runtime() comes first"
+        return self.runtime
+
+    def _endpoint(self) -> Endpoint:
+        assert self.endpoint is not None, "create_runtime() comes first"
+        return self.endpoint
+
     async def serve_and_register(self, plan: WorkerPlan, handler: Handler) -> None:
         from dynamo.llm import ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
 
         # serve_endpoint returns a Future, not a coroutine (docs/reference/worker.md#pitfalls).
         self.serve = asyncio.ensure_future(
-            self.endpoint.serve_endpoint(handler, health_check_payload=plan.health_check_payload)
+            self._endpoint().serve_endpoint(handler, health_check_payload=plan.health_check_payload)
         )
         rc = ModelRuntimeConfig()
         for name, value in plan.runtime_config.items():
@@ -66,7 +74,7 @@ class DynamoSide:
         await register_model(
             ModelInput.Tokens,
             model_type,
-            self.endpoint,
+            self._endpoint(),
             plan.model_path,
             plan.served_model_name,
             worker_type=getattr(WorkerType, plan.worker_type),
@@ -92,7 +100,7 @@ class DynamoSide:
         for source in sources:
             self.publishers.append(
                 KvEventPublisher(
-                    self.endpoint,
+                    self._endpoint(),
                     kv_block_size=plan.kv_cache_block_size,
                     dp_rank=source.dp_rank,
                     enable_local_indexer=plan.local_indexer,
@@ -115,15 +123,15 @@ class DynamoSide:
 
         The runtime starts ``NotReady``; the native sidecar reports ready once serving, so do we.
         """
-        self.runtime.set_health_status(ready)
+        self._runtime().set_health_status(ready)
 
     async def unregister(self) -> None:
-        await self.endpoint.unregister_endpoint_instance()
-        self.runtime.set_health_status(False)
+        await self._endpoint().unregister_endpoint_instance()
+        self._runtime().set_health_status(False)
 
     async def register(self) -> None:
-        await self.endpoint.register_endpoint_instance()
-        self.runtime.set_health_status(True)
+        await self._endpoint().register_endpoint_instance()
+        self._runtime().set_health_status(True)
 
     async def wait_serving_ended(self) -> None:
         """Wait for ``serve_endpoint``'s future (shielded: a cancelled waiter never cancels serving)."""
