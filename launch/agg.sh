@@ -27,7 +27,8 @@
 #   VLLM                vLLM server command (vllm-rs)
 #   VLLM_ARGS           extra `vllm-rs serve` arguments (word-split)
 #   MOCK_ENGINE_ARGS    `trio-sidecar mock --extra-engine-args` JSON ({})
-#   PYTHON              Python with trio-sidecar[dynamo] and ai-dynamo installed (python3)
+#   PYTHON              Python with trio-sidecar and Dynamo 1.6.1 (incl. the frontend) installed (default: the
+#                       repository's .venv/bin/python when present, else python3; `make install` creates .venv)
 #   TRIO_SIDECAR        trio-sidecar command ("$PYTHON -m trio_sidecar")
 #   READY_TIMEOUT       seconds to wait for readiness (600)
 #   STOP_TIMEOUT        seconds each child gets after SIGTERM before SIGKILL (20)
@@ -82,9 +83,39 @@ launch_parse_args() {
     done
 }
 
+# PYTHON: as given, else the repository's .venv, else python3; it must import trio_sidecar and Dynamo's
+# frontend, or the script says exactly what is missing and how to install it.
+launch_pick_python() {
+    local origin="PYTHON=${PYTHON:-}" missing
+    if [[ -z ${PYTHON:-} ]]; then
+        if [[ -x $REPO_DIR/.venv/bin/python ]]; then
+            PYTHON=$REPO_DIR/.venv/bin/python
+            origin="the repository's .venv ($PYTHON)"
+        else
+            PYTHON=python3
+            origin="python3 (there is no $REPO_DIR/.venv)"
+        fi
+    fi
+    command -v "$PYTHON" >/dev/null 2>&1 ||
+        launch_die "$origin: not found; run \`make install\` in $REPO_DIR, or set PYTHON"
+    missing=$("$PYTHON" -c '
+import importlib.util
+# trio is checked with trio_sidecar: a checkout on sys.path (the current directory) is not an installation.
+wanted = [(("trio_sidecar", "trio"), "trio-sidecar"), (("dynamo.runtime",), "ai-dynamo-runtime 1.6.1"),
+          (("dynamo.frontend",), "ai-dynamo 1.6.1 (the frontend)"), (("tokenizers",), "tokenizers")]
+def found(module):
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
+print(", ".join(package for modules, package in wanted if not all(map(found, modules))))
+' 2>&1) || missing="a working interpreter ($missing)"
+    [[ -z $missing ]] || launch_die "$origin lacks $missing; run \`make install\` in $REPO_DIR (it creates .venv with trio-sidecar and Dynamo 1.6.1), or set PYTHON to a Python that has them"
+}
+
 # Defaults, the working directory and the Dynamo environment (file discovery, loopback planes).
 launch_setup() {
-    PYTHON=${PYTHON:-python3}
+    launch_pick_python
     HTTP_HOST=${HTTP_HOST:-$LOOPBACK}
     HTTP_PORT=${HTTP_PORT:-8000}
     NAMESPACE=${NAMESPACE:-dynamo}

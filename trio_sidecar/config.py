@@ -198,7 +198,7 @@ def prepare(config: SidecarConfig, worker_options: WorkerOptions, *, dynamo_requ
             "vLLM gRPC does not preserve the request options required by Dynamo tool-call and reasoning parsers"
         )
     if worker_options.enable_rl:
-        raise InvalidArgument("RL controls are not supported by trio-sidecar yet")
+        raise InvalidArgument("RL controls are not supported by trio-sidecar")
     endpoint = parse_grpc_endpoint(config.grpc_endpoint)
     _check_transport(config)
     if dynamo_required and not dynamo_available():

@@ -26,9 +26,12 @@ engine stops admitting, wait for ``serve_endpoint``'s future and the engine's in
 and an Abort is queued) — then leave the bridge and ``open_sidecar`` (cleanup), shut the runtime down, and
 end the Trio run, which stops the loop. A second SIGINT/SIGTERM exits 1 at once.
 
-Exit codes (docs/reference/sidecar.md#exit-codes): 0 after a graceful shutdown (also when the signal arrives during startup,
-with the log line ``runtime shut down during sidecar initialization``); 1 for a startup failure (printed
-as ``error: {message}``), a fatal identity change after recovery, or a runtime that stopped by itself.
+Exit codes (docs/reference/sidecar.md#exit-codes, docs/deployment.md "Exit codes and signals"): 0 after a
+graceful shutdown; 1 for a startup failure (printed as
+``error: {message}; hint: ...``), a fatal identity change after recovery, or a runtime that stopped by
+itself; 128 + the signal number (130, 143) when SIGINT/SIGTERM arrives before the worker serves — one line
+``received SIGTERM during {phase}: runtime shut down during sidecar initialization; ...`` and the process
+ends within 1.5 s even if Dynamo's runtime is stuck (e.g. waiting for an etcd that is not running).
 """
 
 from __future__ import annotations
@@ -39,13 +42,18 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
+from .._logging import emit, print_error
+from .._signals import SIGNALS, held, hold_signals, interrupted_code
 from ..config import SidecarConfig, WorkerOptions
+from ..diagnostics import startup_hint
 from ..errors import SidecarError, format_duration
+from ..progress import StartupProgress, tracking
 from ..transport import collapse_single_exception
 from .bridge import RequestBridge
 from .host import HostLoop, run_as_guest
@@ -65,6 +73,9 @@ T = TypeVar("T")
 LOGGER = logging.getLogger("trio_sidecar.dynamo.worker")
 
 INIT_SHUTDOWN = "runtime shut down during sidecar initialization"
+# A signal before serving ends the process within this bound even when Dynamo's runtime does not return
+# (e.g. it waits for an etcd that is not running and ignores cancellation).
+INTERRUPT_EXIT_BOUND = 1.5
 # After the drain bound, stopped requests end promptly; this bounds the wait for the runtime's own drain.
 STOP_GRACE = 10.0
 
@@ -75,14 +86,19 @@ STOP_GRACE = 10.0
 class _Shutdown:
     """Signal state shared by the watcher and the main flow.
 
-    While a startup step runs, the first signal cancels it (:meth:`startup`); once serving, it requests
-    the graceful shutdown (``requested``). The second signal always exits 1 at once.
+    Before serving, the first signal cancels the running startup step (:meth:`startup`), prints one line
+    and ends the process with 128 + the signal number, within :data:`INTERRUPT_EXIT_BOUND` even if Dynamo's
+    runtime does not return; once serving, it requests the graceful shutdown (``requested``). The second
+    signal always exits 1 at once.
     """
 
     def __init__(self) -> None:
         self.requested = trio.Event()
         self._startup_scope: trio.CancelScope | None = None
         self.signals = 0
+        self.serving = False
+        self.phase = "startup"
+        self.interrupted: int | None = None  # the exit code when a signal arrived before serving
 
     def startup(self) -> trio.CancelScope:
         scope = trio.CancelScope()
@@ -93,6 +109,7 @@ class _Shutdown:
 
     def end_startup(self) -> None:
         self._startup_scope = None
+        self.serving = True
 
     def on_signal(self, signum: int) -> None:
         self.signals += 1
@@ -101,25 +118,45 @@ class _Shutdown:
             sys.stderr.write(f"received {name} again; exiting immediately\n")
             sys.stderr.flush()
             os._exit(1)
-        LOGGER.info("received %s; shutting down", name)
         self.requested.set()
+        if self.serving:
+            LOGGER.info("received %s; shutting down", name)
+            return
+        code = interrupted_code(signum)
+        self.interrupted = code
+        emit(f"received {name} during {self.phase}: {INIT_SHUTDOWN}; exiting with code {code}",
+             name=LOGGER.name)
+        _exit_after(INTERRUPT_EXIT_BOUND, code)
         if self._startup_scope is not None:
             self._startup_scope.cancel()
+
+
+def _exit_after(delay: float, code: int) -> None:
+    """End the process with ``code`` after ``delay`` unless it has exited by then (a daemon timer)."""
+
+    def exit_now() -> None:
+        sys.stderr.flush()
+        os._exit(code)
+
+    timer = threading.Timer(delay, exit_now)
+    timer.daemon = True
+    timer.start()
 
 
 async def _watch_signals(state: _Shutdown, host: HostLoop, *,
                          task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """SIGINT/SIGTERM go to ``state.on_signal``: the host loop owns signal handling (Trio is its guest), and
     its callback runs on the thread Trio runs on."""
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in SIGNALS:
         host.loop.add_signal_handler(signum, state.on_signal, signum)
     task_status.started()
+    for early in held():  # arrived between the CLI's hand-over and the loop's handlers
+        state.on_signal(early)
     await trio.sleep_forever()
 
 
 def _print_error(message: str) -> None:
-    sys.stderr.write(f"error: {message}\n")
-    sys.stderr.flush()
+    print_error(message, hint=startup_hint(message))
 
 
 def run_worker(config: SidecarConfig, options: WorkerOptions) -> int:
@@ -129,9 +166,11 @@ def run_worker(config: SidecarConfig, options: WorkerOptions) -> int:
     banner.
 
     Returns:
-        The process exit code: 0 after a graceful shutdown, 1 after a startup or fatal runtime failure
-        (the message is printed as ``error: {message}``).
+        The process exit code: 0 after a graceful shutdown; 1 after a startup or fatal runtime failure (the
+        message is printed as ``error: {message}``, with a hint when there is one); 128 + the signal
+        number (130 for SIGINT, 143 for SIGTERM) when a signal arrived before the worker served.
     """
+    hold_signals()
     try:
         return run_as_guest(functools.partial(_main, config, options), loop_factory=_loop_factory())
     finally:
@@ -166,28 +205,47 @@ async def _main(config: SidecarConfig, options: WorkerOptions, host: HostLoop) -
 
 
 async def _run(config: SidecarConfig, options: WorkerOptions, state: _Shutdown, reporter: Reporter,
-               thread: HostLoop) -> int:
+               host: HostLoop) -> int:
     from ..api import discover
+    from ..endpoint import parse_grpc_endpoint
 
+    vllm = f"vLLM at {parse_grpc_endpoint(config.grpc_endpoint).canonical}"
     with state.startup() as scope:
-        reporter.phase("bootstrap discovery", config.startup_deadline)
+        state.phase = "bootstrap discovery"
+        reporter.phase(state.phase, config.startup_deadline)
         try:
-            bootstrap = await discover(config)
+            with tracking(StartupProgress()) as progress:
+                async with reporter.waiting(vllm, config.startup_deadline, progress=progress):
+                    bootstrap = await discover(config)
         except SidecarError as exc:
             _print_error(str(exc))
             return 1
-        reporter.phase_done("bootstrap discovery")
+        reporter.phase_done(state.phase)
     if scope.cancelled_caught:
-        LOGGER.info(INIT_SHUTDOWN)
-        return 0
+        return _interrupted(state)
 
     dynamo = DynamoSide(options)
     try:
-        return await _run_with_runtime(config, options, state, reporter, thread, dynamo, bootstrap,
-                                       endpoint_path(config, options))
+        return await _run_with_runtime(config, options, state, reporter, host, dynamo, bootstrap,
+                                       endpoint_path(config, options), vllm)
     finally:
         with trio.CancelScope(shield=True):
-            await _stop_runtime(thread, dynamo)
+            await _stop_runtime(host, dynamo)
+
+
+def _interrupted(state: _Shutdown) -> int:
+    """The exit code after a signal cancelled a startup step (the notice was printed when it arrived)."""
+    assert state.interrupted is not None
+    return state.interrupted
+
+
+def _runtime_hint(options: WorkerOptions) -> str | None:
+    if options.discovery_backend == "etcd":
+        return ("the etcd discovery backend needs a reachable etcd (ETCD_ENDPOINTS); "
+                "for one host use --discovery-backend file")
+    if options.discovery_backend == "kubernetes":
+        return "the kubernetes discovery backend needs the Kubernetes API"
+    return None
 
 
 async def _run_with_runtime(
@@ -195,38 +253,62 @@ async def _run_with_runtime(
     options: WorkerOptions,
     state: _Shutdown,
     reporter: Reporter,
-    thread: HostLoop,
+    host: HostLoop,
     dynamo: DynamoSide,
     bootstrap: DiscoveredModel,
-    path: str,
+    endpoint_path: str,
+    vllm: str,
 ) -> int:
     from ..api import open_sidecar
+    from .prerequisites import PrerequisiteUnreachable, prerequisites, wait_reachable
+
+    for needed in prerequisites(options):
+        with state.startup() as scope:
+            state.phase = f"{needed.name} check"
+            reporter.phase(state.phase, needed.timeout)
+            try:
+                with tracking(StartupProgress()) as progress:
+                    async with reporter.waiting(f"{needed.name} at {', '.join(needed.urls)}", needed.timeout,
+                                                progress=progress, hint=needed.hint):
+                        await wait_reachable(needed)
+            except PrerequisiteUnreachable as exc:
+                print_error(str(exc), hint=needed.hint)
+                return 1
+            reporter.phase_done(state.phase)
+        if scope.cancelled_caught:
+            return _interrupted(state)
 
     with state.startup() as scope:
-        reporter.phase("starting the Dynamo runtime")
+        state.phase = "Dynamo runtime start"
+        reporter.phase(state.phase)
         try:
-            await thread.run(dynamo.create_runtime, path)
+            async with reporter.waiting(f"Dynamo's runtime (discovery backend {options.discovery_backend})",
+                                        hint=_runtime_hint(options)):
+                await host.run(dynamo.create_runtime, endpoint_path)
         except Exception as exc:  # noqa: BLE001 - Dynamo raises plain exceptions
             _print_error(f"failed to start the Dynamo runtime: {exc}")
             return 1
-        reporter.phase_done("starting the Dynamo runtime")
+        reporter.phase_done(state.phase)
     if scope.cancelled_caught:
-        LOGGER.info(INIT_SHUTDOWN)
-        return 0
+        return _interrupted(state)
 
     code = 0
     with state.startup() as scope:
-        reporter.phase("start phase", config.startup_deadline)
+        state.phase = "start phase"
+        reporter.phase(state.phase, config.startup_deadline)
         try:
             with collapse_single_exception():
-                async with open_sidecar(config, expected=bootstrap) as sidecar:
-                    reporter.phase_done("start phase")
-                    bridge = RequestBridge(sidecar.submit)
-                    async with trio.open_nursery() as requests:
-                        await requests.start(bridge.run)
-                        code = await _register_and_serve(config, options, state, reporter, thread, dynamo,
-                                                         bridge, sidecar)
-                        requests.cancel_scope.cancel()
+                with tracking(StartupProgress()) as progress:
+                    async with reporter.waiting(vllm, config.startup_deadline, progress=progress) as waiting:
+                        async with open_sidecar(config, expected=bootstrap) as sidecar:
+                            await waiting.stop()
+                            reporter.phase_done(state.phase)
+                            async with trio.open_nursery() as requests:
+                                bridge = RequestBridge(sidecar.submit)
+                                await requests.start(bridge.run)
+                                code = await _register_and_serve(config, options, state, reporter, host,
+                                                                 dynamo, bridge, sidecar)
+                                requests.cancel_scope.cancel()
         except SidecarError as exc:
             _print_error(str(exc))
             return 1
@@ -234,8 +316,7 @@ async def _run_with_runtime(
             _print_error(str(exc) or repr(exc))
             return 1
     if scope.cancelled_caught:
-        LOGGER.info(INIT_SHUTDOWN)
-        return 0
+        return _interrupted(state)
     return code
 
 
@@ -244,18 +325,19 @@ async def _register_and_serve(
     options: WorkerOptions,
     state: _Shutdown,
     reporter: Reporter,
-    thread: HostLoop,
+    host: HostLoop,
     dynamo: DynamoSide,
     bridge: RequestBridge,
     sidecar: Sidecar,
 ) -> int:
     sources = tuple(sidecar.kv_event_sources)
     plan = plan_registration(config, options, sidecar.engine_config, sources)
-    reporter.phase("registering with Dynamo")
-    await thread.run(dynamo.serve_and_register, plan, bridge.handler)
-    count = await thread.run(dynamo.replace_publishers, plan, sources)
-    await thread.run(dynamo.set_ready, True)
-    reporter.phase_done("registering with Dynamo")
+    state.phase = "registration with Dynamo"
+    reporter.phase(state.phase)
+    await host.run(dynamo.serve_and_register, plan, bridge.handler)
+    count = await host.run(dynamo.replace_publishers, plan, sources)
+    await host.run(dynamo.set_ready, True)
+    reporter.phase_done(state.phase)
     if count:
         LOGGER.info("relaying KV events from %d vLLM source(s) to the router", count)
     reporter.model_table(sidecar.model, sidecar.engine_config, plan, sources)
@@ -264,8 +346,8 @@ async def _register_and_serve(
     reporter.ready(plan)
     runtime_ended = trio.Event()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_supervise_health, options, thread, dynamo, sidecar, plan, sources)
-        nursery.start_soon(_watch_serving, thread, dynamo, runtime_ended)
+        nursery.start_soon(_supervise_health, options, host, dynamo, sidecar, plan, sources)
+        nursery.start_soon(_watch_serving, host, dynamo, runtime_ended)
         async with trio.open_nursery() as wait_any:
             for event in (state.requested, runtime_ended):
                 wait_any.start_soon(_set_when, event, wait_any.cancel_scope)
@@ -273,7 +355,7 @@ async def _register_and_serve(
     if not state.requested.is_set():
         _print_error("the Dynamo runtime stopped serving the endpoint")
         return 1
-    await _drain(options, thread, dynamo, sidecar)
+    await _drain(options, host, dynamo, sidecar)
     return 0
 
 
@@ -282,15 +364,15 @@ async def _set_when(event: trio.Event, scope: trio.CancelScope) -> None:
     scope.cancel()
 
 
-async def _watch_serving(thread: HostLoop, dynamo: DynamoSide, ended: trio.Event) -> None:
+async def _watch_serving(host: HostLoop, dynamo: DynamoSide, ended: trio.Event) -> None:
     try:
-        await thread.run(dynamo.wait_serving_ended)
+        await host.run(dynamo.wait_serving_ended)
     except Exception as exc:  # noqa: BLE001
         LOGGER.error("serve_endpoint failed: %s", exc)
     ended.set()
 
 
-async def _drain(options: WorkerOptions, thread: HostLoop, dynamo: DynamoSide, sidecar: Sidecar) -> None:
+async def _drain(options: WorkerOptions, host: HostLoop, dynamo: DynamoSide, sidecar: Sidecar) -> None:
     """Graceful shutdown: unregister at once, drain up to ``drain_timeout``, then stop the rest (docs/reference/worker.md#graceful-shutdown-and-drain).
 
     Admission and the in-flight requests are the engine's: it refuses new requests from here on
@@ -299,10 +381,10 @@ async def _drain(options: WorkerOptions, thread: HostLoop, dynamo: DynamoSide, s
     engine = sidecar.engine
     LOGGER.info("draining %d in-flight request(s) (up to %s)", engine.in_flight,
                 format_duration(options.drain_timeout))
-    await thread.run(dynamo.shutdown)
+    await host.run(dynamo.shutdown)
     engine.stop_admission()
     with trio.move_on_after(options.drain_timeout) as drain:
-        await thread.run(dynamo.wait_serving_ended)
+        await host.run(dynamo.wait_serving_ended)
         await engine.wait_idle()
     if drain.cancelled_caught:
         stopped = engine.in_flight
@@ -310,12 +392,12 @@ async def _drain(options: WorkerOptions, thread: HostLoop, dynamo: DynamoSide, s
         LOGGER.warning("drain timeout reached; cancelling %d remaining request(s)", stopped)
         with trio.move_on_after(STOP_GRACE):
             await engine.wait_idle()
-            await thread.run(dynamo.wait_serving_ended)
+            await host.run(dynamo.wait_serving_ended)
 
 
 async def _supervise_health(
     options: WorkerOptions,
-    thread: HostLoop,
+    host: HostLoop,
     dynamo: DynamoSide,
     sidecar: Sidecar,
     plan: WorkerPlan,
@@ -342,7 +424,7 @@ async def _supervise_health(
                 reason,
             )
             try:
-                await thread.run(dynamo.unregister)
+                await host.run(dynamo.unregister)
                 registered = False
             except Exception as exc:  # noqa: BLE001
                 LOGGER.error("unregister_endpoint_instance failed: %s", exc)
@@ -351,32 +433,32 @@ async def _supervise_health(
         if current != sources:
             LOGGER.warning("vLLM KV-event sources changed after recovery; re-creating the KV publishers")
             try:
-                await thread.run(dynamo.replace_publishers, plan, current)
+                await host.run(dynamo.replace_publishers, plan, current)
                 sources = current
             except Exception as exc:  # noqa: BLE001
                 LOGGER.error("re-creating the KV publishers failed: %s", exc)
         if not registered:
             try:
-                await thread.run(dynamo.register)
+                await host.run(dynamo.register)
                 registered = True
                 LOGGER.info("vLLM is serving again; the instance is back in rotation")
             except Exception as exc:  # noqa: BLE001
                 LOGGER.error("register_endpoint_instance failed: %s", exc)
 
 
-async def _stop_runtime(thread: HostLoop, dynamo: DynamoSide) -> None:
+async def _stop_runtime(host: HostLoop, dynamo: DynamoSide) -> None:
     """Idempotent final teardown: publishers, ``runtime.shutdown()``, the serve future."""
     try:
         with trio.move_on_after(STOP_GRACE):
-            await thread.run(_call_sync, dynamo.shutdown_publishers)
-            await thread.run(dynamo.shutdown)
-            await thread.run(dynamo.wait_serving_ended)
+            await host.run(_call_sync, dynamo.shutdown_publishers)
+            await host.run(dynamo.shutdown)
+            await host.run(dynamo.wait_serving_ended)
     except Exception:  # noqa: BLE001 - the runtime is going away regardless
         LOGGER.debug("Dynamo runtime shutdown failed", exc_info=True)
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop for the asyncio thread, like Dynamo's own Python workers (``uvloop.run``).
+    """uvloop for the host loop, like Dynamo's own Python workers (``uvloop.run``).
 
     ``ai-dynamo-runtime`` depends on uvloop. Dynamo's bindings call ``call_soon_threadsafe`` and
     ``create_future`` on this loop from tokio threads for every request; uvloop's are C, asyncio's are
