@@ -102,8 +102,15 @@ class FakeSidecar:
     """``generate`` yields ``plan`` chunks; with ``hold`` it waits for stop after the first chunk; with
     ``step`` every chunk carries a key that is not a plain delta's (so none is ever coalesced)."""
 
-    def __init__(self, *, plan: int = 3, hold: bool = False, error: Exception | None = None,
-                 step: bool = False, start_delay: float = 0.0) -> None:
+    def __init__(
+        self,
+        *,
+        plan: int = 3,
+        hold: bool = False,
+        error: Exception | None = None,
+        step: bool = False,
+        start_delay: float = 0.0,
+    ) -> None:
         self.plan = plan
         self.start_delay = start_delay
         self.hold = hold
@@ -206,8 +213,15 @@ async def serving(sidecar: FakeSidecar, submit=None):
         engine_nursery.cancel_scope.cancel()
 
 
-async def consume(bridge: RequestBridge, request: dict, context: FakeDynamoContext, *, close_after=None,
-                  stop_after=None, stall_until=None):
+async def consume(
+    bridge: RequestBridge,
+    request: dict,
+    context: FakeDynamoContext,
+    *,
+    close_after=None,
+    stop_after=None,
+    stall_until=None,
+):
     """Drive the pull handler as Dynamo's runtime would (an asyncio task).
 
     ``stall_until``: after the first item, stop reading until this predicate holds.
@@ -406,8 +420,9 @@ def test_runtime_closing_the_generator_stops_the_trio_request():
 
     async def scenario(host: HostLoop):
         async with serving(sidecar) as (bridge, engine, _):
-            out = await host.run(partial(consume, close_after=1), bridge, {"token_ids": [1]},
-                                 FakeDynamoContext("closed"))
+            out = await host.run(
+                partial(consume, close_after=1), bridge, {"token_ids": [1]}, FakeDynamoContext("closed")
+            )
             await engine.wait_idle()
         return out
 
@@ -457,8 +472,9 @@ def test_sidecar_error_is_raised_from_the_handler_with_its_text():
     assert str(out[0]) == "max_tokens must be at least 1"
 
 
-@pytest.mark.parametrize("refusal", [InvalidArgument("max_tokens must be at least 1"),
-                                     EngineShutdown("vLLM sidecar is not started")])
+@pytest.mark.parametrize(
+    "refusal", [InvalidArgument("max_tokens must be at least 1"), EngineShutdown("vLLM sidecar is not started")]
+)
 def test_a_request_that_submit_refuses_ends_at_once_with_its_error(refusal):
     # Sidecar.submit raises conversion and admission errors synchronously (the engine owns admission: after
     # stop_admission() it refuses with EngineShutdown, which the frontend migrates).
@@ -572,8 +588,12 @@ def test_a_stalled_consumer_is_reported_once(caplog):
 
     async def scenario(host: HostLoop):
         async with serving(sidecar) as (bridge, engine, _):
-            out = await host.run(partial(consume, stall_until=lambda: "slow" in sidecar.finished), bridge,
-                                 {"token_ids": [0]}, FakeDynamoContext("slow"))
+            out = await host.run(
+                partial(consume, stall_until=lambda: "slow" in sidecar.finished),
+                bridge,
+                {"token_ids": [0]},
+                FakeDynamoContext("slow"),
+            )
             await engine.wait_idle()
         return out
 
@@ -806,8 +826,10 @@ def test_push_egress_many_concurrent_streams_lose_no_chunk_and_keep_order():
 
             async def push_all():
                 return await asyncio.gather(
-                    *(push(bridge, {"token_ids": [i * 1000]}, FakeDynamoContext(f"p{i}"), senders[i])
-                      for i in range(40))
+                    *(
+                        push(bridge, {"token_ids": [i * 1000]}, FakeDynamoContext(f"p{i}"), senders[i])
+                        for i in range(40)
+                    )
                 )
 
             errors = await host.run(push_all)

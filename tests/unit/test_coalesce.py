@@ -25,29 +25,65 @@ def merged_pair(first: dict, second: dict) -> dict | None:
     [
         ({"token_ids": [1], "index": 0}, {"token_ids": [2], "index": 0}, {"token_ids": [1, 2], "index": 0}),
         # text and per-token logprob arrays are concatenated, aligned with the tokens
-        ({"token_ids": [1], "index": 0, "text": "a", "log_probs": [-0.1],
-          "top_logprobs": [[{"rank": 1, "token_id": 1, "token": None, "logprob": -0.1}]]},
-         {"token_ids": [2, 3], "index": 0, "text": "bc", "log_probs": [-0.2, -0.3],
-          "top_logprobs": [[{"rank": 1, "token_id": 2, "token": None, "logprob": -0.2}],
-                           [{"rank": 1, "token_id": 3, "token": None, "logprob": -0.3}]]},
-         {"token_ids": [1, 2, 3], "index": 0, "text": "abc", "log_probs": [-0.1, -0.2, -0.3],
-          "top_logprobs": [[{"rank": 1, "token_id": 1, "token": None, "logprob": -0.1}],
-                           [{"rank": 1, "token_id": 2, "token": None, "logprob": -0.2}],
-                           [{"rank": 1, "token_id": 3, "token": None, "logprob": -0.3}]]}),
+        (
+            {
+                "token_ids": [1],
+                "index": 0,
+                "text": "a",
+                "log_probs": [-0.1],
+                "top_logprobs": [[{"rank": 1, "token_id": 1, "token": None, "logprob": -0.1}]],
+            },
+            {
+                "token_ids": [2, 3],
+                "index": 0,
+                "text": "bc",
+                "log_probs": [-0.2, -0.3],
+                "top_logprobs": [
+                    [{"rank": 1, "token_id": 2, "token": None, "logprob": -0.2}],
+                    [{"rank": 1, "token_id": 3, "token": None, "logprob": -0.3}],
+                ],
+            },
+            {
+                "token_ids": [1, 2, 3],
+                "index": 0,
+                "text": "abc",
+                "log_probs": [-0.1, -0.2, -0.3],
+                "top_logprobs": [
+                    [{"rank": 1, "token_id": 1, "token": None, "logprob": -0.1}],
+                    [{"rank": 1, "token_id": 2, "token": None, "logprob": -0.2}],
+                    [{"rank": 1, "token_id": 3, "token": None, "logprob": -0.3}],
+                ],
+            },
+        ),
         # held-back text ("") and the completed character: concatenated exactly, "" kept (never dropped)
-        ({"token_ids": [1], "index": 0, "text": ""}, {"token_ids": [2], "index": 0, "text": "\u00e4"},
-         {"token_ids": [1, 2], "index": 0, "text": "\u00e4"}),
-        ({"token_ids": [1], "index": 0, "text": ""}, {"token_ids": [2], "index": 0, "text": ""},
-         {"token_ids": [1, 2], "index": 0, "text": ""}),
+        (
+            {"token_ids": [1], "index": 0, "text": ""},
+            {"token_ids": [2], "index": 0, "text": "\u00e4"},
+            {"token_ids": [1, 2], "index": 0, "text": "\u00e4"},
+        ),
+        (
+            {"token_ids": [1], "index": 0, "text": ""},
+            {"token_ids": [2], "index": 0, "text": ""},
+            {"token_ids": [1, 2], "index": 0, "text": ""},
+        ),
         # a delta absorbs the terminal chunk; the terminal's keys are kept
-        ({"token_ids": [1], "index": 0}, {"token_ids": [2], "index": 0, "finish_reason": "length",
-                                           "completion_usage": {"prompt_tokens": 3, "completion_tokens": 2,
-                                                                "total_tokens": 5}},
-         {"token_ids": [1, 2], "index": 0, "finish_reason": "length",
-          "completion_usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}),
+        (
+            {"token_ids": [1], "index": 0},
+            {
+                "token_ids": [2],
+                "index": 0,
+                "finish_reason": "length",
+                "completion_usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+            },
+            {
+                "token_ids": [1, 2],
+                "index": 0,
+                "finish_reason": "length",
+                "completion_usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+            },
+        ),
     ],
 )
-
 def test_plain_token_deltas_are_coalesced(first, second, merged):
     assert merged_pair(first, second) == merged
 
@@ -89,8 +125,9 @@ def queued_chunk(draw):
         chunk["top_logprobs"] = [[{"rank": 1, "token_id": t, "token": None, "logprob": -0.5}] for t in ids]
     kind = draw(st.integers(0, 7))
     if kind == 0:
-        chunk.update(finish_reason="length", completion_usage={"prompt_tokens": 1, "completion_tokens": 2,
-                                                               "total_tokens": 3})
+        chunk.update(
+            finish_reason="length", completion_usage={"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
+        )
     elif kind == 1:
         chunk["disaggregated_params"] = {}
     return chunk

@@ -126,11 +126,30 @@ class _Call:
     queued and ``waiter`` wakes the parked handler.
     """
 
-    __slots__ = ("_bridge", "request_id", "ctx", "sender", "items", "inline", "done", "waiter",
-                 "pumping", "scheduled", "ended", "closed", "warned")
+    __slots__ = (
+        "_bridge",
+        "request_id",
+        "ctx",
+        "sender",
+        "items",
+        "inline",
+        "done",
+        "waiter",
+        "pumping",
+        "scheduled",
+        "ended",
+        "closed",
+        "warned",
+    )
 
-    def __init__(self, bridge: RequestBridge, request_id: str, ctx: GenerateContext,
-                 sender: ResponseSender | None, done: asyncio.Future[None]) -> None:
+    def __init__(
+        self,
+        bridge: RequestBridge,
+        request_id: str,
+        ctx: GenerateContext,
+        sender: ResponseSender | None,
+        done: asyncio.Future[None],
+    ) -> None:
         self._bridge = bridge
         self.request_id = request_id
         self.ctx = ctx
@@ -221,8 +240,11 @@ class _Call:
     def _warn_if_stalled(self) -> None:
         if not self.warned and len(self.items) > QUEUE_WARN_THRESHOLD:
             self.warned = True
-            LOGGER.warning("request %s: %d output chunks are queued for Dynamo; the consumer is stalled",
-                           self.request_id, len(self.items))
+            LOGGER.warning(
+                "request %s: %d output chunks are queued for Dynamo; the consumer is stalled",
+                self.request_id,
+                len(self.items),
+            )
 
     async def egress(self, limiter: trio.CapacityLimiter) -> None:
         """Send the queued outputs one at a time in a worker thread, merged (push, past the window)."""
@@ -337,8 +359,9 @@ class RequestBridge:
 
     # -- the Dynamo handler (asyncio side of the same thread) -------------------------------------------
 
-    def handler(self, request: dict[str, Any], context: DynamoContext,
-                response_sender: ResponseSender | None = None) -> AsyncIterator[Output]:
+    def handler(
+        self, request: dict[str, Any], context: DynamoContext, response_sender: ResponseSender | None = None
+    ) -> AsyncIterator[Output]:
         """The Dynamo endpoint handler: the request's async generator.
 
         Dynamo 1.6.1 serves a handler that declares a ``response_sender`` parameter on its *push egress*:
@@ -349,8 +372,9 @@ class RequestBridge:
             return self._pull(request, context)
         return self._push(request, context, response_sender)
 
-    def _open(self, request: dict[str, Any], context: DynamoContext,
-              sender: ResponseSender | None) -> tuple[_Call, asyncio.Future[object]]:
+    def _open(
+        self, request: dict[str, Any], context: DynamoContext, sender: ResponseSender | None
+    ) -> tuple[_Call, asyncio.Future[object]]:
         """Submit the request and watch Dynamo's context for its cancellation."""
         if self._nursery is None:
             raise dynamo_exception(EngineShutdown(SHUTTING_DOWN))
@@ -374,8 +398,9 @@ class RequestBridge:
         watcher.add_done_callback(lambda f: None if f.cancelled() else ctx.stop())
         return call, watcher
 
-    async def _push(self, request: dict[str, Any], context: DynamoContext,
-                    sender: ResponseSender) -> AsyncIterator[Output]:
+    async def _push(
+        self, request: dict[str, Any], context: DynamoContext, sender: ResponseSender
+    ) -> AsyncIterator[Output]:
         call, watcher = self._open(request, context, sender)
         try:
             await call.done

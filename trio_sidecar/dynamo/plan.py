@@ -18,8 +18,14 @@ if TYPE_CHECKING:
     from ..model import EngineConfig
     from ..routing import KvEventSource
 
-__all__ = ["HEALTH_CHECK_KEY", "WorkerPlan", "endpoint_path", "health_check_payload", "plan_registration",
-           "worker_namespace"]
+__all__ = [
+    "HEALTH_CHECK_KEY",
+    "WorkerPlan",
+    "endpoint_path",
+    "health_check_payload",
+    "plan_registration",
+    "worker_namespace",
+]
 
 LOGGER = logging.getLogger("trio_sidecar.dynamo.plan")
 

@@ -35,8 +35,14 @@ TICK_INTERVAL = 10.0
 class _Ticker:
     """The "still waiting" line of one startup step (see :meth:`Reporter.waiting`)."""
 
-    def __init__(self, console: Console | None, what: str, deadline: float | None, progress: StartupProgress | None,
-                 hint: str | None) -> None:
+    def __init__(
+        self,
+        console: Console | None,
+        what: str,
+        deadline: float | None,
+        progress: StartupProgress | None,
+        hint: str | None,
+    ) -> None:
         self._console = console
         self._what = what
         self._deadline = deadline
@@ -112,8 +118,14 @@ class Reporter:
             LOGGER.info("%s: done in %s", name, elapsed)
 
     @asynccontextmanager
-    async def waiting(self, what: str, deadline: float | None = None, *, progress: StartupProgress | None = None,
-                      hint: str | None = None) -> AsyncIterator[_Ticker]:
+    async def waiting(
+        self,
+        what: str,
+        deadline: float | None = None,
+        *,
+        progress: StartupProgress | None = None,
+        hint: str | None = None,
+    ) -> AsyncIterator[_Ticker]:
         """Signs of life while a startup step waits: a line every :data:`TICK_INTERVAL` (plain logs) or a
         live status line (TTY) with the elapsed time against the deadline, the failed attempts and the last
         cause. Ends with the block, or earlier with ``await ticker.stop()``."""
@@ -127,8 +139,9 @@ class Reporter:
                     with trio.CancelScope(shield=True):
                         await ticker.stop()
 
-    def model_table(self, model: DiscoveredModel, engine: EngineConfig, plan: WorkerPlan,
-                    sources: Sequence[KvEventSource]) -> None:
+    def model_table(
+        self, model: DiscoveredModel, engine: EngineConfig, plan: WorkerPlan, sources: Sequence[KvEventSource]
+    ) -> None:
         rows = _model_rows(model, engine, plan, sources)
         if self._console is not None:
             from rich.table import Table
@@ -150,8 +163,9 @@ class Reporter:
             LOGGER.info(text)
 
 
-def _model_rows(model: DiscoveredModel, engine: EngineConfig, plan: WorkerPlan,
-                sources: Sequence[KvEventSource]) -> list[tuple[str, str]]:
+def _model_rows(
+    model: DiscoveredModel, engine: EngineConfig, plan: WorkerPlan, sources: Sequence[KvEventSource]
+) -> list[tuple[str, str]]:
     def show(value: object) -> str:
         return "-" if value is None else str(value)
 

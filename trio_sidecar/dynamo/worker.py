@@ -124,8 +124,7 @@ class _Shutdown:
             return
         code = interrupted_code(signum)
         self.interrupted = code
-        emit(f"received {name} during {self.phase}: {INIT_SHUTDOWN}; exiting with code {code}",
-             name=LOGGER.name)
+        emit(f"received {name} during {self.phase}: {INIT_SHUTDOWN}; exiting with code {code}", name=LOGGER.name)
         _exit_after(INTERRUPT_EXIT_BOUND, code)
         if self._startup_scope is not None:
             self._startup_scope.cancel()
@@ -143,8 +142,9 @@ def _exit_after(delay: float, code: int) -> None:
     timer.start()
 
 
-async def _watch_signals(state: _Shutdown, host: HostLoop, *,
-                         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+async def _watch_signals(
+    state: _Shutdown, host: HostLoop, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
     """SIGINT/SIGTERM go to ``state.on_signal``: the host loop owns signal handling (Trio is its guest), and
     its callback runs on the thread Trio runs on."""
     for signum in SIGNALS:
@@ -204,8 +204,9 @@ async def _main(config: SidecarConfig, options: WorkerOptions, host: HostLoop) -
             root.cancel_scope.cancel()
 
 
-async def _run(config: SidecarConfig, options: WorkerOptions, state: _Shutdown, reporter: Reporter,
-               host: HostLoop) -> int:
+async def _run(
+    config: SidecarConfig, options: WorkerOptions, state: _Shutdown, reporter: Reporter, host: HostLoop
+) -> int:
     from ..api import discover
     from ..endpoint import parse_grpc_endpoint
 
@@ -226,8 +227,9 @@ async def _run(config: SidecarConfig, options: WorkerOptions, state: _Shutdown, 
 
     dynamo = DynamoSide(options)
     try:
-        return await _run_with_runtime(config, options, state, reporter, host, dynamo, bootstrap,
-                                       endpoint_path(config, options), vllm)
+        return await _run_with_runtime(
+            config, options, state, reporter, host, dynamo, bootstrap, endpoint_path(config, options), vllm
+        )
     finally:
         with trio.CancelScope(shield=True):
             await _stop_runtime(host, dynamo)
@@ -241,8 +243,10 @@ def _interrupted(state: _Shutdown) -> int:
 
 def _runtime_hint(options: WorkerOptions) -> str | None:
     if options.discovery_backend == "etcd":
-        return ("the etcd discovery backend needs a reachable etcd (ETCD_ENDPOINTS); "
-                "for one host use --discovery-backend file")
+        return (
+            "the etcd discovery backend needs a reachable etcd (ETCD_ENDPOINTS); "
+            "for one host use --discovery-backend file"
+        )
     if options.discovery_backend == "kubernetes":
         return "the kubernetes discovery backend needs the Kubernetes API"
     return None
@@ -268,8 +272,12 @@ async def _run_with_runtime(
             reporter.phase(state.phase, needed.timeout)
             try:
                 with tracking(StartupProgress()) as progress:
-                    async with reporter.waiting(f"{needed.name} at {', '.join(needed.urls)}", needed.timeout,
-                                                progress=progress, hint=needed.hint):
+                    async with reporter.waiting(
+                        f"{needed.name} at {', '.join(needed.urls)}",
+                        needed.timeout,
+                        progress=progress,
+                        hint=needed.hint,
+                    ):
                         await wait_reachable(needed)
             except PrerequisiteUnreachable as exc:
                 print_error(str(exc), hint=needed.hint)
@@ -282,8 +290,9 @@ async def _run_with_runtime(
         state.phase = "Dynamo runtime start"
         reporter.phase(state.phase)
         try:
-            async with reporter.waiting(f"Dynamo's runtime (discovery backend {options.discovery_backend})",
-                                        hint=_runtime_hint(options)):
+            async with reporter.waiting(
+                f"Dynamo's runtime (discovery backend {options.discovery_backend})", hint=_runtime_hint(options)
+            ):
                 await host.run(dynamo.create_runtime, endpoint_path)
         except Exception as exc:  # noqa: BLE001 - Dynamo raises plain exceptions
             _print_error(f"failed to start the Dynamo runtime: {exc}")
@@ -306,8 +315,9 @@ async def _run_with_runtime(
                             async with trio.open_nursery() as requests:
                                 bridge = RequestBridge(sidecar.submit)
                                 await requests.start(bridge.run)
-                                code = await _register_and_serve(config, options, state, reporter, host,
-                                                                 dynamo, bridge, sidecar)
+                                code = await _register_and_serve(
+                                    config, options, state, reporter, host, dynamo, bridge, sidecar
+                                )
                                 requests.cancel_scope.cancel()
         except SidecarError as exc:
             _print_error(str(exc))
@@ -379,8 +389,7 @@ async def _drain(options: WorkerOptions, host: HostLoop, dynamo: DynamoSide, sid
     (``EngineShutdown``, which the frontend migrates), and its in-flight count is what the drain waits for.
     """
     engine = sidecar.engine
-    LOGGER.info("draining %d in-flight request(s) (up to %s)", engine.in_flight,
-                format_duration(options.drain_timeout))
+    LOGGER.info("draining %d in-flight request(s) (up to %s)", engine.in_flight, format_duration(options.drain_timeout))
     await host.run(dynamo.shutdown)
     engine.stop_admission()
     with trio.move_on_after(options.drain_timeout) as drain:
