@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Micro-benchmark of the request bridge alone (trio_sidecar.dynamo.bridge), no Dynamo, no gRPC.
+"""Micro-benchmark of the asyncio-thread bridge alone (trio_sidecar.dynamo.bridge), no Dynamo, no gRPC.
 
 Usage: python bench/bridge.py [--streams 64] [--chunks 500]
 
-A fake sidecar yields ready-made chunks on the Trio side (Trio runs as a guest on the asyncio loop, as in
-the worker); an asyncio consumer drains the Dynamo handler like the runtime would. Prints chunks/s and process CPU seconds per 1,000 chunks, to
+A fake sidecar yields ready-made chunks on the Trio side; an asyncio consumer on the bridge's thread drains
+the Dynamo handler like the runtime would. Prints chunks/s and process CPU seconds per 1,000 chunks, to
 compare with the end-to-end tokens/s of bench/e2e.py: when the bridge sustains far more than the
 end-to-end rate, the bridge is not the bottleneck.
 """
@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import trio  # noqa: E402
 
 from trio_sidecar.dynamo.bridge import RequestBridge  # noqa: E402
-from trio_sidecar.dynamo.host import HostLoop, run_as_guest  # noqa: E402
+from trio_sidecar.dynamo.thread import AsyncioThread  # noqa: E402
 
 
 class _Chunk:
@@ -74,8 +74,12 @@ def _make_submit(chunks: int, nursery: trio.Nursery):
     return submit
 
 
-async def _main(streams: int, chunks: int, host: HostLoop) -> tuple[float, float, int]:
-    async def consume_all(bridge: RequestBridge) -> int:
+async def _main(streams: int, chunks: int) -> tuple[float, float, int]:
+    thread = AsyncioThread()
+    await thread.start()
+    bridge = RequestBridge(thread, make_context=_Ctx)
+
+    async def consume_all() -> int:
         async def one(i: int) -> int:
             n = 0  # chunks, not yielded items: queued deltas may be coalesced into one item
             async for item in bridge.handler({"token_ids": [i]}, _DynamoContext(f"r{i}")):
@@ -84,14 +88,15 @@ async def _main(streams: int, chunks: int, host: HostLoop) -> tuple[float, float
 
         return sum(await asyncio.gather(*(one(i) for i in range(streams))))
 
-    async with trio.open_nursery() as engine:
-        bridge = RequestBridge(_make_submit(chunks, engine), make_context=_Ctx)
+    try:
         async with trio.open_nursery() as nursery:
-            await nursery.start(bridge.run)
+            nursery.start_soon(bridge.run_dispatcher, _make_submit(chunks, nursery))
             cpu0, t0 = time.process_time(), time.perf_counter()
-            total = await host.run(consume_all, bridge)
+            total = await thread.run(consume_all)
             elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
             nursery.cancel_scope.cancel()
+    finally:
+        await thread.stop()
     return elapsed, cpu, total
 
 
@@ -101,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", type=int, default=500)
     args = parser.parse_args(argv)
     logging.getLogger("trio_sidecar.dynamo.bridge").setLevel(logging.ERROR)  # the fake producer outruns all
-    elapsed, cpu, total = run_as_guest(lambda host: _main(args.streams, args.chunks, host))
+    elapsed, cpu, total = trio.run(_main, args.streams, args.chunks)
     print(f"bridge: {args.streams} streams x {args.chunks} chunks = {total} chunks in {elapsed:.2f}s")
     print(f"| chunks/s | CPU s / 1k chunks |\n|---:|---:|\n| {total / elapsed:.0f} | {cpu / total * 1000:.4f} |")
     return 0 if total == args.streams * args.chunks else 1

@@ -1,30 +1,32 @@
-"""The request bridge and Trio as a guest on the asyncio loop (docs/reference/worker.md#the-request-bridge).
+"""The asyncio-thread bridge (docs/reference/worker.md#the-asyncio-thread-bridge), with a fake Dynamo context and a fake sidecar.
 
-Every test runs a real guest run (:func:`trio_sidecar.dynamo.host.run_as_guest`): Trio on an asyncio loop,
-the handler driven as Dynamo's runtime drives it, on the same thread. These tests need no Dynamo install:
-the bridge only sees a context with ``id()``, ``async_killed_or_stopped()`` and ``notify_first_token()``,
-a ``ResponseSender`` with ``send``/``close``, and ``Sidecar.submit``'s contract (here over a fake
-``generate()``).
+These tests need no Dynamo install: the bridge only sees a context with ``id()``,
+``async_killed_or_stopped()`` and ``notify_first_token()``, and a ``generate(request, ctx)`` context manager.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import threading
-from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any
 
 import pytest
 import trio
-from hypothesis import given
-from hypothesis import strategies as st
+import trio.testing
 
-from trio_sidecar.dynamo.bridge import QUEUE_WARN_THRESHOLD, SHUTTING_DOWN, RequestBridge, _Call, dynamo_exception
-from trio_sidecar.dynamo.host import HostLoop, _host, run_as_guest
+from trio_sidecar.dynamo.bridge import (
+    QUEUE_WARN_THRESHOLD,
+    SHUTTING_DOWN,
+    CancelHandle,
+    Outbox,
+    RequestBridge,
+    RequestItem,
+)
+from trio_sidecar.dynamo.egress import Egress as _Egress
+from trio_sidecar.dynamo.error_map import dynamo_exception
+from trio_sidecar.dynamo.thread import AsyncioThread
 from trio_sidecar.errors import (
     CannotConnect,
     ConnectionTimeout,
@@ -41,7 +43,7 @@ CANCELLED = {"token_ids": [], "index": 0, "finish_reason": "cancelled"}
 
 
 def tokens_of(chunks: list) -> list[int]:
-    """All token ids of a handler's output (chunks may be coalesced)."""
+    """All token ids of a handler's output (chunks may be coalesced under back-pressure)."""
     return [t for c in chunks for t in c["token_ids"]]
 
 
@@ -54,7 +56,7 @@ class Chunk:
 
 
 class FakeDynamoContext:
-    """Dynamo's per-request ``Context``."""
+    """The asyncio-side request context (Dynamo's ``Context``); used only on the loop thread."""
 
     def __init__(self, request_id: str, *, stopped: bool = False) -> None:
         self._id = request_id
@@ -80,7 +82,7 @@ class FakeDynamoContext:
 
 
 class FakeGenerateContext:
-    """Stands in for ``trio_sidecar.api.GenerateContext``."""
+    """Stands in for ``trio_sidecar.api.GenerateContext`` (Trio side)."""
 
     def __init__(self, request_id: str, on_first_token) -> None:
         self.request_id = request_id
@@ -99,35 +101,18 @@ class FakeGenerateContext:
 
 
 class FakeSidecar:
-    """``generate`` yields ``plan`` chunks; with ``hold`` it waits for stop after the first chunk; with
-    ``step`` every chunk carries a key that is not a plain delta's (so none is ever coalesced)."""
+    """``generate`` yields ``plan`` chunks; with ``hold`` it waits for stop after the first chunk."""
 
-    def __init__(
-        self,
-        *,
-        plan: int = 3,
-        hold: bool = False,
-        error: Exception | None = None,
-        step: bool = False,
-        start_delay: float = 0.0,
-    ) -> None:
+    def __init__(self, *, plan: int = 3, hold: bool = False, error: Exception | None = None) -> None:
         self.plan = plan
-        self.start_delay = start_delay
         self.hold = hold
         self.error = error
-        self.step = step
         self.contexts: dict[str, FakeGenerateContext] = {}
         self.finished: list[str] = []
-        self.started: list[str] = []
-        self.task_threads: list[int] = []
 
     @asynccontextmanager
     async def generate(self, request: dict, ctx: FakeGenerateContext):
         self.contexts[ctx.request_id] = ctx
-        if self.start_delay:  # the request task gets to run only later (a busy engine)
-            await trio.sleep(self.start_delay)
-        self.started.append(ctx.request_id)
-        self.task_threads.append(threading.get_ident())
         if self.error is not None:
             raise self.error
 
@@ -144,10 +129,7 @@ class FakeSidecar:
                         return
                     if i == 0:
                         ctx.on_first_token()
-                    data = {"token_ids": [request["token_ids"][0] + i], "index": 0}
-                    if self.step:
-                        data["step"] = i
-                    yield Chunk(data)
+                    yield Chunk({"token_ids": [request["token_ids"][0] + i], "index": 0})
                     await trio.lowlevel.checkpoint()
             finally:
                 self.finished.append(ctx.request_id)
@@ -155,82 +137,59 @@ class FakeSidecar:
         yield chunks()
 
 
-class Engine:
-    """``Sidecar.submit``'s contract over a fake ``generate()``: a task per request drives the sink, started
-    with ``start_soon`` (so it runs after ``submit`` returned, like the engine's request task)."""
+def submitter(generate, nursery: trio.Nursery):
+    """``Sidecar.submit``'s contract over a fake ``generate()``: one task per request drives the sink."""
 
-    def __init__(self, sidecar: FakeSidecar, nursery: trio.Nursery) -> None:
-        self.sidecar = sidecar
-        self.nursery = nursery
-        self.in_flight = 0
-        self.idle = trio.Event()
-        self.idle.set()
-
-    def submit(self, request: dict, ctx, sink) -> None:
+    def submit(request: dict, ctx, sink) -> None:
         async def run() -> None:
             try:
-                async with self.sidecar.generate(request, ctx) as chunks:
+                async with generate(request, ctx) as chunks:
                     async for chunk in chunks:
                         sink.chunk(chunk)
             except Exception as exc:  # noqa: BLE001 - handed to the sink, as the engine does
                 sink.end(None, exc)
             else:
                 sink.end(None, None)
-            finally:
-                self.in_flight -= 1
-                if not self.in_flight:
-                    self.idle.set()
 
-        if not self.in_flight:
-            self.idle = trio.Event()
-        self.in_flight += 1
-        self.nursery.start_soon(run)
+        nursery.start_soon(run)
 
-    async def wait_idle(self) -> None:
-        await self.idle.wait()
+    return submit
 
 
-def guest(scenario: Callable[..., Awaitable[Any]], *, loop_factory=None) -> Any:
-    """Run ``scenario(host)`` as a Trio guest on a fresh asyncio loop, under a 30 s guard."""
-
-    async def main(host: HostLoop) -> Any:
-        with trio.fail_after(30):
-            return await scenario(host)
-
-    return run_as_guest(main, loop_factory=loop_factory)
+@pytest.fixture
+async def loop_thread():
+    thread = AsyncioThread()
+    await thread.start()
+    try:
+        yield thread
+    finally:
+        await thread.stop()
 
 
 @asynccontextmanager
-async def serving(sidecar: FakeSidecar, submit=None):
-    """The worker's shape: the engine's nursery outside, the bridge's inside it."""
-    async with trio.open_nursery() as engine_nursery:
-        engine = Engine(sidecar, engine_nursery)
-        bridge = RequestBridge(submit or engine.submit, make_context=FakeGenerateContext)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(bridge.run)
-            yield bridge, engine, nursery
-            nursery.cancel_scope.cancel()
-        engine_nursery.cancel_scope.cancel()
+async def running_bridge(thread: AsyncioThread, sidecar: FakeSidecar, *, dispatch: bool = True):
+    bridge = RequestBridge(thread, make_context=FakeGenerateContext)
+    async with trio.open_nursery() as nursery:
+        if dispatch:
+            nursery.start_soon(bridge.run_dispatcher, submitter(sidecar.generate, nursery))
+        yield bridge, nursery
+        nursery.cancel_scope.cancel()
 
 
-async def consume(
-    bridge: RequestBridge,
-    request: dict,
-    context: FakeDynamoContext,
-    *,
-    close_after=None,
-    stop_after=None,
-    stall_until=None,
-):
-    """Drive the pull handler as Dynamo's runtime would (an asyncio task).
+async def consume(bridge: RequestBridge, request: dict, context: FakeDynamoContext, *, close_after=None,
+                  stop_after=None, pause_first: float = 0.0, stall_until=None):
+    """Runs on the asyncio thread, as Dynamo's runtime would drive the handler.
 
-    ``stall_until``: after the first item, stop reading until this predicate holds.
+    ``stall_until``: after the first item, stop reading until this predicate holds (a stalled consumer whose
+    stall is defined by the producer's progress, not by a wall-clock guess).
     """
     out: list = []
     agen = bridge.handler(request, context)
     try:
         async for item in agen:
             out.append(item)
+            if pause_first and len(out) == 1:
+                await asyncio.sleep(pause_first)  # a stalled consumer
             if stall_until is not None and len(out) == 1:
                 while not stall_until():
                     await asyncio.sleep(0.01)
@@ -245,190 +204,67 @@ async def consume(
     return out
 
 
-def _sidecar_error(raised: BaseException) -> BaseException:
-    """The SidecarError behind what the handler raised (Dynamo's typed exception chains to it)."""
-    return raised if isinstance(raised, SidecarError) else raised.__cause__
-
-
-# -- Trio as a guest on the asyncio loop --------------------------------------------------------------------
-
-
-def test_trio_tasks_and_asyncio_tasks_run_on_one_thread():
-    async def scenario(host: HostLoop):
-        async def loop_side():
-            return threading.get_ident(), asyncio.get_running_loop()
-
-        ident, loop = await host.run(loop_side)
-        return ident == threading.get_ident(), loop is host.loop
-
-    assert guest(scenario) == (True, True)
-
-
-def test_host_run_returns_results_and_raises_exceptions_from_the_loop():
-    async def add(a, b):
-        await asyncio.sleep(0)
-        return a + b
-
-    async def fail():
-        raise ValueError("boom")
-
-    async def scenario(host: HostLoop):
-        assert await host.run(add, 2, 3) == 5
-        with pytest.raises(ValueError, match="boom"):
-            await host.run(fail)
-        return True
-
-    assert guest(scenario)
-
-
-def test_cancelling_a_trio_caller_cancels_the_asyncio_task():
-    cancelled = []
-
-    async def forever():
-        try:
-            await asyncio.sleep(3600)
-        except asyncio.CancelledError:
-            cancelled.append(True)
-            raise
-
-    async def scenario(host: HostLoop):
-        with trio.move_on_after(0.05):
-            await host.run(forever)
-        for _ in range(10):  # the cancellation is delivered on the loop's next iterations
-            await host.run(asyncio.sleep, 0)
-        return cancelled
-
-    assert guest(scenario) == [True]
-
-
-def test_a_failure_in_trio_ends_the_asyncio_side_too():
-    # The Trio run is the process's lifetime: when it fails, the loop stops and the asyncio tasks still
-    # running are cancelled, and the error surfaces as itself (not as an ExceptionGroup).
-    cancelled = []
-
-    async def background():
-        try:
-            await asyncio.sleep(3600)
-        except asyncio.CancelledError:
-            cancelled.append(True)
-            raise
-
-    async def scenario(host: HostLoop):
-        host.loop.create_task(background())
-        await trio.sleep(0.01)
-        raise ProtocolError("vLLM changed its identity")
-
-    with pytest.raises(ProtocolError, match="vLLM changed its identity"):
-        guest(scenario)
-    assert cancelled == [True]
-
-
-def test_the_asyncio_side_ending_first_cancels_the_trio_run_and_waits_for_its_cleanup():
-    events: list[str] = []
-
-    async def main(host: HostLoop) -> None:
-        try:
-            await trio.sleep_forever()
-        finally:
-            with trio.CancelScope(shield=True):
-                await trio.sleep(0.01)  # cleanup that needs Trio to keep running
-                events.append("trio cleanup done")
-
-    async def runner() -> None:
-        task = asyncio.ensure_future(_host(main))
-        await asyncio.sleep(0.05)
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            events.append("host cancelled")
-
-    asyncio.run(runner())
-    assert events == ["trio cleanup done", "host cancelled"]
-
-
-def test_the_worker_runs_trio_on_uvloop_like_dynamos_own_workers():
-    uvloop = pytest.importorskip("uvloop")
-    from trio_sidecar.dynamo.worker import _loop_factory
-
-    assert _loop_factory() is uvloop.new_event_loop
-
-    async def scenario(host: HostLoop):
-        return type(host.loop)
-
-    assert guest(scenario, loop_factory=_loop_factory()) is uvloop.Loop
-
-
-# -- the pull handler ---------------------------------------------------------------------------------------
-
-
 @pytest.mark.parametrize("plan", [1, 3])
-def test_chunks_flow_from_trio_to_the_dynamo_handler_in_order(plan):
+async def test_chunks_flow_from_trio_to_the_dynamo_handler_in_order(loop_thread, plan):
     sidecar = FakeSidecar(plan=plan)
-
-    async def scenario(host: HostLoop):
-        async with serving(sidecar) as (bridge, engine, _):
-            out = await host.run(consume, bridge, {"token_ids": [100]}, FakeDynamoContext("req-1"))
-            await engine.wait_idle()
-        return out
-
-    out = guest(scenario)
+    async with running_bridge(loop_thread, sidecar) as (bridge, _):
+        ctx = FakeDynamoContext("req-1")
+        out = await loop_thread.run(consume, bridge, {"token_ids": [100]}, ctx)
+        await bridge.wait_idle()
     assert tokens_of(out) == [100 + i for i in range(plan)]
     assert all(c == {"token_ids": c["token_ids"], "index": 0} for c in out)
     assert sidecar.finished == ["req-1"]
     assert sidecar.contexts["req-1"].stop_calls == 0
+    assert bridge.completed == 1
 
 
-@pytest.mark.parametrize("push_egress", [False, True])
-def test_cancel_before_the_trio_task_starts_is_not_lost(push_egress):
-    # Dynamo's context is already stopped when the handler runs: the stop reaches the request's context
-    # before the engine's request task gets to run, and the request ends with just its cancelled chunk.
-    sidecar = FakeSidecar(plan=5, start_delay=0.2)
+async def test_cancel_before_the_trio_task_starts_is_not_lost(loop_thread):
+    sidecar = FakeSidecar(plan=5)
+    async with running_bridge(loop_thread, sidecar, dispatch=False) as (bridge, nursery):
+        ctx = FakeDynamoContext("early", stopped=True)  # killed before the request reaches Trio
+        result: list = []
 
-    async def scenario(host: HostLoop):
-        async with serving(sidecar) as (bridge, engine, _):
-            ctx = FakeDynamoContext("early", stopped=True)
-            sender = FakeResponseSender()
-            if push_egress:
-                error = await host.run(push, bridge, {"token_ids": [7]}, ctx, sender)
-                assert error is None
-                out = sender.frames
-            else:
-                out = await host.run(consume, bridge, {"token_ids": [7]}, ctx)
-            await engine.wait_idle()
-        return out
+        async def drive():
+            result.extend(await loop_thread.run(consume, bridge, {"token_ids": [7]}, ctx))
 
-    assert guest(scenario) == [CANCELLED]
-    assert sidecar.contexts["early"].stop_calls >= 1 and sidecar.started == ["early"]
+        nursery.start_soon(drive)
+        # Let the spawn and the stop request both arrive before the dispatcher exists.
+        for _ in range(50):
+            await trio.sleep(0.01)
+        nursery.start_soon(bridge.run_dispatcher, submitter(sidecar.generate, nursery))
+        with trio.fail_after(10):
+            while not result:
+                await trio.sleep(0.01)
+    assert result == [CANCELLED]
+    assert sidecar.contexts["early"].stop_calls == 1
 
 
-def test_stop_from_dynamo_mid_stream_ends_with_the_cancelled_chunk():
+async def test_stop_from_dynamo_mid_stream_ends_with_the_cancelled_chunk(loop_thread):
     sidecar = FakeSidecar(plan=5, hold=True)
-
-    async def scenario(host: HostLoop):
-        async with serving(sidecar) as (bridge, engine, _):
-            out = await host.run(partial(consume, stop_after=1), bridge, {"token_ids": [1]}, FakeDynamoContext("mid"))
-            await engine.wait_idle()
-        return out
-
-    assert guest(scenario) == [{"token_ids": [1], "index": 0}, CANCELLED]
+    async with running_bridge(loop_thread, sidecar) as (bridge, _):
+        ctx = FakeDynamoContext("mid")
+        with trio.fail_after(10):
+            out = await loop_thread.run(partial(consume, stop_after=1), bridge, {"token_ids": [1]}, ctx)
+            await bridge.wait_idle()
+    assert out == [{"token_ids": [1], "index": 0}, CANCELLED]
     assert sidecar.contexts["mid"].stopped
 
 
-def test_runtime_closing_the_generator_stops_the_trio_request():
+async def test_runtime_closing_the_generator_stops_the_trio_request(loop_thread):
     sidecar = FakeSidecar(plan=5, hold=True)
-
-    async def scenario(host: HostLoop):
-        async with serving(sidecar) as (bridge, engine, _):
-            out = await host.run(
-                partial(consume, close_after=1), bridge, {"token_ids": [1]}, FakeDynamoContext("closed")
-            )
-            await engine.wait_idle()
-        return out
-
-    assert guest(scenario) == [{"token_ids": [1], "index": 0}]
+    async with running_bridge(loop_thread, sidecar) as (bridge, _):
+        ctx = FakeDynamoContext("closed")
+        with trio.fail_after(10):
+            out = await loop_thread.run(partial(consume, close_after=1), bridge, {"token_ids": [1]}, ctx)
+            await bridge.wait_idle()
+    assert out == [{"token_ids": [1], "index": 0}]
     assert sidecar.contexts["closed"].stop_calls == 1
     assert sidecar.finished == ["closed"]
+
+
+def _sidecar_error(raised: BaseException) -> BaseException:
+    """The SidecarError behind what the handler raised (Dynamo's typed exception chains to it)."""
+    return raised if isinstance(raised, SidecarError) else raised.__cause__
 
 
 @pytest.mark.parametrize(
@@ -457,170 +293,230 @@ def test_other_exceptions_cross_unchanged():
     assert dynamo_exception(boom) is boom
 
 
-def test_sidecar_error_is_raised_from_the_handler_with_its_text():
+async def test_sidecar_error_is_raised_from_the_handler_with_its_text(loop_thread):
     sidecar = FakeSidecar(error=InvalidArgument("max_tokens must be at least 1"))
-
-    async def scenario(host: HostLoop):
-        async with serving(sidecar) as (bridge, engine, _):
-            out = await host.run(consume, bridge, {"token_ids": [1]}, FakeDynamoContext("bad"))
-            await engine.wait_idle()
-        return out
-
-    out = guest(scenario)
+    async with running_bridge(loop_thread, sidecar) as (bridge, _):
+        out = await loop_thread.run(consume, bridge, {"token_ids": [1]}, FakeDynamoContext("bad"))
+        await bridge.wait_idle()
     assert len(out) == 1
     assert isinstance(_sidecar_error(out[0]), InvalidArgument)
     assert str(out[0]) == "max_tokens must be at least 1"
 
 
-@pytest.mark.parametrize(
-    "refusal", [InvalidArgument("max_tokens must be at least 1"), EngineShutdown("vLLM sidecar is not started")]
-)
-def test_a_request_that_submit_refuses_ends_at_once_with_its_error(refusal):
-    # Sidecar.submit raises conversion and admission errors synchronously (the engine owns admission: after
-    # stop_admission() it refuses with EngineShutdown, which the frontend migrates).
+async def test_a_request_that_submit_refuses_ends_at_once_with_its_error(loop_thread):
+    # Sidecar.submit raises conversion and admission errors synchronously, from the hand-over callback.
     submitted: list[str] = []
 
     def submit(request, ctx, sink):
         submitted.append(ctx.request_id)
-        raise refusal
+        raise InvalidArgument("max_tokens must be at least 1")
 
-    async def scenario(host: HostLoop):
-        async with serving(FakeSidecar(), submit=submit) as (bridge, _, _):
-            out = await host.run(consume, bridge, {"token_ids": [1]}, FakeDynamoContext("refused"))
-            return out, repr(bridge)
-
-    out, bridge_repr = guest(scenario)
+    bridge = RequestBridge(loop_thread, make_context=FakeGenerateContext)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(bridge.run_dispatcher, submit)
+        with trio.fail_after(10):
+            out = await loop_thread.run(consume, bridge, {"token_ids": [1]}, FakeDynamoContext("refused"))
+            await bridge.wait_idle()
+        nursery.cancel_scope.cancel()
     assert submitted == ["refused"]
-    assert len(out) == 1 and type(_sidecar_error(out[0])) is type(refusal)
-    assert str(out[0]) == str(refusal)
-    assert "0 open" in bridge_repr
+    assert len(out) == 1 and isinstance(_sidecar_error(out[0]), InvalidArgument)
+    assert str(out[0]) == "max_tokens must be at least 1"
+    assert bridge.in_flight == {} and bridge.completed == 1
 
 
-def test_ending_the_bridge_ends_open_requests_with_engine_shutdown():
+async def test_stopping_the_dispatcher_ends_in_flight_requests_with_engine_shutdown(loop_thread):
     sidecar = FakeSidecar(plan=5, hold=True)
+    bridge = RequestBridge(loop_thread, make_context=FakeGenerateContext)
     results: dict[str, list] = {}
+    async with trio.open_nursery() as outer:
+        async with trio.open_nursery() as requests:
+            requests.start_soon(bridge.run_dispatcher, submitter(sidecar.generate, outer))
 
-    async def scenario(host: HostLoop):
-        async with trio.open_nursery() as outer:
-            engine = Engine(sidecar, outer)
-            bridge = RequestBridge(engine.submit, make_context=FakeGenerateContext)
-            async with trio.open_nursery() as requests:
-                await requests.start(bridge.run)
+            async def drive(rid):
+                results[rid] = await loop_thread.run(consume, bridge, {"token_ids": [1]}, FakeDynamoContext(rid))
 
-                async def drive(rid):
-                    results[rid] = await host.run(consume, bridge, {"token_ids": [1]}, FakeDynamoContext(rid))
-
-                for rid in ("a", "b"):
-                    outer.start_soon(drive, rid)
-                while len(sidecar.contexts) < 2 or "2 open" not in repr(bridge):
+            for rid in ("a", "b"):
+                outer.start_soon(drive, rid)
+            with trio.fail_after(10):
+                while len(bridge.in_flight) < 2 or len(sidecar.contexts) < 2:
                     await trio.sleep(0.01)
-                requests.cancel_scope.cancel()  # what the worker does after the drain
+            requests.cancel_scope.cancel()  # what the worker does after the drain
+        with trio.fail_after(10):
             while len(results) < 2:
                 await trio.sleep(0.01)
-            outer.cancel_scope.cancel()
-
-    guest(scenario)
     for rid, out in results.items():
         assert out[0] == {"token_ids": [1], "index": 0}
         assert isinstance(_sidecar_error(out[-1]), EngineShutdown) and str(out[-1]) == SHUTTING_DOWN
-        assert sidecar.contexts[rid].stop_calls >= 1  # the request was told to stop too
+        assert sidecar.contexts[rid].stop_calls == 1  # the Trio side was told to stop too
+    assert bridge.in_flight == {}
 
 
-def test_a_request_after_the_bridge_ended_is_refused_not_lost():
-    sidecar = FakeSidecar()
+async def test_chunks_emitted_in_one_trio_batch_wake_the_loop_once(loop_thread, monkeypatch):
+    # vLLM answers all its streams at once and the connections' reads complete in one Trio batch: their
+    # chunks must cost one call_soon_threadsafe (an eventfd write and a loop wake-up), not one per request.
+    from trio_sidecar.dynamo import bridge as bridge_module
 
-    async def scenario(host: HostLoop):
-        async with trio.open_nursery() as outer:
-            engine = Engine(sidecar, outer)
-            bridge = RequestBridge(engine.submit, make_context=FakeGenerateContext)
-            async with trio.open_nursery() as requests:
-                await requests.start(bridge.run)
-                requests.cancel_scope.cancel()
-            return await host.run(consume, bridge, {"token_ids": [1]}, FakeDynamoContext("late"))
+    wakes: list[int] = []
+    original = bridge_module._Waker.wake_loop
 
-    out = guest(scenario)
-    assert len(out) == 1 and isinstance(_sidecar_error(out[0]), EngineShutdown)
-    assert str(out[0]) == SHUTTING_DOWN
-    assert sidecar.contexts == {}
+    def counting_wake_loop(self):
+        wakes.append(1)
+        original(self)
+
+    monkeypatch.setattr(bridge_module._Waker, "wake_loop", counting_wake_loop)
+    sinks: dict[str, object] = {}
+
+    def submit(request, ctx, sink):
+        sinks[ctx.request_id] = sink
+
+    bridge = RequestBridge(loop_thread, make_context=FakeGenerateContext)
+    results: dict[str, list] = {}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(bridge.run_dispatcher, submit)
+
+        async def drive(rid):
+            results[rid] = await loop_thread.run(consume, bridge, {"token_ids": [1]}, FakeDynamoContext(rid))
+
+        rids = [f"r{i}" for i in range(8)]
+        for rid in rids:
+            nursery.start_soon(drive, rid)
+        with trio.fail_after(10):
+            while len(sinks) < 8:
+                await trio.sleep(0.01)
+            await trio.sleep(0.2)  # every handler parks on its empty outbox
+            wakes.clear()
+            for rid in rids:  # one Trio step: every sink gets its first chunk
+                sinks[rid].chunk(Chunk({"token_ids": [7], "index": 0}))
+            assert wakes == []  # deferred to the dispatcher, after the tasks that are ready now
+            while not wakes:
+                await trio.lowlevel.checkpoint()
+            await trio.sleep(0.2)
+            assert wakes == [1]
+            for rid in rids:
+                sinks[rid].end(None, None)
+            while len(results) < 8:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert all(out == [{"token_ids": [7], "index": 0}] for out in results.values())
 
 
-@given(token_ids=st.lists(st.integers(0, 2**31), max_size=4), text=st.text(max_size=5))
+@pytest.mark.parametrize(("token_ids", "text"), [([5], ""), ([5], " five"), ([5, 6, 7], "abc"), ([], "")])
 def test_the_sinks_token_fast_path_emits_the_dict_of_the_same_chunk(token_ids, text):
+    from trio_sidecar.dynamo.bridge import _Sink
     from trio_sidecar.protocol import token_chunk
 
-    def call() -> _Call:
-        bridge = RequestBridge(lambda request, ctx, sink: None)
-        return _Call(bridge, "r", FakeGenerateContext("r", None), None, asyncio.Future(loop=_DummyLoop()))
+    emitted: list = []
 
-    fast, slow = call(), call()
-    fast.tokens(list(token_ids), text)
-    slow.chunk(token_chunk(list(token_ids), text))
-    assert list(fast.items) == list(slow.items)
-    assert type(fast.items[0]["token_ids"]) is list
+    def sink_for(rid: str):
+        item = RequestItem({}, rid, emitted.append, CancelHandle(), lambda: None)
+        return _Sink(RequestBridge.__new__(RequestBridge), item)
 
-
-class _DummyLoop:
-    """Just enough of a loop for a Future that is never awaited."""
-
-    def get_debug(self) -> bool:
-        return False
+    sink_for("fast").tokens(list(token_ids), text)
+    sink_for("slow").chunk(token_chunk(list(token_ids), text))
+    assert emitted[0] == emitted[1]
+    assert type(emitted[0]["token_ids"]) is list
 
 
-def test_first_token_notification_runs_on_the_loop_thread_with_the_trio_tasks():
+async def test_first_token_notification_runs_on_the_asyncio_thread(loop_thread):
     sidecar = FakeSidecar(plan=2)
-    ctx = FakeDynamoContext("ftt")
+    async with running_bridge(loop_thread, sidecar) as (bridge, _):
+        ctx = FakeDynamoContext("ftt")
+        await loop_thread.run(consume, bridge, {"token_ids": [1]}, ctx)
+        await bridge.wait_idle()
 
-    async def scenario(host: HostLoop):
-        async with serving(sidecar) as (bridge, engine, _):
-            await host.run(consume, bridge, {"token_ids": [1]}, ctx)
-            await engine.wait_idle()
+    async def loop_thread_id():
         return threading.get_ident()
 
-    ident = guest(scenario)
-    assert ctx.first_token_threads == [ident]
-    assert sidecar.task_threads == [ident]
+    asyncio_ident = await loop_thread.run(loop_thread_id)
+    assert ctx.first_token_threads == [asyncio_ident]
+    assert asyncio_ident != threading.get_ident()
 
 
-def test_a_stalled_consumer_is_reported_once(caplog):
+async def test_a_stalled_consumer_is_reported_once(loop_thread, caplog):
+    # The handler may coalesce up to the threshold into the first item before the stall begins; with more
+    # than twice the threshold the backlog still exceeds it at the first or the second read.
     plan = 2 * QUEUE_WARN_THRESHOLD + 50
     sidecar = FakeSidecar(plan=plan)
     caplog.set_level(logging.WARNING, logger="trio_sidecar.dynamo.bridge")
-
-    async def scenario(host: HostLoop):
-        async with serving(sidecar) as (bridge, engine, _):
-            out = await host.run(
+    async with running_bridge(loop_thread, sidecar) as (bridge, _):
+        with trio.fail_after(30):
+            # Stall until the producer has emitted every chunk, so the backlog exceeds the threshold however
+            # slowly a loaded machine schedules the Trio side.
+            out = await loop_thread.run(
                 partial(consume, stall_until=lambda: "slow" in sidecar.finished),
                 bridge,
                 {"token_ids": [0]},
                 FakeDynamoContext("slow"),
             )
-            await engine.wait_idle()
-        return out
-
-    out = guest(scenario)
+            await bridge.wait_idle()
     assert tokens_of(out) == list(range(plan))
     assert len(out) < QUEUE_WARN_THRESHOLD  # the backlog was coalesced into multi-token deltas
     stalled = [r for r in caplog.records if "consumer is stalled" in r.getMessage()]
     assert len(stalled) == 1
 
 
-def test_many_concurrent_streams_lose_no_chunk_and_keep_order():
-    sidecar = FakeSidecar(plan=200)
+async def test_run_returns_results_and_raises_exceptions_from_the_loop(loop_thread):
+    async def add(a, b):
+        await asyncio.sleep(0)
+        return a + b
 
-    async def scenario(host: HostLoop):
-        async with serving(sidecar) as (bridge, engine, _):
+    async def fail():
+        raise ValueError("boom")
 
-            async def all_of_them():
-                return await asyncio.gather(
-                    *(consume(bridge, {"token_ids": [i * 1000]}, FakeDynamoContext(f"r{i}")) for i in range(30))
-                )
+    assert await loop_thread.run(add, 2, 3) == 5
+    with pytest.raises(ValueError, match="boom"):
+        await loop_thread.run(fail)
 
-            outs = await host.run(all_of_them)
-            await engine.wait_idle()
-        return outs
 
-    for i, out in enumerate(guest(scenario)):
-        assert tokens_of(out) == [i * 1000 + k for k in range(200)]
+async def test_the_worker_runs_the_asyncio_thread_on_uvloop_like_dynamos_own_workers():
+    uvloop = pytest.importorskip("uvloop")
+    from trio_sidecar.dynamo.worker import _loop_factory
+
+    assert _loop_factory() is uvloop.new_event_loop
+    thread = AsyncioThread(loop_factory=_loop_factory())
+    await thread.start()
+    try:
+        async def loop_type():
+            return type(asyncio.get_running_loop())
+
+        assert await thread.run(loop_type) is uvloop.Loop
+    finally:
+        await thread.stop()
+
+
+async def test_cancelling_a_trio_caller_cancels_the_asyncio_task(loop_thread):
+    cancelled = threading.Event()
+
+    async def forever():
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    with trio.move_on_after(0.2):
+        await loop_thread.run(forever)
+    await trio.to_thread.run_sync(cancelled.wait, 5)
+    assert cancelled.is_set()
+
+
+async def test_many_concurrent_streams_lose_no_chunk_and_keep_order(loop_thread):
+    """The coalesced wake-up handshake under contention: 40 streams x 300 chunks, all delivered in order."""
+    sidecar = FakeSidecar(plan=300)
+    async with running_bridge(loop_thread, sidecar) as (bridge, _):
+
+        async def consume_all():
+            return await asyncio.gather(
+                *(consume(bridge, {"token_ids": [i * 1000]}, FakeDynamoContext(f"r{i}")) for i in range(40))
+            )
+
+        with trio.fail_after(60):
+            outs = await loop_thread.run(consume_all)
+            await bridge.wait_idle()
+    for i, out in enumerate(outs):
+        assert tokens_of(out) == [i * 1000 + k for k in range(300)]
+        assert all(c["index"] == 0 for c in out)
+    assert bridge.completed == 40
 
 
 # -- push egress (Dynamo 1.6.1 passes a ResponseSender to a handler that declares ``response_sender``) ----
@@ -635,7 +531,7 @@ class FakeResponseSender:
 
     def __init__(self, *, capacity: int | None = None, gone_after: int | None = None) -> None:
         self.frames: list[dict] = []
-        self.send_threads: list[int] = []
+        self.send_threads: list[str] = []
         self.closed = 0
         self.blocked = threading.Event()  # a send is waiting for room
         self._room = threading.Semaphore(capacity) if capacity is not None else None
@@ -653,7 +549,7 @@ class FakeResponseSender:
             self._room.acquire()
             self.blocked.clear()
         self.frames.append(dict(obj))
-        self.send_threads.append(threading.get_ident())
+        self.send_threads.append(threading.current_thread().name)
 
     def read(self, n: int) -> None:
         assert self._room is not None
@@ -675,176 +571,199 @@ async def push(bridge: RequestBridge, request: dict, context: FakeDynamoContext,
     return None
 
 
-async def push_and_stop(bridge: RequestBridge, request: dict, ctx: FakeDynamoContext, sender: FakeResponseSender):
-    """Push, and stop Dynamo's context once the first frame went out."""
-    task = asyncio.ensure_future(push(bridge, request, ctx, sender))
-    while not sender.frames and not task.done():
-        await asyncio.sleep(0.005)
-    ctx.stop_generating()
-    return await task
+class StepSidecar:
+    """Yields ``plan`` chunks that are never coalesced (each carries a key that is not a plain delta's)."""
+
+    def __init__(self, plan: int) -> None:
+        self.plan = plan
+        self.finished: list[str] = []
+
+    @asynccontextmanager
+    async def generate(self, request: dict, ctx: FakeGenerateContext):
+        async def chunks():
+            try:
+                for i in range(self.plan):
+                    yield Chunk({"token_ids": [request["token_ids"][0] + i], "index": 0, "step": i})
+                    await trio.lowlevel.checkpoint()
+            finally:
+                self.finished.append(ctx.request_id)
+
+        yield chunks()
 
 
-def test_the_handler_declares_response_sender_so_dynamo_serves_it_with_push_egress():
+async def test_the_handler_declares_response_sender_so_dynamo_serves_it_with_push_egress(loop_thread):
     # Dynamo 1.6.1 picks the push egress for a handler whose signature has a `response_sender` parameter.
-    bridge = RequestBridge(lambda request, ctx, sink: None, make_context=FakeGenerateContext)
+    import inspect
+
+    bridge = RequestBridge(loop_thread, make_context=FakeGenerateContext)
     assert "response_sender" in inspect.signature(bridge.handler).parameters
-    agen = bridge.handler({"token_ids": [1]}, FakeDynamoContext("x"))
-    assert inspect.isasyncgen(agen)  # pull: no sender
-    asyncio.run(agen.aclose())
+    assert inspect.isasyncgen(bridge.handler({"token_ids": [1]}, FakeDynamoContext("x")))  # pull: no sender
 
 
-def test_push_egress_sends_every_chunk_in_order_from_the_loop_thread_and_closes_once():
-    sidecar = FakeSidecar(plan=5, step=True)
-    sender = FakeResponseSender()
+async def test_push_egress_sends_every_chunk_in_order_on_the_loop_and_closes_once(loop_thread):
+    sidecar = FakeSidecar(plan=5)
+    async with running_bridge(loop_thread, sidecar) as (bridge, _):
+        sender = FakeResponseSender()
+        error = await loop_thread.run(push, bridge, {"token_ids": [100]}, FakeDynamoContext("p1"), sender)
+        await bridge.wait_idle()
 
-    async def scenario(host: HostLoop):
-        async with serving(sidecar) as (bridge, engine, _):
-            error = await host.run(push, bridge, {"token_ids": [100]}, FakeDynamoContext("p1"), sender)
-            await engine.wait_idle()
-        return error, threading.get_ident()
+    async def loop_thread_name():
+        return threading.current_thread().name
 
-    error, ident = guest(scenario)
     assert error is None
     assert tokens_of(sender.frames) == [100 + i for i in range(5)]
     assert sender.closed == 1
-    assert set(sender.send_threads) == {ident}
+    assert set(sender.send_threads) == {await loop_thread.run(loop_thread_name)}
     assert sidecar.contexts["p1"].stop_calls == 0
 
 
-def test_push_egress_merges_the_chunks_of_one_trio_batch_into_one_frame():
-    # Chunks that the Trio tasks ready at the same time deliver for one request go out as one frame: the
-    # bridge flushes once the current Trio batch has run, not per chunk.
-    sender = FakeResponseSender()
-
-    def submit(request, ctx, sink):
-        for i in range(4):
-            sink.tokens([i], "x")
-        sink.end(None, None)
-
-    async def scenario(host: HostLoop):
-        async with serving(FakeSidecar(), submit=submit) as (bridge, _, _):
-            return await host.run(push, bridge, {"token_ids": [0]}, FakeDynamoContext("batch"), sender)
-
-    assert guest(scenario) is None
-    assert sender.frames == [{"token_ids": [0, 1, 2, 3], "index": 0, "text": "xxxx"}]
-    assert sender.closed == 1
-
-
-def test_push_egress_raises_a_sidecar_error_as_its_typed_exception():
+async def test_push_egress_raises_a_sidecar_error_as_its_typed_exception(loop_thread):
+    # The exception leaves the handler, so Dynamo classifies it and ends the stream with a typed error frame.
     sidecar = FakeSidecar(error=InvalidArgument("max_tokens must be at least 1"))
-    sender = FakeResponseSender()
-
-    async def scenario(host: HostLoop):
-        async with serving(sidecar) as (bridge, engine, _):
-            error = await host.run(push, bridge, {"token_ids": [1]}, FakeDynamoContext("bad"), sender)
-            await engine.wait_idle()
-        return error
-
-    error = guest(scenario)
+    async with running_bridge(loop_thread, sidecar) as (bridge, _):
+        sender = FakeResponseSender()
+        error = await loop_thread.run(push, bridge, {"token_ids": [1]}, FakeDynamoContext("bad"), sender)
+        await bridge.wait_idle()
     assert isinstance(_sidecar_error(error), InvalidArgument)
     assert str(error) == "max_tokens must be at least 1"
     assert sender.frames == [] and sender.closed == 0
 
 
-def test_push_egress_stop_from_dynamo_mid_stream_sends_the_cancelled_chunk():
+async def test_push_egress_stop_from_dynamo_mid_stream_sends_the_cancelled_chunk(loop_thread):
     sidecar = FakeSidecar(plan=5, hold=True)
-    sender = FakeResponseSender()
+    async with running_bridge(loop_thread, sidecar) as (bridge, _):
+        ctx = FakeDynamoContext("mid")
+        sender = FakeResponseSender()
 
-    async def scenario(host: HostLoop):
-        async with serving(sidecar) as (bridge, engine, _):
-            error = await host.run(push_and_stop, bridge, {"token_ids": [1]}, FakeDynamoContext("mid"), sender)
-            await engine.wait_idle()
-        return error
+        async def drive():
+            task = asyncio.ensure_future(push(bridge, {"token_ids": [1]}, ctx, sender))
+            while not sender.frames:
+                await asyncio.sleep(0.005)
+            ctx.stop_generating()
+            return await task
 
-    assert guest(scenario) is None
+        with trio.fail_after(10):
+            error = await loop_thread.run(drive)
+            await bridge.wait_idle()
+    assert error is None
     assert sender.frames == [{"token_ids": [1], "index": 0}, CANCELLED]
     assert sender.closed == 1
 
 
-def test_push_egress_stops_the_trio_request_when_the_response_stream_is_gone():
+async def test_push_egress_stops_the_trio_request_when_the_response_stream_is_gone(loop_thread):
     sidecar = FakeSidecar(plan=5, hold=True)
-    sender = FakeResponseSender(gone_after=1)  # the first frame is taken, then the consumer is gone
+    async with running_bridge(loop_thread, sidecar) as (bridge, _):
+        # The first frame is taken, then the consumer is gone: the next send raises RuntimeError.
+        sender = FakeResponseSender(gone_after=1)
+        ctx = FakeDynamoContext("gone")
 
-    async def scenario(host: HostLoop):
-        async with serving(sidecar) as (bridge, engine, _):
-            error = await host.run(push_and_stop, bridge, {"token_ids": [1]}, FakeDynamoContext("gone"), sender)
-            await engine.wait_idle()
-        return error
+        async def drive():
+            task = asyncio.ensure_future(push(bridge, {"token_ids": [1]}, ctx, sender))
+            while not sender.frames:
+                await asyncio.sleep(0.005)
+            ctx.stop_generating()  # Dynamo stops the context when the consumer goes away
+            return await task
 
-    assert guest(scenario) is None
+        with trio.fail_after(10):
+            error = await loop_thread.run(drive)
+            await bridge.wait_idle()
+    assert error is None
     assert sender.frames == [{"token_ids": [1], "index": 0}]
     assert sidecar.contexts["gone"].stopped
     assert sidecar.finished == ["gone"]
 
 
-def test_a_full_response_channel_parks_a_worker_thread_never_the_loop():
-    # Past its inline window a request's frames are sent from worker threads: while its consumer does not
-    # read (the channel is full and send() blocks), other requests still flow, and its own frames stay in
-    # order.
+async def test_a_full_response_channel_parks_an_egress_thread_never_the_loop(loop_thread):
+    # Past its inline window a request's frames go through egress threads: while its consumer does not read
+    # (the channel is full and send() blocks), other requests still flow, and its own frames stay in order.
     plan = 8
-    sidecar = FakeSidecar(plan=plan, step=True)
-    stalled = FakeResponseSender(capacity=3)  # room for 3 unread frames: the 4th send blocks
-    other = FakeResponseSender()
-    outcome: list = []
+    sidecar = StepSidecar(plan)
+    async with running_bridge(loop_thread, sidecar) as (bridge, nursery):
+        bridge.push_inline_frames = 2
+        stalled = FakeResponseSender(capacity=3)  # room for 3 unread frames: the 4th send blocks
+        outcome: list = []
 
-    async def scenario(host: HostLoop):
-        async with serving(sidecar) as (bridge, engine, nursery):
-            bridge.push_inline_frames = 2
+        async def drive_stalled():
+            outcome.append(await loop_thread.run(push, bridge, {"token_ids": [0]}, FakeDynamoContext("s"), stalled))
 
-            async def drive_stalled():
-                outcome.append(await host.run(push, bridge, {"token_ids": [0]}, FakeDynamoContext("s"), stalled))
-
-            nursery.start_soon(drive_stalled)
-            try:
+        nursery.start_soon(drive_stalled)
+        try:
+            with trio.fail_after(10):
                 await trio.to_thread.run_sync(stalled.blocked.wait)
                 # The loop is free: another request is served from start to end while the first one is stuck.
-                assert await host.run(push, bridge, {"token_ids": [1000]}, FakeDynamoContext("o"), other) is None
+                other = FakeResponseSender()
+                assert await loop_thread.run(
+                    push, bridge, {"token_ids": [1000]}, FakeDynamoContext("o"), other
+                ) is None
+                assert tokens_of(other.frames) == [1000 + i for i in range(plan)] and other.closed == 1
                 assert len(stalled.frames) == 3 and not outcome
-            finally:
-                stalled.read(plan)  # the consumer reads again (also unblocks the thread, should this fail)
+        finally:
+            stalled.read(plan)  # the consumer reads again (also unblocks whatever waits, should this fail)
+        with trio.fail_after(10):
             while not outcome:
                 await trio.sleep(0.01)
-            await engine.wait_idle()
-        return threading.get_ident()
-
-    ident = guest(scenario)
-    assert tokens_of(other.frames) == [1000 + i for i in range(plan)] and other.closed == 1
+            await bridge.wait_idle()
     assert outcome == [None]
     assert tokens_of(stalled.frames) == list(range(plan))
     assert stalled.closed == 1
-    assert [t == ident for t in stalled.send_threads] == [True, True] + [False] * 6
+    assert [name.startswith("dynamo-egress-") for name in stalled.send_threads] == [False, False] + [True] * 6
 
 
-def test_push_egress_many_concurrent_streams_lose_no_chunk_and_keep_order():
-    # 40 streams x 300 chunks, the window crossed to the worker threads: every token delivered once, in order.
+async def test_push_egress_many_concurrent_streams_lose_no_chunk_and_keep_order(loop_thread):
+    """The flush's inline sends under contention (the re-published waiter handshake): 40 streams x 300
+    chunks, every frame delivered once, in order, with the window crossed to the egress threads."""
     sidecar = FakeSidecar(plan=300)
-    senders = [FakeResponseSender() for _ in range(40)]
+    async with running_bridge(loop_thread, sidecar) as (bridge, _):
+        bridge.push_inline_frames = 50
+        senders = [FakeResponseSender() for _ in range(40)]
 
-    async def scenario(host: HostLoop):
-        async with serving(sidecar) as (bridge, engine, _):
-            bridge.push_inline_frames = 50
+        async def push_all():
+            return await asyncio.gather(
+                *(push(bridge, {"token_ids": [i * 1000]}, FakeDynamoContext(f"p{i}"), senders[i]) for i in range(40))
+            )
 
-            async def push_all():
-                return await asyncio.gather(
-                    *(
-                        push(bridge, {"token_ids": [i * 1000]}, FakeDynamoContext(f"p{i}"), senders[i])
-                        for i in range(40)
-                    )
-                )
-
-            errors = await host.run(push_all)
-            await engine.wait_idle()
-        return errors
-
-    assert guest(scenario) == [None] * 40
+        with trio.fail_after(60):
+            errors = await loop_thread.run(push_all)
+            await bridge.wait_idle()
+    assert errors == [None] * 40
     for i, sender in enumerate(senders):
         assert tokens_of(sender.frames) == [i * 1000 + k for k in range(300)]
         assert sender.closed == 1
+    assert bridge.completed == 40
 
 
-def test_push_egress_raises_an_unexpected_send_failure_and_sends_nothing_after_it():
-    # A send that fails with anything but the closed-stream RuntimeError is raised by the handler (Dynamo
-    # reports it), stops the request, and no later frame of the request goes out (no hole in the stream).
+async def test_push_egress_raises_an_unexpected_send_failure_from_the_handler(loop_thread):
+    # A send that fails with anything but the closed-stream RuntimeError, also while the loop's flush sends
+    # for a parked handler, is raised by the handler (Dynamo reports it) and stops the Trio request.
+    class BrokenSender(FakeResponseSender):
+        def send(self, obj: dict) -> None:
+            if self.frames:
+                raise ValueError("cannot encode")
+            super().send(obj)
+
+    sidecar = FakeSidecar(plan=5, hold=True)
+    async with running_bridge(loop_thread, sidecar) as (bridge, _):
+        sender = BrokenSender()
+        ctx = FakeDynamoContext("broken")
+
+        async def drive():
+            task = asyncio.ensure_future(push(bridge, {"token_ids": [1]}, ctx, sender))
+            while not sender.frames:
+                await asyncio.sleep(0.005)
+            ctx.stop_generating()  # the next chunk (the cancelled one) is sent while the handler is parked
+            return await task
+
+        with trio.fail_after(10):
+            error = await loop_thread.run(drive)
+            await bridge.wait_idle()
+    assert isinstance(error, ValueError) and str(error) == "cannot encode"
+    assert sender.frames == [{"token_ids": [1], "index": 0}]
+    assert sidecar.contexts["broken"].stopped
+
+
+async def test_push_egress_sends_nothing_after_a_failed_send(loop_thread):
+    # One frame fails to send (not a closed stream): the handler raises that error, and no later frame of the
+    # request goes out meanwhile (Dynamo would get a stream with a hole in it).
     class FailsOnce(FakeResponseSender):
         def __init__(self) -> None:
             super().__init__()
@@ -856,17 +775,156 @@ def test_push_egress_raises_an_unexpected_send_failure_and_sends_nothing_after_i
                 raise ValueError("cannot encode the second frame")
             super().send(obj)
 
-    sidecar = FakeSidecar(plan=6, step=True)
-    sender = FailsOnce()
-
-    async def scenario(host: HostLoop):
-        async with serving(sidecar) as (bridge, engine, _):
-            error = await host.run(push, bridge, {"token_ids": [10]}, FakeDynamoContext("hole"), sender)
-            await engine.wait_idle()
-        return error
-
-    error = guest(scenario)
+    sidecar = StepSidecar(6)  # six frames (never coalesced)
+    async with running_bridge(loop_thread, sidecar) as (bridge, _):
+        sender = FailsOnce()
+        with trio.fail_after(10):
+            error = await loop_thread.run(push, bridge, {"token_ids": [10]}, FakeDynamoContext("hole"), sender)
+            await bridge.wait_idle()
     assert isinstance(error, ValueError) and str(error) == "cannot encode the second frame"
     assert tokens_of(sender.frames) == [10]
     assert sender.calls == 2
-    assert sidecar.contexts["hole"].stopped
+
+
+async def test_a_request_handed_over_after_the_dispatcher_stopped_is_refused_not_lost(loop_thread):
+    sidecar = FakeSidecar()
+    bridge = RequestBridge(loop_thread, make_context=FakeGenerateContext)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(bridge.run_dispatcher, submitter(sidecar.generate, nursery))
+        await trio.testing.wait_all_tasks_blocked()  # the dispatcher runs (and is parked)
+        nursery.cancel_scope.cancel()
+    with trio.fail_after(10):
+        out = await loop_thread.run(consume, bridge, {"token_ids": [1]}, FakeDynamoContext("late"))
+    assert len(out) == 1 and isinstance(_sidecar_error(out[0]), EngineShutdown)
+    assert str(out[0]) == SHUTTING_DOWN
+    assert sidecar.contexts == {} and bridge.in_flight == {}
+
+
+class GatedSends:
+    """``stalled`` is a ``ResponseSender.send`` whose consumer does not read until ``gate`` is set; what
+    was sent (by it or by ``sent.append``, a consumer that reads) is in ``sent``."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.sent: list[str] = []
+
+    def stalled(self, out: str) -> None:
+        self.gate.wait(10)
+        self.sent.append(out)
+
+
+async def test_egress_threads_grow_so_stalled_consumers_never_hold_up_other_requests(loop_thread):
+    # Ten consumers stalled at once each park their own egress thread; a frame of another request still goes
+    # out at once; idle threads exit.
+    sends = GatedSends()
+    gate, sent, stalled_send = sends.gate, sends.sent, sends.stalled
+
+    async def scenario():
+        egress = _Egress(asyncio.get_running_loop(), idle_exit=0.2)
+        stalled = [egress.send(stalled_send, f"stalled-{i}") for i in range(10)]
+        other = egress.send(sent.append, "other")
+        await asyncio.wait_for(other, 5)  # not behind the stalled ones
+        assert sent == ["other"] and egress.threads == 11
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(*stalled), 5)
+        while egress.threads:  # every thread exits once idle for idle_exit
+            await asyncio.sleep(0.05)
+        again = egress.send(sent.append, "again")  # and a new one starts for the next frame
+        await asyncio.wait_for(again, 5)
+        return egress.threads
+
+    with trio.fail_after(20):
+        assert await loop_thread.run(scenario) == 1
+    assert sorted(sent) == sorted(["other", "again", *(f"stalled-{i}" for i in range(10))])
+
+
+async def test_egress_at_its_thread_cap_queues_frames_for_the_next_free_thread(loop_thread):
+    sends = GatedSends()
+    gate, sent, stalled_send = sends.gate, sends.sent, sends.stalled
+
+    async def scenario():
+        egress = _Egress(asyncio.get_running_loop(), max_threads=2)
+        stalled = [egress.send(stalled_send, f"stalled-{i}") for i in range(2)]
+        queued = egress.send(sent.append, "queued")
+        await asyncio.sleep(0.2)
+        assert not queued.done() and egress.threads == 2  # at the cap: waits for a free thread
+        gate.set()
+        await asyncio.wait_for(asyncio.gather(queued, *stalled), 5)
+        later = [egress.send(sent.append, f"later-{i}") for i in range(3)]  # the counts are consistent again
+        await asyncio.wait_for(asyncio.gather(*later), 5)
+        return egress.threads
+
+    with trio.fail_after(20):
+        assert await loop_thread.run(scenario) == 2
+    assert sorted(sent) == sorted(["queued", "stalled-0", "stalled-1", "later-0", "later-1", "later-2"])
+
+
+# -- coalescing a run of queued deltas at once (``_Stream.take``) ------------------------------------------
+
+
+def test_a_waiter_abandoned_in_the_publish_race_is_never_drained_or_republished():
+    """An emit that lands between the handler publishing its waiter and re-checking the deque queues that
+    waiter for a flush, although the handler returns without awaiting it and parks on a new one. The flush
+    must skip the abandoned waiter: draining for it would re-publish it over the new one, and the end would
+    then wake a future nobody awaits (the request would never finish)."""
+    from trio_sidecar.dynamo.bridge import END, _Stream, _Waker
+
+    class RacyOutbox(Outbox):
+        """Trio's emit happens right after the first waiter is published (the race window)."""
+
+        __slots__ = ("_waiter", "race")
+
+        def __init__(self) -> None:
+            self._waiter = None
+            self.race = None
+            super().__init__()
+
+        @property
+        def waiter(self):
+            return self._waiter
+
+        @waiter.setter
+        def waiter(self, value) -> None:
+            self._waiter = value
+            if value is not None and self.race is not None:
+                race, self.race = self.race, None
+                race()
+
+    async def scenario():
+        loop = asyncio.get_running_loop()
+        waker = _Waker(loop, lambda: None)  # flushes are run by hand below
+        outbox = RacyOutbox()
+        stream = _Stream(loop, outbox, "race", lambda: None, None)
+        sent: list = []
+
+        def drain() -> bool:
+            while outbox.items:
+                if outbox.items[0] is END:
+                    return True
+                sent.append(stream.take())
+            return False
+
+        outbox.race = lambda: waker.emit(outbox, {"token_ids": [1], "index": 0})
+
+        async def handler() -> str:
+            while True:
+                if not drain():
+                    await stream.wait(drain)
+                    continue
+                assert stream.take() is END
+                return "ended"
+
+        task = asyncio.ensure_future(handler())
+        for _ in range(5):
+            await asyncio.sleep(0)  # the handler lost the race, drained the token and parks on a new waiter
+        assert sent == [{"token_ids": [1], "index": 0}] and not task.done()
+        waker._flush()  # the flush the racing emit asked for
+        waker.emit(outbox, {"token_ids": [2], "index": 0})
+        waker._flush()
+        waker.emit(outbox, END)
+        waker._flush()
+        return await asyncio.wait_for(task, 2), sent
+
+    result, sent = asyncio.run(scenario())
+    assert result == "ended"
+    assert sent == [{"token_ids": [1], "index": 0}, {"token_ids": [2], "index": 0}]

@@ -1,7 +1,7 @@
 """The runtime side: the Dynamo objects of one worker (docs/reference/worker.md#startup-sequence).
 
-Every method runs on the asyncio loop Dynamo's runtime was given (where Trio runs as a guest, :mod:`.host`);
-the worker awaits the coroutines with ``HostLoop.run``.
+Every method runs on the asyncio thread's loop, the one Dynamo's runtime was given (:mod:`.thread`); the
+worker awaits the coroutines with ``AsyncioThread.run``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ LOGGER = logging.getLogger("trio_sidecar.dynamo.runtime")
 
 
 class DynamoSide:
-    """Owns the Dynamo objects. Every method runs on the host loop (awaited with ``HostLoop.run``)."""
+    """Owns the Dynamo objects. Every method runs on the asyncio thread (via ``AsyncioThread.run``)."""
 
     def __init__(self, options: WorkerOptions) -> None:
         self.options = options

@@ -1,30 +1,27 @@
-"""``trio-sidecar run``: serve a vLLM gRPC engine as a Dynamo 1.6.1 worker (docs/reference/worker.md#registration, docs/reference/worker.md#trio-as-a-guest-on-dynamos-loop).
+"""``trio-sidecar run``: serve a vLLM gRPC engine as a Dynamo 1.6.1 worker (docs/reference/worker.md#registration, docs/reference/worker.md#the-asyncio-thread-bridge).
 
 Theory of operation
 -------------------
 
-One thread, one loop: the process runs the uvloop loop that Dynamo's runtime is given, and Trio runs on it as
-a guest (:mod:`.host`). Every Dynamo object is created and touched on that loop (:class:`.runtime.DynamoSide`,
-awaited from Trio with :meth:`HostLoop.run`); the handler and the sidecar exchange requests and chunks by
-plain calls (:mod:`.bridge`). The worker's lifetime is one Trio nursery tree::
+Trio owns the process. Dynamo's runtime lives on one asyncio thread (:mod:`.bridge`); every Dynamo object
+is created and touched only there, through :meth:`AsyncioThread.run`. Lifetimes nest like this::
 
-    asyncio.Runner (uvloop)
-    └─ Trio guest run                      ends → the loop stops; the loop's task cancelled → the run is cancelled
-       └─ signal watcher                   SIGINT/SIGTERM through the loop's signal handlers: cancel startup / drain
-          └─ bootstrap discovery           (docs/reference/sidecar.md#bootstrap-phase) — before any Dynamo object exists
-             └─ runtime                    DistributedRuntime, endpoint (docs/reference/worker.md#startup-sequence)
-                └─ open_sidecar(expected=…)   the start phase, prober, abort sender, the requests' tasks
-                   └─ bridge               the requests' egress tasks (:meth:`RequestBridge.run`)
-                      registration         serve_endpoint, register_model, KvEventPublisher per source
-                      health supervisor    unregister/re-register on NOT_SERVING (docs/reference/worker.md#out-of-rotation-while-vllm-is-not-serving, docs/reference/sidecar.md#recovery)
-                      wait                 for the shutdown request, a fatal prober error or a dead runtime
+    trio.run
+    └─ signal watcher                      first signal: cancel startup / begin the graceful shutdown
+       └─ bootstrap discovery              (docs/reference/sidecar.md#bootstrap-phase) — before any Dynamo object exists
+          └─ asyncio thread + runtime      DistributedRuntime, endpoint (docs/reference/worker.md#startup-sequence)
+             └─ open_sidecar(expected=…)   the start phase (docs/reference/sidecar.md#start-phase, docs/reference/sidecar.md#identity-check), prober, abort sender
+                └─ request nursery         the bridge's dispatcher (requests are the engine's tasks)
+                   registration            serve_endpoint, register_model, KvEventPublisher per source
+                   health supervisor       unregister/re-register on NOT_SERVING (docs/reference/worker.md#out-of-rotation-while-vllm-is-not-serving, docs/reference/sidecar.md#recovery)
+                   wait                    for the shutdown request, a fatal prober error or a dead runtime
 
 Shutdown (docs/reference/sidecar.md#lifecycle, docs/reference/worker.md#graceful-shutdown-and-drain):
-``runtime.shutdown()`` (unregisters the instance at once, then the runtime drains in-flight handlers), the
-engine stops admitting, wait for ``serve_endpoint``'s future and the engine's in-flight requests for up to
-``drain_timeout`` — after it, the engine cancels every remaining request (it ends with its cancelled chunk
-and an Abort is queued) — then leave the bridge and ``open_sidecar`` (cleanup), shut the runtime down, and
-end the Trio run, which stops the loop. A second SIGINT/SIGTERM exits 1 at once.
+``runtime.shutdown()`` on the loop (unregisters the instance at once, then the runtime drains in-flight
+handlers), the engine stops admitting, wait for ``serve_endpoint``'s future and the engine's in-flight
+requests for up to ``drain_timeout`` — after it, the engine cancels every remaining request (it ends with its
+cancelled chunk and an Abort is queued) — then leave ``open_sidecar`` (cleanup), stop the loop, join the
+thread. A second SIGINT/SIGTERM exits 1 at once.
 
 Exit codes (docs/reference/sidecar.md#exit-codes, docs/deployment.md "Exit codes and signals"): 0 after a
 graceful shutdown; 1 for a startup failure (printed as
@@ -37,7 +34,6 @@ ends within 1.5 s even if Dynamo's runtime is stuck (e.g. waiting for an etcd th
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import os
 import signal
@@ -56,10 +52,10 @@ from ..errors import SidecarError, format_duration
 from ..progress import StartupProgress, tracking
 from ..transport import collapse_single_exception
 from .bridge import RequestBridge
-from .host import HostLoop, run_as_guest
 from .plan import WorkerPlan, endpoint_path, plan_registration
 from .reporter import Reporter
 from .runtime import DynamoSide
+from .thread import AsyncioThread
 
 if TYPE_CHECKING:
     from ..api import Sidecar
@@ -142,17 +138,13 @@ def _exit_after(delay: float, code: int) -> None:
     timer.start()
 
 
-async def _watch_signals(
-    state: _Shutdown, host: HostLoop, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-) -> None:
-    """SIGINT/SIGTERM go to ``state.on_signal``: the host loop owns signal handling (Trio is its guest), and
-    its callback runs on the thread Trio runs on."""
-    for signum in SIGNALS:
-        host.loop.add_signal_handler(signum, state.on_signal, signum)
-    task_status.started()
-    for early in held():  # arrived between the CLI's hand-over and the loop's handlers
-        state.on_signal(early)
-    await trio.sleep_forever()
+async def _watch_signals(state: _Shutdown, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    with trio.open_signal_receiver(*SIGNALS) as receiver:
+        task_status.started()
+        for signum in held():  # arrived between the CLI's hand-over and this receiver
+            state.on_signal(signum)
+        async for signum in receiver:
+            state.on_signal(signum)
 
 
 def _print_error(message: str) -> None:
@@ -172,7 +164,7 @@ def run_worker(config: SidecarConfig, options: WorkerOptions) -> int:
     """
     hold_signals()
     try:
-        return run_as_guest(functools.partial(_main, config, options), loop_factory=_loop_factory())
+        return trio.run(_main, config, options)
     finally:
         exit_on_late_signals()
 
@@ -193,20 +185,18 @@ def exit_on_late_signals() -> None:
         signal.signal(signum, exit_now)
 
 
-async def _main(config: SidecarConfig, options: WorkerOptions, host: HostLoop) -> int:
+async def _main(config: SidecarConfig, options: WorkerOptions) -> int:
     state = _Shutdown()
     reporter = Reporter()
     async with trio.open_nursery() as root:
-        await root.start(_watch_signals, state, host)
+        await root.start(_watch_signals, state)
         try:
-            return await _run(config, options, state, reporter, host)
+            return await _run(config, options, state, reporter)
         finally:
             root.cancel_scope.cancel()
 
 
-async def _run(
-    config: SidecarConfig, options: WorkerOptions, state: _Shutdown, reporter: Reporter, host: HostLoop
-) -> int:
+async def _run(config: SidecarConfig, options: WorkerOptions, state: _Shutdown, reporter: Reporter) -> int:
     from ..api import discover
     from ..endpoint import parse_grpc_endpoint
 
@@ -225,14 +215,16 @@ async def _run(
     if scope.cancelled_caught:
         return _interrupted(state)
 
+    thread = AsyncioThread(loop_factory=_loop_factory())
     dynamo = DynamoSide(options)
+    await thread.start()
     try:
         return await _run_with_runtime(
-            config, options, state, reporter, host, dynamo, bootstrap, endpoint_path(config, options), vllm
+            config, options, state, reporter, thread, dynamo, bootstrap, endpoint_path(config, options), vllm
         )
     finally:
         with trio.CancelScope(shield=True):
-            await _stop_runtime(host, dynamo)
+            await _stop_runtime(thread, dynamo)
 
 
 def _interrupted(state: _Shutdown) -> int:
@@ -257,7 +249,7 @@ async def _run_with_runtime(
     options: WorkerOptions,
     state: _Shutdown,
     reporter: Reporter,
-    host: HostLoop,
+    thread: AsyncioThread,
     dynamo: DynamoSide,
     bootstrap: DiscoveredModel,
     endpoint_path: str,
@@ -293,7 +285,7 @@ async def _run_with_runtime(
             async with reporter.waiting(
                 f"Dynamo's runtime (discovery backend {options.discovery_backend})", hint=_runtime_hint(options)
             ):
-                await host.run(dynamo.create_runtime, endpoint_path)
+                await thread.run(dynamo.create_runtime, endpoint_path)
         except Exception as exc:  # noqa: BLE001 - Dynamo raises plain exceptions
             _print_error(f"failed to start the Dynamo runtime: {exc}")
             return 1
@@ -301,6 +293,7 @@ async def _run_with_runtime(
     if scope.cancelled_caught:
         return _interrupted(state)
 
+    bridge = RequestBridge(thread)
     code = 0
     with state.startup() as scope:
         state.phase = "start phase"
@@ -313,10 +306,9 @@ async def _run_with_runtime(
                             await waiting.stop()
                             reporter.phase_done(state.phase)
                             async with trio.open_nursery() as requests:
-                                bridge = RequestBridge(sidecar.submit)
-                                await requests.start(bridge.run)
+                                requests.start_soon(bridge.run_dispatcher, sidecar.submit)
                                 code = await _register_and_serve(
-                                    config, options, state, reporter, host, dynamo, bridge, sidecar
+                                    config, options, state, reporter, thread, dynamo, bridge, sidecar
                                 )
                                 requests.cancel_scope.cancel()
         except SidecarError as exc:
@@ -335,7 +327,7 @@ async def _register_and_serve(
     options: WorkerOptions,
     state: _Shutdown,
     reporter: Reporter,
-    host: HostLoop,
+    thread: AsyncioThread,
     dynamo: DynamoSide,
     bridge: RequestBridge,
     sidecar: Sidecar,
@@ -344,9 +336,9 @@ async def _register_and_serve(
     plan = plan_registration(config, options, sidecar.engine_config, sources)
     state.phase = "registration with Dynamo"
     reporter.phase(state.phase)
-    await host.run(dynamo.serve_and_register, plan, bridge.handler)
-    count = await host.run(dynamo.replace_publishers, plan, sources)
-    await host.run(dynamo.set_ready, True)
+    await thread.run(dynamo.serve_and_register, plan, bridge.handler)
+    count = await thread.run(dynamo.replace_publishers, plan, sources)
+    await thread.run(dynamo.set_ready, True)
     reporter.phase_done(state.phase)
     if count:
         LOGGER.info("relaying KV events from %d vLLM source(s) to the router", count)
@@ -356,8 +348,8 @@ async def _register_and_serve(
     reporter.ready(plan)
     runtime_ended = trio.Event()
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_supervise_health, options, host, dynamo, sidecar, plan, sources)
-        nursery.start_soon(_watch_serving, host, dynamo, runtime_ended)
+        nursery.start_soon(_supervise_health, options, thread, dynamo, sidecar, plan, sources)
+        nursery.start_soon(_watch_serving, thread, dynamo, runtime_ended)
         async with trio.open_nursery() as wait_any:
             for event in (state.requested, runtime_ended):
                 wait_any.start_soon(_set_when, event, wait_any.cancel_scope)
@@ -365,7 +357,7 @@ async def _register_and_serve(
     if not state.requested.is_set():
         _print_error("the Dynamo runtime stopped serving the endpoint")
         return 1
-    await _drain(options, host, dynamo, sidecar)
+    await _drain(options, thread, dynamo, sidecar)
     return 0
 
 
@@ -374,15 +366,15 @@ async def _set_when(event: trio.Event, scope: trio.CancelScope) -> None:
     scope.cancel()
 
 
-async def _watch_serving(host: HostLoop, dynamo: DynamoSide, ended: trio.Event) -> None:
+async def _watch_serving(thread: AsyncioThread, dynamo: DynamoSide, ended: trio.Event) -> None:
     try:
-        await host.run(dynamo.wait_serving_ended)
+        await thread.run(dynamo.wait_serving_ended)
     except Exception as exc:  # noqa: BLE001
         LOGGER.error("serve_endpoint failed: %s", exc)
     ended.set()
 
 
-async def _drain(options: WorkerOptions, host: HostLoop, dynamo: DynamoSide, sidecar: Sidecar) -> None:
+async def _drain(options: WorkerOptions, thread: AsyncioThread, dynamo: DynamoSide, sidecar: Sidecar) -> None:
     """Graceful shutdown: unregister at once, drain up to ``drain_timeout``, then stop the rest (docs/reference/worker.md#graceful-shutdown-and-drain).
 
     Admission and the in-flight requests are the engine's: it refuses new requests from here on
@@ -390,10 +382,10 @@ async def _drain(options: WorkerOptions, host: HostLoop, dynamo: DynamoSide, sid
     """
     engine = sidecar.engine
     LOGGER.info("draining %d in-flight request(s) (up to %s)", engine.in_flight, format_duration(options.drain_timeout))
-    await host.run(dynamo.shutdown)
+    await thread.run(dynamo.shutdown)
     engine.stop_admission()
     with trio.move_on_after(options.drain_timeout) as drain:
-        await host.run(dynamo.wait_serving_ended)
+        await thread.run(dynamo.wait_serving_ended)
         await engine.wait_idle()
     if drain.cancelled_caught:
         stopped = engine.in_flight
@@ -401,12 +393,12 @@ async def _drain(options: WorkerOptions, host: HostLoop, dynamo: DynamoSide, sid
         LOGGER.warning("drain timeout reached; cancelling %d remaining request(s)", stopped)
         with trio.move_on_after(STOP_GRACE):
             await engine.wait_idle()
-            await host.run(dynamo.wait_serving_ended)
+            await thread.run(dynamo.wait_serving_ended)
 
 
 async def _supervise_health(
     options: WorkerOptions,
-    host: HostLoop,
+    thread: AsyncioThread,
     dynamo: DynamoSide,
     sidecar: Sidecar,
     plan: WorkerPlan,
@@ -433,7 +425,7 @@ async def _supervise_health(
                 reason,
             )
             try:
-                await host.run(dynamo.unregister)
+                await thread.run(dynamo.unregister)
                 registered = False
             except Exception as exc:  # noqa: BLE001
                 LOGGER.error("unregister_endpoint_instance failed: %s", exc)
@@ -442,32 +434,34 @@ async def _supervise_health(
         if current != sources:
             LOGGER.warning("vLLM KV-event sources changed after recovery; re-creating the KV publishers")
             try:
-                await host.run(dynamo.replace_publishers, plan, current)
+                await thread.run(dynamo.replace_publishers, plan, current)
                 sources = current
             except Exception as exc:  # noqa: BLE001
                 LOGGER.error("re-creating the KV publishers failed: %s", exc)
         if not registered:
             try:
-                await host.run(dynamo.register)
+                await thread.run(dynamo.register)
                 registered = True
                 LOGGER.info("vLLM is serving again; the instance is back in rotation")
             except Exception as exc:  # noqa: BLE001
                 LOGGER.error("register_endpoint_instance failed: %s", exc)
 
 
-async def _stop_runtime(host: HostLoop, dynamo: DynamoSide) -> None:
-    """Idempotent final teardown: publishers, ``runtime.shutdown()``, the serve future."""
-    try:
-        with trio.move_on_after(STOP_GRACE):
-            await host.run(_call_sync, dynamo.shutdown_publishers)
-            await host.run(dynamo.shutdown)
-            await host.run(dynamo.wait_serving_ended)
-    except Exception:  # noqa: BLE001 - the runtime is going away regardless
-        LOGGER.debug("Dynamo runtime shutdown failed", exc_info=True)
+async def _stop_runtime(thread: AsyncioThread, dynamo: DynamoSide) -> None:
+    """Idempotent final teardown: publishers, ``runtime.shutdown()``, the serve future, the thread."""
+    if thread.loop is not None:
+        try:
+            with trio.move_on_after(STOP_GRACE):
+                await thread.run(_call_sync, dynamo.shutdown_publishers)
+                await thread.run(dynamo.shutdown)
+                await thread.run(dynamo.wait_serving_ended)
+        except Exception:  # noqa: BLE001 - the runtime is going away regardless
+            LOGGER.debug("Dynamo runtime shutdown failed", exc_info=True)
+    await thread.stop()
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop for the host loop, like Dynamo's own Python workers (``uvloop.run``).
+    """uvloop for the asyncio thread, like Dynamo's own Python workers (``uvloop.run``).
 
     ``ai-dynamo-runtime`` depends on uvloop. Dynamo's bindings call ``call_soon_threadsafe`` and
     ``create_future`` on this loop from tokio threads for every request; uvloop's are C, asyncio's are
