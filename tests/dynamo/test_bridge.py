@@ -176,8 +176,16 @@ async def running_bridge(thread: AsyncioThread, sidecar: FakeSidecar, *, dispatc
         nursery.cancel_scope.cancel()
 
 
-async def consume(bridge: RequestBridge, request: dict, context: FakeDynamoContext, *, close_after=None,
-                  stop_after=None, pause_first: float = 0.0, stall_until=None):
+async def consume(
+    bridge: RequestBridge,
+    request: dict,
+    context: FakeDynamoContext,
+    *,
+    close_after=None,
+    stop_after=None,
+    pause_first: float = 0.0,
+    stall_until=None,
+):
     """Runs on the asyncio thread, as Dynamo's runtime would drive the handler.
 
     ``stall_until``: after the first item, stop reading until this predicate holds (a stalled consumer whose
@@ -476,6 +484,7 @@ async def test_the_worker_runs_the_asyncio_thread_on_uvloop_like_dynamos_own_wor
     thread = AsyncioThread(loop_factory=_loop_factory())
     await thread.start()
     try:
+
         async def loop_type():
             return type(asyncio.get_running_loop())
 
@@ -692,9 +701,7 @@ async def test_a_full_response_channel_parks_an_egress_thread_never_the_loop(loo
                 await trio.to_thread.run_sync(stalled.blocked.wait)
                 # The loop is free: another request is served from start to end while the first one is stuck.
                 other = FakeResponseSender()
-                assert await loop_thread.run(
-                    push, bridge, {"token_ids": [1000]}, FakeDynamoContext("o"), other
-                ) is None
+                assert await loop_thread.run(push, bridge, {"token_ids": [1000]}, FakeDynamoContext("o"), other) is None
                 assert tokens_of(other.frames) == [1000 + i for i in range(plan)] and other.closed == 1
                 assert len(stalled.frames) == 3 and not outcome
         finally:
@@ -928,3 +935,37 @@ def test_a_waiter_abandoned_in_the_publish_race_is_never_drained_or_republished(
     result, sent = asyncio.run(scenario())
     assert result == "ended"
     assert sent == [{"token_ids": [1], "index": 0}, {"token_ids": [2], "index": 0}]
+
+
+async def test_the_asyncio_loop_ending_fails_its_trio_callers_instead_of_leaving_them_waiting():
+    # A failure on the asyncio side ends the Trio side's waits on it: the worker's watcher of the serve future
+    # then ends the worker (exit 1) instead of hanging.
+    from trio_sidecar.dynamo.thread import LOOP_ENDED
+
+    thread = AsyncioThread()
+    await thread.start()
+    outcome: list[BaseException] = []
+
+    async def forever():
+        await asyncio.sleep(3600)
+
+    def die():
+        raise SystemExit("the loop dies")
+
+    async def call_forever():
+        try:
+            await thread.run(forever)
+        except RuntimeError as exc:
+            outcome.append(exc)
+
+    try:
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call_forever)
+                await trio.testing.wait_all_tasks_blocked()
+                thread.call_soon(die)
+            with pytest.raises(RuntimeError, match=LOOP_ENDED):
+                await thread.run(forever)  # and a call after the end fails at once
+    finally:
+        await thread.stop()
+    assert [str(exc) for exc in outcome] == [LOOP_ENDED]

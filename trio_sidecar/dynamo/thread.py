@@ -22,7 +22,9 @@ from typing import Any
 
 import trio
 
-__all__ = ["AsyncioThread"]
+__all__ = ["AsyncioThread", "LOOP_ENDED"]
+
+LOOP_ENDED = "the asyncio thread's loop ended"
 
 LOGGER = logging.getLogger("trio_sidecar.dynamo.bridge")
 
@@ -42,6 +44,7 @@ class AsyncioThread:
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: asyncio.Event | None = None
         self._finished = trio.Event()
+        self._waiting: set[trio.Event] = set()  # run() callers, woken when the loop ends under them
         self._started = trio.Event()
         self._error: BaseException | None = None
 
@@ -79,7 +82,7 @@ class AsyncioThread:
             LOGGER.debug("asyncio thread ended with %r", exc)
         finally:
             self._notify_trio(self._started.set)
-            self._notify_trio(self._finished.set)
+            self._notify_trio(self._ended)
 
     async def _aio_main(self) -> None:
         self._stop = asyncio.Event()
@@ -102,24 +105,44 @@ class AsyncioThread:
         assert self.loop is not None
         self.loop.call_soon_threadsafe(fn, *args)
 
+    def _ended(self) -> None:
+        """The loop's thread is over (Trio thread): wake every ``run()`` that still waits on it."""
+        self._finished.set()
+        for waiting in list(self._waiting):
+            waiting.set()
+
     async def run(self, async_fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
         """Run ``await async_fn(*args)`` on the loop and return its result (or raise its exception).
 
         ``async_fn`` may return a coroutine or any awaitable (Dynamo's bindings return futures).
 
         Cancellation: cancelling the Trio caller cancels the asyncio task (best effort) and returns at once.
+
+        Raises:
+            RuntimeError: ``the asyncio thread's loop ended`` (chained to what ended it) when the loop is gone
+                before the call finished: a failure on the asyncio side fails its Trio callers instead of
+                leaving them waiting forever.
         """
         assert self.loop is not None
+        if self._finished.is_set():
+            raise RuntimeError(LOOP_ENDED) from self._error
 
         async def invoke() -> Any:
             return await async_fn(*args)
 
         done = trio.Event()
-        future = asyncio.run_coroutine_threadsafe(invoke(), self.loop)
-        future.add_done_callback(lambda _f: self._notify_trio(done.set))
+        self._waiting.add(done)
         try:
-            await done.wait()
-        except trio.Cancelled:
+            future = asyncio.run_coroutine_threadsafe(invoke(), self.loop)
+            future.add_done_callback(lambda _f: self._notify_trio(done.set))
+            try:
+                await done.wait()
+            except trio.Cancelled:
+                future.cancel()
+                raise
+        finally:
+            self._waiting.discard(done)
+        if not future.done() or future.cancelled():  # (only the loop going away cancels it on that side)
             future.cancel()
-            raise
+            raise RuntimeError(LOOP_ENDED) from self._error
         return future.result()
