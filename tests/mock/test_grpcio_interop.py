@@ -61,7 +61,7 @@ async def test_grpcio_health_and_control_values():
     assert statuses == [health_pb2.HealthCheckResponse.SERVING] * 3
     assert unknown == (grpc.StatusCode.NOT_FOUND, "service not registered")
     assert (server.api_version, server.kv_block_size, server.total_kv_blocks, server.max_running_requests) == ("vllm", 4, 4096, 64)
-    assert server.parallelism.data_parallel_size == 1 and not server.HasField("rl_capabilities")
+    assert server.parallelism.data_parallel_size == 1 and server.rl_capabilities == control_pb2.RlCapabilities()
     assert (model.model_id, model.served_model_name, model.supports_token_ids_input) == ("mocker-model", "tiny", True)
 
 
@@ -138,8 +138,8 @@ async def test_grpcio_error_codes():
             except aio.AioRpcError as err:
                 results.append((err.code(), err.details()))
         try:
-            await _unary(channel, "/vllm.Control/PauseGeneration", control_pb2.PauseGenerationResponse)(
-                control_pb2.PauseGenerationRequest()
+            await _unary(channel, "/vllm.Control/LoadLora", control_pb2.LoadLoraResponse)(
+                control_pb2.LoadLoraRequest(lora_name="a", source_path="/adapters/a")
             )
         except aio.AioRpcError as err:
             results.append((err.code(), err.details()))
@@ -149,4 +149,4 @@ async def test_grpcio_error_codes():
         results = await run_grpcio(mock.address, scenario)
     for (_, _, code, text), result in zip(cases, results, strict=False):
         assert result is not None and result[0] == code and text in result[1]
-    assert results[-1] == (grpc.StatusCode.UNIMPLEMENTED, "the vLLM mocker does not implement RL control RPCs")
+    assert results[-1] == (grpc.StatusCode.FAILED_PRECONDITION, "engine was not started with LoRA enabled")

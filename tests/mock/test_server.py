@@ -243,7 +243,7 @@ async def test_control_values():
         info = await control(ch, "GetServerInfo", control_pb2.GetServerInfoRequest(), control_pb2.ServerInfo)
         assert info.engine_version == trio_sidecar.__version__ and info.api_version == "vllm"
         assert info.instance_id == "trio-sidecar-mock-aggregated"
-        assert not info.HasField("rl_capabilities")
+        assert info.HasField("rl_capabilities") and info.rl_capabilities == control_pb2.RlCapabilities()  # as vLLM
         p = info.parallelism
         assert (p.tensor_parallel_size, p.pipeline_parallel_size, p.data_parallel_size, p.data_parallel_rank) == (1, 1, 2, 0)
         assert (p.decode_context_parallel_size, p.world_size, p.data_parallel_size_local) == (1, 1, 2)
@@ -269,39 +269,10 @@ async def test_null_limits_are_reported_as_zero_and_mode_in_instance_id():
         assert info.instance_id == "trio-sidecar-mock-decode"
 
 
-UNIMPLEMENTED = [
-    ("LoadLora", "LoRA is not supported by the mock server"),
-    ("UnloadLora", "LoRA is not supported by the mock server"),
-    ("ListLoras", "LoRA is not supported by the mock server"),
-    ("Shutdown", "shutdown is not supported by the mocker"),
-    *[
-        (rpc, "the vLLM mocker does not implement RL control RPCs")
-        for rpc in (
-            "PauseGeneration",
-            "ResumeGeneration",
-            "IsPaused",
-            "Sleep",
-            "WakeUp",
-            "IsSleeping",
-            "InitWeightTransferEngine",
-            "StartWeightUpdate",
-            "StartDraftWeightUpdate",
-            "UpdateWeights",
-            "FinishWeightUpdate",
-            "UpdateWeightVersion",
-            "GetWeightVersion",
-        )
-    ],
-]
-
-
-async def test_every_other_control_rpc_is_unimplemented():
+async def test_shutdown_is_the_only_unimplemented_control_rpc():
     async with running_mock() as (_, ch):
-        for rpc, message in UNIMPLEMENTED:
-            request = getattr(control_pb2, f"{rpc}Request")()
-            response = getattr(control_pb2, f"{rpc}Response")
-            err = await rpc_error(control(ch, rpc, request, response))
-            assert (err.code, err.message) == (C.UNIMPLEMENTED, message), rpc
+        err = await rpc_error(control(ch, "Shutdown", control_pb2.ShutdownRequest(), control_pb2.ShutdownResponse))
+        assert (err.code, err.message) == (C.UNIMPLEMENTED, "shutdown is not supported by the mocker")
 
 
 # --- 8, 9, 12: capacity and concurrency --------------------------------------------------------------------

@@ -318,7 +318,8 @@ async def test_by_design_differences(channels, real_server):
     # 5. ServerInfo extras: vLLM reports rl_capabilities (empty) and effective_attention_block_size.
     infos = {s: await ch.unary_unary("/vllm.Control/GetServerInfo", control_pb2.GetServerInfoRequest(),
                                      control_pb2.ServerInfo, timeout=30) for s, ch in channels.items()}
-    assert infos["real"].HasField("rl_capabilities") and not infos["mock"].HasField("rl_capabilities")
+    assert infos["real"].HasField("rl_capabilities") and infos["mock"].HasField("rl_capabilities")
+    assert infos["real"].rl_capabilities == infos["mock"].rl_capabilities  # both empty: no RL configured
     assert infos["real"].engine_version == "0.32.0" and infos["mock"].engine_version != "0.32.0"
 
 

@@ -107,6 +107,11 @@ class EngineArgs:
     text_mode: TextMode = TextMode.TAGS
     image_token_id: int = 31999
     tokens_per_image: int = 16
+    # LoRA and RL controls (docs/reference/mock.md#lora-adapters, docs/reference/mock.md#rl-controls).
+    max_loras: int = 0
+    enable_sleep_mode: bool = False
+    weight_transfer_backend: str | None = None
+    enable_draft_weight_updates: bool = False
 
     @property
     def seq_limit(self) -> int | None:
@@ -155,6 +160,12 @@ def _name(key: str, value: Any) -> str:
     return value.lower()
 
 
+def _text(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise EngineArgsError(f"engine arg '{key}' must be a string")
+    return value
+
+
 def _enum(cls: type[enum.Enum]) -> Callable[[str, Any], enum.Enum]:
     def convert(key: str, value: Any) -> enum.Enum:
         if isinstance(value, str):
@@ -193,6 +204,10 @@ _KEYS: dict[str, tuple[Callable[[str, Any], Any], bool] | object] = {
     "text_mode": (_enum(TextMode), False),
     "image_token_id": (_int, False),
     "tokens_per_image": (_int, False),
+    "max_loras": (_int, False),
+    "enable_sleep_mode": (_bool, False),
+    "weight_transfer_backend": (_text, True),
+    "enable_draft_weight_updates": (_bool, False),
     "planner_profile_data": _IGNORED,
     "reasoning": _IGNORED,
     "kv_bytes_per_token": _IGNORED,
@@ -341,3 +356,7 @@ def validate_engine_args(args: EngineArgs, *, max_concurrent_requests: int = 256
         raise EngineArgsError("tokens_per_image must be greater than 0")
     if args.image_token_id > U32_MAX:
         raise EngineArgsError("image_token_id does not fit in u32")
+    if args.max_loras > U32_MAX:
+        raise EngineArgsError("max_loras does not fit in u32")
+    if args.enable_draft_weight_updates and not args.weight_transfer_backend:
+        raise EngineArgsError("enable_draft_weight_updates requires weight_transfer_backend")
