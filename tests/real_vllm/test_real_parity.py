@@ -237,6 +237,45 @@ async def test_same_control_and_health_answers(channels):
     assert answers["mock"] == answers["real"]
 
 
+async def _control(channel, rpc: str, **fields):
+    """``("OK", response)`` or ``(code, message)`` for one Control call."""
+    request = getattr(control_pb2, f"{rpc}Request")(**fields)
+    try:
+        return "OK", await channel.unary_unary(f"/vllm.Control/{rpc}", request,
+                                               getattr(control_pb2, f"{rpc}Response"), timeout=30)
+    except rpc_error_types() as e:
+        return e.code, e.message
+
+
+async def test_same_lora_and_rl_control_answers_without_lora_or_rl(channels):
+    """Neither server has LoRA, sleep mode or weight transfer: the same refusals and answers
+    (docs/reference/mock.md#lora-adapters, docs/reference/mock.md#rl-controls). Pausing the shared real
+    server is undone before the test ends."""
+    cases = [
+        ("ListLoras", {}), ("LoadLora", {"lora_name": "a", "source_path": "/adapters/a"}),
+        ("UnloadLora", {"lora_name": "a"}), ("UnloadLora", {}), ("IsPaused", {}), ("IsSleeping", {}),
+        ("Sleep", {"level": 1}), ("WakeUp", {}), ("InitWeightTransferEngine", {"init_info_json": b"{}"}),
+        ("StartWeightUpdate", {}), ("StartDraftWeightUpdate", {}), ("UpdateWeights", {"update_info_json": b"{}"}),
+        ("FinishWeightUpdate", {"weight_version": "v"}), ("UpdateWeightVersion", {}), ("GetWeightVersion", {}),
+    ]
+    answers = {}
+    for side, channel in channels.items():
+        got = [await _control(channel, rpc, **fields) for rpc, fields in cases]
+        lora_request = generate_request(unique_id("lora"), lora_name="a")
+        got.append((await collect(channel, lora_request)).code)
+        try:
+            got.append(await _control(channel, "PauseGeneration", mode=control_pb2.PAUSE_MODE_KEEP))
+            got.append(await _control(channel, "IsPaused"))
+            got.append(await _control(channel, "IsSleeping"))  # vLLM: a paused engine reports sleeping
+        finally:
+            got.append(await _control(channel, "ResumeGeneration"))
+        got.append(await _control(channel, "IsPaused"))
+        answers[side] = got
+    assert answers["real"][0] == (StatusCode.FAILED_PRECONDITION, "engine was not started with LoRA enabled")
+    assert answers["real"][-4][1].paused and answers["real"][-3][1].sleeping
+    assert answers["mock"] == answers["real"]
+
+
 async def test_same_abort_semantics(channels):
     for side, channel in channels.items():
         for attempt in race_attempts():
