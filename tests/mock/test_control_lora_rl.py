@@ -5,6 +5,8 @@ the pure state machines, then the RPCs through our client and through grpcio, wi
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import pytest
 import trio
@@ -40,6 +42,11 @@ async def rpc_status(ch, name: str, **fields) -> tuple[C, str]:
     with pytest.raises(RpcError) as info:
         await rpc(ch, name, **fields)
     return info.value.code, info.value.message
+
+
+def test_lora_and_rl_modules_are_pure():
+    code = "import sys\nimport trio_sidecar.mock.lora, trio_sidecar.mock.rl\nassert 'trio' not in sys.modules, 'trio imported'\n"
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 # --- pure: the adapter table ---------------------------------------------------------------------------
