@@ -13,8 +13,10 @@ and a wildcard would listen on every interface. The replay ROUTER binds 127.0.0.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
+import struct
 import sys
 import tempfile
 import time
@@ -25,6 +27,8 @@ import trio
 
 from trio_sidecar import HealthKind, KvEventSource, SidecarConfig, WorkerOptions, discover, open_sidecar
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
+from trio_sidecar._proto.vllm import control_pb2
+from trio_sidecar.mock import MockConfig, open_mock_server
 from trio_sidecar.status import StatusCode
 
 from real_vllm_client import open_direct_channel, rpc_error_types
@@ -42,6 +46,7 @@ from real_vllm_server import (
 from real_vllm_wire import RawMessage, decode, scalar_fields
 
 MAX_LORAS = 2
+ALLOWED_PREFIXES = "VLLM_RUNTIME_LORA_ALLOWED_PATH_PREFIXES"
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +62,22 @@ def variant_process():
         "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
         "endpoint": f"ipc://{ipc_dir}/kv-events.ipc", "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
     }
-    server = RealVllmServer(
-        env, launch="rust",
-        extra_args=("--enable-lora", "--max-loras", str(MAX_LORAS), "--kv-events-config", json.dumps(kv_config)),
-    )
+    # Local adapters are allowed from one private directory only (vLLM refuses local paths otherwise).
+    adapter_dir = Path(tempfile.mkdtemp(prefix="real-vllm-lora-"))
+    saved = os.environ.get(ALLOWED_PREFIXES)
+    os.environ[ALLOWED_PREFIXES] = str(adapter_dir)
+    try:
+        server = RealVllmServer(
+            env, launch="rust",
+            extra_args=("--enable-lora", "--max-loras", str(MAX_LORAS), "--kv-events-config", json.dumps(kv_config)),
+        )
+    finally:
+        if saved is None:
+            del os.environ[ALLOWED_PREFIXES]
+        else:
+            os.environ[ALLOWED_PREFIXES] = saved
     server.kv_endpoints = (kv_config["endpoint"], kv_config["replay_endpoint"])
+    server.adapter_dir = adapter_dir
     try:
         yield server
     finally:
@@ -71,6 +87,7 @@ def variant_process():
         finally:
             server.cleanup_files()
             shutil.rmtree(ipc_dir, ignore_errors=True)
+            shutil.rmtree(adapter_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -172,8 +189,75 @@ async def test_unknown_lora_adapter_on_a_lora_engine_is_not_found(direct):
     assert (out.phase, out.code, out.message) == ("open", StatusCode.NOT_FOUND, "LoRA adapter `adapter` is not loaded")
 
 
+def write_tiny_adapter(directory: Path, rank: int = 4, hidden: int = 128, layers: int = 2) -> Path:
+    """A PEFT LoRA adapter for the tiny Llama (q_proj and v_proj, zero weights), written without torch:
+    ``adapter_config.json`` and a safetensors file (8-byte header length, JSON header, raw little-endian F32)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "v_proj"], "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+    }))
+    header, offset = {}, 0
+    for layer in range(layers):
+        for module in ("q_proj", "v_proj"):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            for name, shape in ((f"{prefix}.lora_A.weight", [rank, hidden]), (f"{prefix}.lora_B.weight", [hidden, rank])):
+                size = shape[0] * shape[1] * 4
+                header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
+                offset += size
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    (directory / "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(encoded)) + encoded + bytes(offset))
+    return directory
+
+
+async def _control_outcome(channel, rpc: str, request):
+    response_type = getattr(control_pb2, f"{rpc}Response")
+    try:
+        return "OK", await channel.unary_unary(f"/vllm.Control/{rpc}", request, response_type, timeout=60)
+    except rpc_error_types() as e:
+        return e.code, e.message
+
+
+async def test_lora_lifecycle_refusals_match_the_mock(direct, variant_server):
+    """The LoRA errors the mock copies (docs/reference/mock.md#lora-adapters), on a LoRA engine and on the mock.
+    vLLM checks a local path (allowed prefix, existence) before the base-model conflict, so that case uses a
+    real adapter directory; the mock does not check paths."""
+    adapter = str(write_tiny_adapter(variant_server.adapter_dir / "tiny-adapter"))
+    cases = [
+        ("LoadLora", control_pb2.LoadLoraRequest(source_path=adapter)),
+        ("LoadLora", control_pb2.LoadLoraRequest(lora_name="a")),
+        ("LoadLora", control_pb2.LoadLoraRequest(lora_name=SERVED_MODEL_NAME, source_path=adapter)),
+        ("UnloadLora", control_pb2.UnloadLoraRequest()),
+        ("UnloadLora", control_pb2.UnloadLoraRequest(lora_name="zz")),
+        ("ListLoras", control_pb2.ListLorasRequest()),
+    ]
+    config = MockConfig(listen="127.0.0.1:0", served_model_name=SERVED_MODEL_NAME, engine_args={"max_loras": MAX_LORAS})
+    async with open_mock_server(config) as mock:
+        async with open_direct_channel("127.0.0.1", mock.port) as mocked:
+            answers = {side: [await _control_outcome(channel, rpc, request) for rpc, request in cases]
+                       for side, channel in (("real", direct), ("mock", mocked))}
+    assert answers["real"][2] == (StatusCode.ALREADY_EXISTS, "LoRA adapter `tiny-llama` conflicts with a served base model")
+    assert answers["mock"] == answers["real"]
+
+
+async def test_the_cpu_build_cannot_load_a_local_adapter(direct, variant_server):
+    """Recorded in docs/conformance.md: the path checks pass, then the engine's ``add_lora`` refuses the call."""
+    adapter = write_tiny_adapter(variant_server.adapter_dir / "tiny-adapter")
+    missing = await _control_outcome(direct, "LoadLora", control_pb2.LoadLoraRequest(
+        lora_name="m", source_path=str(variant_server.adapter_dir / "missing")))
+    assert missing == (StatusCode.INVALID_ARGUMENT, "Local LoRA adapter path must exist and be accessible.")
+    outside = await _control_outcome(direct, "LoadLora", control_pb2.LoadLoraRequest(lora_name="o", source_path="/"))
+    assert outside == (StatusCode.INVALID_ARGUMENT, "Local LoRA adapter path is outside the configured allowed prefixes.")
+    code, message = await _control_outcome(direct, "LoadLora", control_pb2.LoadLoraRequest(
+        lora_name="a", source_path=str(adapter)))
+    assert code == StatusCode.INTERNAL, message
+    assert message.startswith("failed to load LoRA adapter `a`: utility call `add_lora` failed"), message
+    assert message.endswith("Call to add_lora method failed: Expected `bool`, got `null` - at `$[4]`"), message
+    assert (await _control_outcome(direct, "ListLoras", control_pb2.ListLorasRequest())) == ("OK", control_pb2.ListLorasResponse())
+
+
 async def test_rl_and_lora_rpcs_answer_on_the_real_server(direct):
-    # The mock answers UNIMPLEMENTED for these by design (docs/reference/mock.md#control-and-health-answers).
     assert (await direct.unary_unary("/vllm.Control/ListLoras", RawMessage(), RawMessage, timeout=30)).data == b""
     assert (await direct.unary_unary("/vllm.Control/IsPaused", RawMessage(), RawMessage, timeout=30)).data == b""
     version = await direct.unary_unary("/vllm.Control/GetWeightVersion", RawMessage(), RawMessage, timeout=30)
