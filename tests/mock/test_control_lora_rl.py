@@ -286,7 +286,7 @@ async def test_rl_rpcs_without_rl_enabled_fail_with_vllms_texts():
 
 
 async def test_grpcio_drives_lora_and_rl_rpcs_with_vllms_statuses():
-    grpc = pytest.importorskip("grpc")
+    pytest.importorskip("grpc")
     from grpc import aio
 
     def unary(channel, name):
