@@ -1,5 +1,5 @@
-# trio-sidecar developer targets. Every target creates ./.venv and installs what it needs, so on a fresh
-# machine with only Python 3.11+ `make demo` and `make test` work as the first two commands.
+# trio-sidecar targets. Every target creates ./.venv and installs what it needs, so on a fresh machine with
+# only Python 3.11+ `make install`, `make demo` and `make test` work as the first commands.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -7,14 +7,26 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 PYTEST_ARGS ?=
 
-.PHONY: venv deps dynamo test test-fast test-real demo bench fuzz protos clean
+.PHONY: install venv deps dynamo check test test-fast test-real demo bench fuzz protos dist check-dist clean
 
 $(VENV)/bin/python:
+	@echo "==> creating $(VENV) with $(PYTHON) and upgrading pip"
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 
+# From source, for use: trio-sidecar (editable) and Dynamo 1.6.1 (runtime, frontend, native sidecar).
+$(VENV)/.stamp-install: pyproject.toml | $(VENV)/bin/python
+	@echo "==> installing trio-sidecar from this checkout (editable) and its dependencies into $(VENV)"
+	$(PIP) install --quiet -e .
+	touch $@
+
+install: $(VENV)/.stamp-install dynamo
+	@echo "==> installed: $$($(VENV)/bin/trio-sidecar --version) with Dynamo 1.6.1 in $(VENV)"
+	@echo "    use $(VENV)/bin/trio-sidecar, or \`source $(VENV)/bin/activate\` first"
+
 # Core package + test extra (editable). Re-run when pyproject.toml changes.
 $(VENV)/.stamp-deps: pyproject.toml | $(VENV)/bin/python
+	@echo "==> installing trio-sidecar (editable) with its test extra into $(VENV) (about a minute)"
 	$(PIP) install --quiet -e '.[test]'
 	touch $@
 
@@ -22,7 +34,7 @@ venv deps: $(VENV)/.stamp-deps
 
 # Dynamo 1.6.1 (runtime bindings, frontend, native sidecar oracle). Never a plain `pip install ai-dynamo`:
 # its aisimulate placeholder dependency downloads from a non-registry index (see the script).
-$(VENV)/.stamp-dynamo: scripts/install-dynamo.sh | $(VENV)/.stamp-deps
+$(VENV)/.stamp-dynamo: scripts/install-dynamo.sh | $(VENV)/bin/python
 	bash scripts/install-dynamo.sh $(PY)
 	touch $@
 
@@ -30,6 +42,12 @@ dynamo: $(VENV)/.stamp-dynamo
 
 test: deps dynamo
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Lint, format and types: ruff on the whole tree; mypy on the package (its --strict flags on the pure core).
+check: deps
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 test-fast: deps
 	$(PY) -m pytest -x -q -m "not slow and not dynamo" $(PYTEST_ARGS)
@@ -57,5 +75,10 @@ fuzz: deps
 protos: deps
 	$(PY) scripts/gen_protos.py
 
+# The wheel and sdist in ./dist, then the wheel installed into a clean venv: `trio-sidecar --version` and the
+# mock started and stopped (scripts/check-dist.sh; CI runs it).
+dist check-dist: deps
+	bash scripts/check-dist.sh $(PY) dist
+
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build dist *.egg-info

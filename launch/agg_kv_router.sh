@@ -4,7 +4,7 @@
 # relays them to the router, which sends a request to the worker that already holds its prefix.
 #
 # Usage:
-#   launch/agg_kv_router.sh [--mock] [-- EXTRA `trio-sidecar run` FLAGS (both sidecars)]
+#   launch/agg_kv_router.sh [--mock] [--etcd-nats] [-- EXTRA `trio-sidecar run` FLAGS (both sidecars)]
 #
 # Environment (defaults; MODEL, SERVED_MODEL_NAME, HTTP_HOST, HTTP_PORT, NAMESPACE, FRONTEND_ARGS, VLLM,
 # VLLM_ARGS, MOCK_ENGINE_ARGS, PYTHON, TRIO_SIDECAR, READY_TIMEOUT, STOP_TIMEOUT and WORK_DIR as in
@@ -28,6 +28,7 @@ launch_kv_router_main() {
     ROUTER_MODE=${ROUTER_MODE:-kv}
     LAUNCH_INSTANCES=2
     launch_setup
+    launch_etcd_nats
 
     local endpoints=() i var grpc_port http_port kv_port
     for i in 0 1; do

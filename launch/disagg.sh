@@ -3,7 +3,7 @@
 # own `trio-sidecar run --disaggregation-mode prefill|decode`.
 #
 # Usage:
-#   launch/disagg.sh [--mock] [-- EXTRA `trio-sidecar run` FLAGS (both sidecars)]
+#   launch/disagg.sh [--mock] [--etcd-nats] [-- EXTRA `trio-sidecar run` FLAGS (both sidecars)]
 #
 # vLLM moves the KV cache between the two engines itself (NIXL, --kv-transfer-config with kv_producer /
 # kv_consumer); the sidecars only relay kv_transfer_params through Dynamo. The mocks emulate that handoff on
@@ -38,6 +38,7 @@ launch_disagg_main() {
     PREFILL_KV_EVENTS_PORT=${PREFILL_KV_EVENTS_PORT:-20081}
     LAUNCH_INSTANCES=2
     launch_setup
+    launch_etcd_nats
 
     local decode_endpoint prefill_endpoint
     if ((LAUNCH_USE_MOCK)); then

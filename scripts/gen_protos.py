@@ -72,6 +72,7 @@ def generate(out_dir: pathlib.Path) -> None:
         f"-I{well_known}",
         f"--plugin=protoc-gen-purerpc={plugin}",
         f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",  # type stubs: the messages' fields for the type checker
         f"--purerpc_out={out_dir}",
         *[str(PROTO_ROOT / p) for p in PROTOS],
     ]
@@ -80,7 +81,7 @@ def generate(out_dir: pathlib.Path) -> None:
             raise SystemExit("protoc failed")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    for path in sorted(out_dir.rglob("*.py")):
+    for path in sorted([*out_dir.rglob("*.py"), *out_dir.rglob("*.pyi")]):
         path.write_text(_rewrite_imports(path.read_text()))
     # Package markers so the generated modules import as a package.
     for directory in [out_dir, *sorted(p for p in out_dir.rglob("*") if p.is_dir())]:

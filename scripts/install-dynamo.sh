@@ -39,8 +39,13 @@ if installed; then
 fi
 
 PIP=("$PY" -m pip install --quiet --disable-pip-version-check)
+echo "==> installing ai-dynamo-runtime ${VERSION} (Dynamo's runtime bindings, ~100 MB)"
 "${PIP[@]}" "ai-dynamo-runtime==${VERSION}"
+echo "==> installing ai-dynamo ${VERSION} without its dependencies (the frontend and the native sidecar)"
 "${PIP[@]}" --no-deps "ai-dynamo==${VERSION}"
+echo "==> installing the frontend's dependencies (aiohttp, transformers, tokenizers, pyzmq, ...)"
+echo "    note: pip may now print an ERROR that ai-dynamo requires aisimulate, which is not installed."
+echo "    That is expected: aisimulate is only used by dynamo.planner, which trio-sidecar never imports."
 "${PIP[@]}" 'aiohttp<4.0,>=3.14.3' certifi 'kubernetes<33.0.0,>=32.0.1' 'msgspec>=0.19.0' \
   'prometheus-client<1.0,>=0.23.1' 'pyzmq>=26.0.0' 'redis<9.0.0,>=6.2.0' tqdm 'transformers>=4.56.0' \
   'typing-extensions>=4.10.0' 'zstandard<1.0,>=0.23.0' tokenizers

@@ -12,7 +12,9 @@ whatever the worker returns (1 for failures after startup began).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -21,7 +23,9 @@ import attrs
 import cattrs
 
 from . import __version__
+from ._signals import Interrupted, install_interrupt_handlers, interrupted_exit, restore_handlers
 from .config import DisaggregationMode, SidecarConfig, WorkerOptions, discovery_banner, prepare
+from .endpoint import GrpcEndpoint
 from .errors import SidecarError
 
 __all__ = ["main", "parse_run_args", "UsageError", "OPTIONS", "parse_bool"]
@@ -72,24 +76,26 @@ OPTIONS: tuple[Option, ...] = (
     Option("--grpc-endpoint", "DYN_SIDECAR_GRPC_ENDPOINT", "grpc_endpoint", "sidecar", "", "str",
            "vLLM gRPC endpoint (HOST:PORT, http://HOST:PORT or grpc://HOST:PORT); required", metavar="URL"),
     Option("--grpc-connections", "DYN_SIDECAR_GRPC_CONNECTIONS", "grpc_connections", "sidecar", 8, "count",
-           "number of pooled gRPC connections (default 8)", metavar="N"),
+           "number of pooled gRPC connections", metavar="N"),
     Option("--grpc-connect-attempt-timeout-secs", "DYN_SIDECAR_GRPC_CONNECT_ATTEMPT_TIMEOUT_SECS",
-           "connect_attempt_timeout", "sidecar", 30, "count", "per-attempt connect timeout (default 30)",
+           "connect_attempt_timeout", "sidecar", 30, "count", "per-attempt connect timeout, in seconds",
            metavar="SECS"),
     Option("--grpc-retry-interval-secs", "DYN_SIDECAR_GRPC_RETRY_INTERVAL_SECS", "retry_interval", "sidecar", 1,
-           "count", "fixed retry interval (default 1)", metavar="SECS"),
+           "count", "fixed retry interval between connect attempts, in seconds", metavar="SECS"),
     Option("--grpc-startup-deadline-secs", "DYN_SIDECAR_GRPC_STARTUP_DEADLINE_SECS", "startup_deadline",
-           "sidecar", 1800, "count", "Maximum duration for each sidecar gRPC startup phase (default 1800)",
+           "sidecar", 1800, "count", "maximum duration of each sidecar gRPC startup phase, in seconds",
            metavar="SECS"),
     # worker registration (docs/reference/sidecar.md#configuration)
     Option("--disaggregation-mode", "DYN_DISAGGREGATION_MODE", "disaggregation_mode", "sidecar", "agg", "mode",
-           "agg (alias aggregated), prefill, decode (encode is rejected)", metavar="MODE"),
+           "worker role; aggregated is an alias of agg (encode is rejected)", metavar="MODE",
+           choices=("agg", "aggregated", "prefill", "decode")),
     Option("--namespace", "DYN_NAMESPACE", "namespace", "worker", "dynamo", "str", "Dynamo namespace"),
     Option("--component", "DYN_COMPONENT", "component", "worker", "backend", "str",
            "Dynamo component (honoured in aggregated mode only)"),
     Option("--endpoint", "DYN_ENDPOINT", "endpoint", "worker", "generate", "str", "Dynamo endpoint name"),
     Option("--endpoint-types", "DYN_ENDPOINT_TYPES", "endpoint_types", "worker", ("chat", "completions"),
-           "endpoint_types", "comma list of chat, completions", metavar="TYPES"),
+           "endpoint_types", "comma-separated endpoint types", metavar="TYPES",
+           choices=("chat", "completions")),
     Option("--custom-jinja-template", "DYN_CUSTOM_JINJA_TEMPLATE", "custom_jinja_template", "worker", None,
            "opt_str", "custom chat template path", metavar="PATH"),
     Option("--dyn-tool-call-parser", "DYN_TOOL_CALL_PARSER", "tool_call_parser", "worker", None, "opt_str",
@@ -97,12 +103,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("--dyn-reasoning-parser", "DYN_REASONING_PARSER", "reasoning_parser", "worker", None, "opt_str",
            "must be unset", metavar="NAME"),
     Option("--exclude-tools-when-tool-choice-none", "DYN_EXCLUDE_TOOLS_WHEN_TOOL_CHOICE_NONE",
-           "exclude_tools_when_tool_choice_none", "worker", True, "bool_value", "passed through (default true)",
+           "exclude_tools_when_tool_choice_none", "worker", True, "bool_value", "passed through to the model card",
            metavar="BOOL"),
     Option("--route-to-encoder", "DYN_ROUTE_TO_ENCODER", "route_to_encoder", "worker", False, "switch",
            "must be off"),
     Option("--enable-rl", "DYN_ENABLE_RL", "enable_rl", "worker", False, "switch",
-           "must be off (RL controls are not supported)"),
+           "must be off: RL controls are not supported by trio-sidecar"),
     Option("--vllm-http-endpoint", "VLLM_HTTP_ENDPOINT", "vllm_http_endpoint", "worker", None, "opt_str",
            "accepted for compatibility; ignored", metavar="URL"),
     Option("--vllm-rl-world-size", "DYN_VLLM_RL_WORLD_SIZE", "vllm_rl_world_size", "worker", None, "opt_int",
@@ -115,23 +121,23 @@ OPTIONS: tuple[Option, ...] = (
     Option("--response-plane", "DYN_RESPONSE_PLANE", "response_plane", "worker", "tcp", "choice",
            "response plane (must match the frontend)", choices=("tcp", "quic")),
     Option("--event-plane", "DYN_EVENT_PLANE", "event_plane", "worker", None, "opt_choice",
-           "event plane (default: the runtime's, zmq)", choices=("nats", "zmq")),
+           "event plane (unset: the runtime's default, zmq)", choices=("nats", "zmq")),
     # project flags (docs/reference/sidecar.md#configuration)
     Option("--health-prober", "TRIO_SIDECAR_HEALTH_PROBER", "health_prober", "sidecar", True, "pair",
-           "continuous Health.Watch prober (default on)"),
+           "continuous Health.Watch prober"),
     Option("--abort-on-cancel", "TRIO_SIDECAR_ABORT_ON_CANCEL", "abort_on_cancel", "sidecar", True, "pair",
-           "send Control.Abort for abandoned streams (default on)"),
+           "send Control.Abort for abandoned streams"),
     Option("--grpc-keepalive-time-secs", "TRIO_SIDECAR_GRPC_KEEPALIVE_TIME_SECS", "keepalive_time", "sidecar", 10.0,
            "secs", "HTTP/2 PING a vLLM connection that has calls open (the health prober's always has) but read "
-           "nothing this long; 0 disables (default 10)", metavar="SECS"),
+           "nothing this long; 0 disables", metavar="SECS"),
     Option("--grpc-keepalive-timeout-secs", "TRIO_SIDECAR_GRPC_KEEPALIVE_TIMEOUT_SECS", "keepalive_timeout",
            "sidecar", 4.0, "pos_secs", "close the connection when nothing answers the PING this long; its "
-           "requests fail as Unavailable, which Dynamo migrates (default 4)", metavar="SECS"),
+           "requests fail as Unavailable, which Dynamo migrates", metavar="SECS"),
     Option("--unserving-grace-secs", "TRIO_SIDECAR_UNSERVING_GRACE_SECS", "unserving_grace", "worker", 5.0,
-           "secs", "take the instance out of rotation after vLLM is not serving this long (default 5)",
+           "secs", "take the instance out of rotation after vLLM is not serving this long",
            metavar="SECS"),
     Option("--drain-timeout-secs", "TRIO_SIDECAR_DRAIN_TIMEOUT_SECS", "drain_timeout", "worker", 30.0, "secs",
-           "graceful-shutdown drain bound (default 30)", metavar="SECS"),
+           "graceful-shutdown drain bound", metavar="SECS"),
     Option("--log-level", "TRIO_SIDECAR_LOG_LEVEL", "log_level", "worker", "info", "choice", "log level",
            choices=("debug", "info", "warning", "error")),
 )
@@ -141,30 +147,90 @@ class _Parser(argparse.ArgumentParser):
     """argparse that raises :class:`UsageError` instead of exiting."""
 
     def error(self, message: str) -> Any:  # type: ignore[override]
-        raise UsageError(message)
+        raise UsageError(f"{message} (see `{self.prog} --help`)")
+
+
+class _Toggle(argparse.Action):
+    """``--x`` sets True, ``--no-x`` sets False (one entry in ``--help``, like clap's paired flags)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, not (option_string or "").startswith("--no-"))
+
+
+def _show_default(opt: Option) -> str | None:
+    value = opt.default
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        if opt.kind == "pair":
+            return "on" if value else "off"
+        return "true" if value else "false"
+    if isinstance(value, tuple):
+        return ",".join(value)
+    if value == "":
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _option_help(opt: Option) -> str:
+    """The option's text, then its default, choices and environment variable (as native's --help shows)."""
+    notes = []
+    default = _show_default(opt)
+    if default is not None and opt.kind != "switch":
+        notes.append(f"default: {default}")
+    if opt.choices:
+        notes.append(f"choices: {', '.join(opt.choices)}")
+    if opt.kind == "bool_value":
+        notes.append("choices: true, false")
+    if opt.env:
+        notes.append(f"env: {opt.env}")
+    text = opt.help + (f" [{'; '.join(notes)}]" if notes else "")
+    return text.replace("%", "%%")
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Never breaks a word at its hyphen (``trio-sidecar``, ``--no-health-prober`` stay whole)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        import textwrap
+
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
+EXIT_CODES_HELP = """exit codes:
+  0    clean shutdown after serving (SIGINT/SIGTERM, graceful drain); --help, --version
+  1    failure after startup began (vLLM unreachable or not serving within the deadline, identity
+       change, Dynamo runtime error); a second SIGINT/SIGTERM always exits 1 at once
+  2    usage or configuration error, found before any socket is opened
+  130  interrupted by SIGINT before serving (128 + signal number, as shells report it)
+  143  interrupted by SIGTERM before serving
+
+Every option also reads its environment variable (env: ...); a flag wins over its variable."""
 
 
 def _build_run_parser() -> _Parser:
     parser = _Parser(
         prog=f"{PROG} run",
         description="Serve a vLLM gRPC engine as an NVIDIA Dynamo worker.",
-        epilog="Every option also reads its environment variable (shown in brackets); flags win.",
+        epilog=EXIT_CODES_HELP,
         allow_abbrev=False,
+        formatter_class=_HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     for opt in OPTIONS:
-        env = f" [{opt.env}]" if opt.env else ""
+        text = _option_help(opt)
         if opt.kind == "switch":
             parser.add_argument(opt.flag, dest=opt.dest, action="store_const", const=True, default=_SENTINEL,
-                                help=opt.help + env)
+                                help=text)
         elif opt.kind == "pair":
-            parser.add_argument(opt.flag, dest=opt.dest, action="store_const", const=True, default=_SENTINEL,
-                                help=opt.help + env)
-            parser.add_argument("--no-" + opt.flag[2:], dest=opt.dest, action="store_const", const=False,
-                                default=_SENTINEL, help=argparse.SUPPRESS)
+            parser.add_argument(opt.flag, "--no-" + opt.flag[2:], dest=opt.dest, action=_Toggle, nargs=0,
+                                default=_SENTINEL, help=text)
         else:
-            parser.add_argument(opt.flag, dest=opt.dest, default=_SENTINEL, metavar=opt.metavar or "VALUE",
-                                help=opt.help + env)
+            metavar = opt.metavar or ("{" + ",".join(opt.choices) + "}" if opt.choices else "VALUE")
+            parser.add_argument(opt.flag, dest=opt.dest, default=_SENTINEL, metavar=metavar, help=text)
     return parser
 
 
@@ -193,14 +259,14 @@ def _convert(opt: Option, raw: Any, source: str) -> Any:
         return value
     if kind in ("secs", "pos_secs"):
         try:
-            value = float(text.strip())
+            seconds = float(text.strip())
         except ValueError:
             raise UsageError(f"invalid value `{text}` for {source}: expected a number of seconds") from None
-        if kind == "pos_secs" and not value > 0:
+        if kind == "pos_secs" and not seconds > 0:
             raise UsageError(f"`{opt.flag}` must be a finite, positive number of seconds" + _from_env(source))
-        if not value >= 0 or value == float("inf"):
+        if not seconds >= 0 or seconds == float("inf"):
             raise UsageError(f"`{opt.flag}` must be a finite, non-negative number of seconds" + _from_env(source))
-        return value
+        return seconds
     if kind in ("choice", "opt_choice"):
         lowered = text.strip().lower()
         if kind == "opt_choice" and not lowered:
@@ -278,16 +344,17 @@ def _error_lines(exc: BaseException) -> list[str]:
 
 
 def _print_error(message: str) -> None:
-    from rich.console import Console
+    from ._logging import print_error
 
-    Console(file=sys.stderr, soft_wrap=True).print(f"error: {message}", markup=False, highlight=False,
-                                                  style="bold red")
+    print_error(message)
 
 
-def _setup_logging(level: str) -> None:
-    from ._logging import configure_logging
-
-    configure_logging(level)
+def _port_warning(endpoint: GrpcEndpoint, raw: str) -> str | None:
+    """A warning when the endpoint names no port (the connection then goes to port 80)."""
+    if endpoint.canonical.rsplit(":", 1)[-1].isdigit():
+        return None
+    return (f"`--grpc-endpoint` `{raw.strip()}` has no port, so port {endpoint.port} is used; vLLM's gRPC "
+            f"server listens on its --grpc-port (e.g. `{endpoint.url_host}:50051`)")
 
 
 def _run(argv: Sequence[str], environ: Mapping[str, str] | None) -> int:
@@ -297,8 +364,13 @@ def _run(argv: Sequence[str], environ: Mapping[str, str] | None) -> int:
     except (UsageError, SidecarError) as exc:
         _print_error(str(exc))
         return 2
-    print(discovery_banner(endpoint, config.startup_deadline), file=sys.stderr, flush=True)
-    _setup_logging(options.log_level)
+    from ._logging import configure_logging, emit
+
+    emit(discovery_banner(endpoint, config.startup_deadline))
+    warning = _port_warning(endpoint, config.grpc_endpoint)
+    if warning is not None:
+        emit(warning, level=logging.WARNING)
+    configure_logging(options.log_level)
     from .dynamo.worker import run_worker  # lazy: imports the optional Dynamo extra
 
     return int(run_worker(config, options))
@@ -315,7 +387,23 @@ commands:
 
 
 def main(argv: Sequence[str] | None = None, *, environ: Mapping[str, str] | None = None) -> int:
-    """Entry point of ``trio-sidecar``; returns the exit code."""
+    """Entry point of ``trio-sidecar``; returns the exit code.
+
+    Until a command's Trio run takes the signals over, SIGINT and SIGTERM end the process with one line and
+    128 + the signal number (130, 143), never a traceback.
+    """
+    previous = install_interrupt_handlers()
+    try:
+        return _main(argv, environ)
+    except Interrupted as exc:
+        return interrupted_exit(exc.signum)
+    except KeyboardInterrupt:
+        return interrupted_exit(signal.SIGINT)
+    finally:
+        restore_handlers(previous)
+
+
+def _main(argv: Sequence[str] | None, environ: Mapping[str, str] | None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args:
         sys.stderr.write(_TOP_USAGE)
@@ -336,7 +424,7 @@ def main(argv: Sequence[str] | None = None, *, environ: Mapping[str, str] | None
             return int(mock_main(rest))
     except SystemExit as exc:  # --help / --version inside a subcommand
         return _exit_code(exc)
-    _print_error(f"unknown command `{command}`; expected `run` or `mock`")
+    _print_error(f"unknown command `{command}`; expected `run` or `mock` (see `{PROG} --help`)")
     return 2
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import importlib.util
 import math
+from collections.abc import Iterable
 
 import attrs
 
@@ -64,13 +65,18 @@ class DisaggregationMode(enum.Enum):
         return self is DisaggregationMode.DECODE
 
 
+def _disaggregation_mode(value: str | DisaggregationMode) -> DisaggregationMode:
+    # a named function: attrs' type-checker plugin does not follow a classmethod as a converter
+    return DisaggregationMode.parse(value)
+
+
 @attrs.frozen(kw_only=True)
 class SidecarConfig:
     """vLLM-side configuration (docs/reference/sidecar.md#configuration). Durations are seconds (fractional in the Python API)."""
 
     grpc_endpoint: str
     disaggregation_mode: DisaggregationMode = attrs.field(
-        default=DisaggregationMode.AGG, converter=DisaggregationMode.parse
+        default=DisaggregationMode.AGG, converter=_disaggregation_mode
     )
     grpc_connections: int = 8
     connect_attempt_timeout: float = 30.0
@@ -89,7 +95,9 @@ class SidecarConfig:
 def _endpoint_types(value: object) -> tuple[str, ...]:
     if isinstance(value, str):
         value = value.split(",")
-    return tuple(str(v).strip().lower() for v in value if str(v).strip())  # type: ignore[union-attr]
+    if not isinstance(value, Iterable):
+        raise TypeError(f"expected a list or a comma-separated string, got {type(value).__name__}")
+    return tuple(str(v).strip().lower() for v in value if str(v).strip())
 
 
 @attrs.frozen(kw_only=True)
@@ -190,7 +198,7 @@ def prepare(config: SidecarConfig, worker_options: WorkerOptions, *, dynamo_requ
             "vLLM gRPC does not preserve the request options required by Dynamo tool-call and reasoning parsers"
         )
     if worker_options.enable_rl:
-        raise InvalidArgument("RL controls are not supported by trio-sidecar yet")
+        raise InvalidArgument("RL controls are not supported by trio-sidecar")
     endpoint = parse_grpc_endpoint(config.grpc_endpoint)
     _check_transport(config)
     if dynamo_required and not dynamo_available():

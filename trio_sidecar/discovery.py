@@ -15,9 +15,11 @@ import trio
 from ._proto.grpc.health.v1 import health_pb2
 from ._proto.vllm import control_pb2
 from .config import SidecarConfig, validate_sidecar_config
+from .diagnostics import round_duration
 from .endpoint import GrpcEndpoint
 from .errors import CannotConnect, ConnectionTimeout, ProtocolError, format_duration, format_status
 from .model import DiscoveredModel
+from .progress import note_failure
 from .pool import ChannelPool, cause_chain, open_channel_pool
 from .status import StatusCode
 
@@ -91,9 +93,10 @@ async def wait_for_services(
             if now >= deadline:
                 raise CannotConnect(
                     f"{service} did not become SERVING before the total vLLM startup deadline after "
-                    f"{format_duration(now - start)}: {last}"
+                    f"{format_duration(round_duration(now - start))}: {last}"
                 )
             LOGGER.debug("waiting for %s to become SERVING: %s", service, last)
+            note_failure(f"{service} {last}")
             await trio.sleep_until(min(now + retry_interval, deadline))
 
 

@@ -8,6 +8,7 @@ error kinds (``lib/sidecar/common/src/error.rs``). gRPC statuses are translated 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 import math
 
 from .status import StatusCode
@@ -55,7 +56,7 @@ class SidecarError(Exception):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.message!r})"
 
-    def __reduce__(self):  # keep pickling (and copy) working despite subclass __init__ signatures
+    def __reduce__(self) -> tuple[Callable[[type[SidecarError], str], SidecarError], tuple[type[SidecarError], str]]:  # keep pickling (and copy) working despite subclass __init__ signatures
         return (_rebuild, (type(self), self.message))
 
 

@@ -40,7 +40,7 @@ def json_to_struct(value: Any, *, name: str = "kv_transfer_params") -> struct_pb
     return struct
 
 
-def _fill_struct(struct: struct_pb2.Struct, obj: dict, name: str) -> None:
+def _fill_struct(struct: struct_pb2.Struct, obj: dict[Any, Any], name: str) -> None:
     for key, item in obj.items():
         if not isinstance(key, str):
             raise InvalidArgument(f"{name} keys must be strings")

@@ -32,7 +32,9 @@ import attrs
 import trio
 
 from .config import SidecarConfig
+from .diagnostics import describe_exception, round_duration
 from .endpoint import GrpcEndpoint
+from .progress import note_failure
 from .errors import CannotConnect, ConnectionTimeout, SidecarError, format_duration, status_to_error
 from .status import StatusCode
 
@@ -68,17 +70,8 @@ def _transport() -> Any:
 
 
 def cause_chain(exc: BaseException) -> str:
-    """``str()`` of ``exc`` and of each ``__cause__``/``__context__`` below it, joined with ``": "``."""
-    parts: list[str] = []
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        text = str(current) or type(current).__name__
-        if not parts or parts[-1] != text:
-            parts.append(text)
-        current = current.__cause__ or current.__context__
-    return ": ".join(parts)
+    """``exc`` and its causes as one clause without repetitions (see :func:`.diagnostics.describe_exception`)."""
+    return describe_exception(exc)
 
 
 class _RateLimitedLog:
@@ -153,9 +146,11 @@ async def connect_with_retry(
         except TimeoutError as exc:
             cause = DEFAULT_CAUSE if cut_by_deadline else cause_chain(exc)
             log.failure(cause)
+            note_failure(cause)
         except (OSError, SidecarError, _transport().RpcError) as exc:
             cause = cause_chain(exc)
             log.failure(cause)
+            note_failure(cause)
         now = trio.current_time()
         if now >= deadline:
             break
@@ -164,7 +159,7 @@ async def connect_with_retry(
     raise CannotConnect(
         f"failed to establish the {name} gRPC connection pool to {endpoint.canonical} for pool slot {slot} "
         f"within {format_duration(config.startup_deadline)} after {attempts} attempts over "
-        f"{format_duration(elapsed)}: {cause}"
+        f"{format_duration(round_duration(elapsed))}: {cause}"
     )
 
 

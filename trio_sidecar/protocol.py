@@ -9,6 +9,8 @@ being coerced (cattrs' default would turn ``"3"`` or ``3.7`` into ``3``).
 from __future__ import annotations
 
 import sys
+import types
+from collections.abc import Callable
 from typing import Any, Union
 
 import attrs
@@ -139,7 +141,7 @@ class PreprocessedRequest:
 converter = cattrs.Converter(forbid_extra_keys=False, detailed_validation=True)
 
 
-def _int_hook(lo: int, hi: int, name: str):
+def _int_hook(lo: int, hi: int, name: str) -> Callable[[Any, Any], int]:
     def hook(value: Any, _type: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"expected an integer ({name}), got {type(value).__name__}")
@@ -195,10 +197,10 @@ def _list_guard(value: Any) -> None:
 
 # cattrs happily iterates a string or a dict into a list; the JSON shapes here are strict.
 def _strict_list(elem: type) -> Any:
-    def hook(value: Any, _type: Any) -> list:
+    def hook(value: Any, _type: Any) -> list[Any]:
         if not isinstance(value, (list, tuple)):
             raise TypeError(f"expected an array, got {type(value).__name__}")
-        result = []
+        result: list[Any] = []
         for i, item in enumerate(value):
             try:
                 result.append(converter.structure(item, elem))
@@ -209,15 +211,20 @@ def _strict_list(elem: type) -> Any:
     return hook
 
 
+def _is_list_of(elem: type) -> Callable[[Any], bool]:
+    alias = types.GenericAlias(list, (elem,))  # list[elem], with elem a value
+    return lambda t: bool(t == alias)
+
+
 for _elem in (U32, str):
-    converter.register_structure_hook_func(
-        lambda t, _e=_elem: t == list[_e], _strict_list(_elem)  # type: ignore[valid-type]
-    )
+    converter.register_structure_hook_func(_is_list_of(_elem), _strict_list(_elem))
 
 
 def _options_hook(cls: type) -> None:
     """Options objects must be JSON objects; ``null`` equals absent (the empty options object)."""
-    inner = cattrs.gen.make_dict_structure_fn(cls, converter, _cattrs_forbid_extra_keys=False)
+    inner: Callable[[Any, Any], Any] = cattrs.gen.make_dict_structure_fn(
+        cls, converter, _cattrs_forbid_extra_keys=False
+    )
 
     def hook(value: Any, _type: Any) -> Any:
         if value is None:

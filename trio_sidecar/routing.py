@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from .config import DisaggregationMode
 from .errors import ProtocolError
+
+if TYPE_CHECKING:
+    from .protocol import RoutingHints
 
 __all__ = [
     "DP_RANK_METADATA_KEY",
@@ -36,7 +39,7 @@ class KvEventSource:
     dp_rank: int
 
 
-def select_dp_rank(routing: Any, mode: DisaggregationMode) -> int | None:
+def select_dp_rank(routing: RoutingHints | None, mode: DisaggregationMode) -> int | None:
     """docs/reference/sidecar.md#data-parallel-rank: prefill prefers ``routing.prefill_dp_rank``, then ``routing.dp_rank``; others ``dp_rank``."""
     if routing is None:
         return None

@@ -26,7 +26,8 @@ __all__ = ["format_f32", "sampling_error"]
 def _to_f32(value: float) -> float:
     """``value`` rounded to the nearest f32 (to ±inf beyond its range, as a Rust ``as f32`` cast does)."""
     try:
-        return struct.unpack("<f", struct.pack("<f", value))[0]
+        f32: float = struct.unpack("<f", struct.pack("<f", value))[0]
+        return f32
     except OverflowError:
         return math.copysign(math.inf, value)
 

@@ -7,15 +7,22 @@ the router. After the pinned requests have finished (so the router's own active-
 covers them), unpinned requests that share each prefix must be routed to the worker holding it — visible
 in that mock's recorded requests. Prefixes are pinned to *different* workers, so a router that ignored the
 events (any fixed or random choice) could not pass.
+
+Runs on both topologies (tests/topology.py): file discovery with the TCP request plane and ZMQ
+events, and etcd discovery with the NATS request and event planes (real etcd and NATS on 127.0.0.1).
 """
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.parse
 
 import pytest
+from topology import (
+    TOPOLOGIES,
+    etcd_nats_fixture,  # noqa: F401 - the etcd_nats fixture
+    instances,
+    make_topology,
+)
 
 from trio_sidecar.dynamo import local
 
@@ -27,31 +34,33 @@ WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu 
          "upsilon phi chi psi omega").split()
 
 
-@pytest.fixture(scope="module")
-def kv(deployment_factory):
-    dep = deployment_factory()
+@pytest.fixture(scope="module", params=TOPOLOGIES)
+def kv(request):
+    # etcd and NATS first, so they are torn down after the deployment's processes.
+    services = request.getfixturevalue("etcd_nats") if request.param == "etcd-nats" else None
+    dep = request.getfixturevalue("deployment_factory")()
+    topology = make_topology(request.param, dep.workdir, services)
+    dep.env = dict(topology.env)
     mocks = [dep.mock(served_model_name="tiny", engine_args=ENGINE_ARGS) for _ in range(2)]
-    dep.frontend(router_mode="kv")
-    procs = [dep.trio_sidecar(mock, name=f"sidecar-{i}") for i, mock in enumerate(mocks)]
+    dep.frontend(router_mode="kv", extra=topology.flags)
+    procs = [dep.trio_sidecar(mock, *topology.flags, name=f"sidecar-{i}") for i, mock in enumerate(mocks)]
     dep.wait_ready("tiny")
-    # Map each worker's instance id (file discovery records) to its mock, through the sidecar's namespace
-    # path and the transport recorded by its process: every instance record names its own TCP address.
-    instances = _generate_instances(dep)
+    # Both workers' instance ids, as the frontend knows them (its /health, whatever the discovery backend).
+    ids = _generate_instances(dep)
     deadline = time.monotonic() + 60
-    while len(instances) < 2 and time.monotonic() < deadline:
+    while len(ids) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
-        instances = _generate_instances(dep)
-    assert len(instances) == 2, instances
+        ids = _generate_instances(dep)
+    assert len(ids) == 2, ids
+    if services is not None:  # really registered in etcd, not in a file store
+        leases = {lease for key, (_, lease) in services.etcd.get_prefix(f"v1/instances/{dep.namespace}/").items()
+                  if "/generate/" in key}
+        assert leases == set(ids), leases
     return dep, mocks, procs
 
 
 def _generate_instances(dep) -> list[int]:
-    ids = []
-    for path in (dep.file_kv / "v1" / "instances").glob("*"):
-        name = urllib.parse.unquote(path.name)
-        if name.startswith(f"{dep.namespace}/backend/generate/"):
-            ids.append(json.loads(path.read_text())["instance_id"])
-    return sorted(ids)
+    return instances(dep.http_port, dep.namespace)
 
 
 def _complete(dep, prompt: str, pin: int | None = None) -> dict:

@@ -32,7 +32,9 @@ def native(deployment_factory, tmp_path_factory):
     dep.wait_ready("tiny")
     adapter = tmp_path_factory.mktemp("adapter")
     # The sidecar only checks that the directory holds a config and weights; the mock never reads them.
-    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "target_modules": ["q_proj"]}))
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "r": 4, "target_modules": ["q_proj"]})
+    )
     (adapter / "adapter_model.safetensors").write_bytes(b"")
     return dep, mock, system_port, adapter
 
@@ -56,7 +58,7 @@ class _Calls:
         self.start = mock.call(lambda: len(mock.mock.control_calls))
 
     def new(self) -> list[tuple[str, object]]:
-        return self.mock.call(lambda: list(self.mock.mock.control_calls[self.start:]))
+        return self.mock.call(lambda: list(self.mock.mock.control_calls[self.start :]))
 
 
 def _load_body(name: str, adapter) -> dict:
@@ -78,8 +80,10 @@ def test_native_reference_lora_load_generate_with_the_adapter_unload(native):
 
     calls = _Calls(mock)
     status, body = _system(system_port, "POST", "/v1/loras", _load_body("a", adapter))
-    assert (status, body) == (200, {"status": "success", "message": "LoRA adapter 'a' loaded successfully",
-                                    "lora_name": "a", "lora_id": 1})
+    assert (status, body) == (
+        200,
+        {"status": "success", "message": "LoRA adapter 'a' loaded successfully", "lora_name": "a", "lora_id": 1},
+    )
     made = calls.new()
     assert [name for name, _ in made] == ["ListLoras", "LoadLora"]
     assert (made[1][1].lora_name, made[1][1].source_path) == ("a", str(adapter))
@@ -87,8 +91,9 @@ def test_native_reference_lora_load_generate_with_the_adapter_unload(native):
 
     # The adapter is a model of its own on the frontend; its requests reach vLLM with lora_name set.
     _wait_model(dep.http_port, "a", present=True)
-    status, completion = local.post_json(dep.http_port, "/v1/completions",
-                                         {"model": "a", "prompt": [5, 6, 7], "max_tokens": 3})
+    status, completion = local.post_json(
+        dep.http_port, "/v1/completions", {"model": "a", "prompt": [5, 6, 7], "max_tokens": 3}
+    )
     assert status == 200 and completion["model"] == "a"
     assert completion["usage"]["completion_tokens"] == 3
     rpc, request, _, _ = mock.recorded()[-1]
@@ -96,13 +101,17 @@ def test_native_reference_lora_load_generate_with_the_adapter_unload(native):
 
     calls = _Calls(mock)
     status, body = _system(system_port, "DELETE", "/v1/loras/a")
-    assert (status, body) == (200, {"status": "success", "message": "LoRA adapter 'a' unloaded successfully",
-                                    "lora_name": "a", "lora_id": 1})
+    assert (status, body) == (
+        200,
+        {"status": "success", "message": "LoRA adapter 'a' unloaded successfully", "lora_name": "a", "lora_id": 1},
+    )
     made = calls.new()
     assert [name for name, _ in made] == ["ListLoras", "UnloadLora"] and made[1][1].lora_name == "a"
     _wait_model(dep.http_port, "a", present=False)
     assert local.post_json(dep.http_port, "/v1/completions", {"model": "a", "prompt": [5, 6, 7], "max_tokens": 3}) == (
-        404, {"message": "Model not found", "type": "Not Found", "code": 404})
+        404,
+        {"message": "Model not found", "type": "Not Found", "code": 404},
+    )
 
 
 def test_native_reference_lora_errors_are_checked_by_the_sidecar(native):
@@ -110,18 +119,35 @@ def test_native_reference_lora_errors_are_checked_by_the_sidecar(native):
     assert _system(system_port, "POST", "/v1/loras", _load_body("b", adapter))[0] == 200
     try:
         calls = _Calls(mock)
-        assert _system(system_port, "POST", "/v1/loras", _load_body("b", adapter)) == (200, {
-            "status": "success", "message": "LoRA adapter 'b' already loaded", "lora_name": "b", "lora_id": 2})
-        assert _system(system_port, "POST", "/v1/loras", _load_body("tiny", adapter)) == (500, {
-            "status": "error", "lora_name": "tiny",
-            "message": "InvalidRequest: LoRA adapter `tiny` conflicts with the base model name or one of its aliases"})
-        assert _system(system_port, "DELETE", "/v1/loras/zz") == (500, {
-            "status": "error", "lora_name": "zz",
-            "message": "InvalidRequest: LoRA adapter 'zz' not found. Available LoRAs: [\"b\"]"})
+        assert _system(system_port, "POST", "/v1/loras", _load_body("b", adapter)) == (
+            200,
+            {"status": "success", "message": "LoRA adapter 'b' already loaded", "lora_name": "b", "lora_id": 2},
+        )
+        assert _system(system_port, "POST", "/v1/loras", _load_body("tiny", adapter)) == (
+            500,
+            {
+                "status": "error",
+                "lora_name": "tiny",
+                "message": "InvalidRequest: LoRA adapter `tiny` conflicts with the base model name or one of its aliases",
+            },
+        )
+        assert _system(system_port, "DELETE", "/v1/loras/zz") == (
+            500,
+            {
+                "status": "error",
+                "lora_name": "zz",
+                "message": "InvalidRequest: LoRA adapter 'zz' not found. Available LoRAs: [\"b\"]",
+            },
+        )
         assert _system(system_port, "POST", "/v1/loras", _load_body("c", adapter))[0] == 200
-        assert _system(system_port, "POST", "/v1/loras", _load_body("d", adapter)) == (500, {
-            "status": "error", "lora_name": "d",
-            "message": f"InvalidRequest: LoRA capacity exceeded: at most {MAX_LORAS} adapter(s) may be loaded"})
+        assert _system(system_port, "POST", "/v1/loras", _load_body("d", adapter)) == (
+            500,
+            {
+                "status": "error",
+                "lora_name": "d",
+                "message": f"InvalidRequest: LoRA capacity exceeded: at most {MAX_LORAS} adapter(s) may be loaded",
+            },
+        )
         # Only the successful load reached vLLM's LoadLora; every refusal was decided from ListLoras.
         assert [name for name, _ in calls.new() if name != "ListLoras"] == ["LoadLora"]
     finally:

@@ -9,6 +9,7 @@ directory, and that it exits with the shell's signal status.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import signal
@@ -20,6 +21,8 @@ from pathlib import Path
 import pytest
 
 from trio_sidecar.dynamo import local
+
+from topology import etcd_get_prefix
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH = REPO / "launch"
@@ -46,13 +49,13 @@ def tiny_model(tmp_path_factory) -> Path:
 class Script:
     """One launch script run: output in a file, descendants snapshotted once ready."""
 
-    def __init__(self, name: str, tmp_path: Path, env: dict[str, str]) -> None:
+    def __init__(self, name: str, tmp_path: Path, env: dict[str, str], args: tuple[str, ...] = ("--mock",)) -> None:
         self.out_path = tmp_path / f"{name}.out"
         self.tmpdir = tmp_path / "tmp"
         self.tmpdir.mkdir()
         self._out = open(self.out_path, "wb")  # noqa: SIM115 - closed in close()
         self.popen = subprocess.Popen(
-            ["bash", str(LAUNCH / name), "--mock"],
+            ["bash", str(LAUNCH / name), *args],
             env={**env, "TMPDIR": str(self.tmpdir)},
             stdin=subprocess.DEVNULL,
             stdout=self._out,
@@ -136,6 +139,7 @@ CASES = [
                  id="kv-router-sigint"),
 ]
 EXPECTED_CHILDREN = {"agg.sh": 3, "disagg.sh": 5, "agg_kv_router.sh": 5}
+WORKERS = {"agg.sh": 1, "disagg.sh": 2, "agg_kv_router.sh": 2}  # sidecars, each one Dynamo instance
 
 
 @pytest.mark.dynamo
@@ -224,6 +228,7 @@ def test_launch_script_help_and_unknown_arguments(name, tmp_path):
                            timeout=30)
     assert shown.returncode == 0
     assert "Usage:" in shown.stderr and "--mock" in shown.stderr
+    assert "--etcd-nats" in shown.stderr
     bad = subprocess.run(["bash", str(LAUNCH / name), "--bogus"], env=env, capture_output=True, text=True,
                          timeout=30)
     assert bad.returncode == 1
@@ -237,3 +242,57 @@ def test_launch_script_without_vllm_fails_before_starting_anything(tmp_path):
     assert result.returncode == 1
     assert "vLLM server command not found" in result.stderr
     assert "started" not in result.stderr
+
+
+@pytest.mark.dynamo
+@pytest.mark.parametrize("name", ["agg.sh", "disagg.sh", "agg_kv_router.sh"])
+def test_launch_script_etcd_nats_mode_serves_through_etcd_and_nats_and_stops_them(name, tiny_model, tmp_path):
+    """``--etcd-nats``: the script also starts etcd and NATS on 127.0.0.1, the workers register in that etcd
+    (not in a discovery directory) and the request goes over NATS; on SIGINT both services stop with the rest."""
+    _require_dynamo()
+    psutil = pytest.importorskip("psutil")
+    ports = {k: local.free_port() for k in ("HTTP_PORT", "ETCD_PORT", "ETCD_PEER_PORT", "NATS_PORT",
+                                            "NATS_MONITOR_PORT")}
+    grpc = {"agg.sh": {"GRPC_PORT": 0}, "disagg.sh": {"DECODE_GRPC_PORT": 0, "PREFILL_GRPC_PORT": 0},
+            "agg_kv_router.sh": {"WORKER0_GRPC_PORT": 0, "WORKER1_GRPC_PORT": 0}}[name]
+    script = Script(name, tmp_path, {**_env(**ports, **grpc), "MODEL": str(tiny_model)},
+                    args=("--mock", "--etcd-nats"))
+    try:
+        script.wait_ready()
+        services = {Path(_cmdline(p)[0]).name: p for p in psutil.Process(script.popen.pid).children()
+                    if _cmdline(p) and Path(_cmdline(p)[0]).name in ("etcd", "nats-server")}
+        assert sorted(services) == ["etcd", "nats-server"], script.output()
+        for proc in services.values():
+            listening = [c.laddr for c in proc.net_connections("inet") if c.status == psutil.CONN_LISTEN]
+            assert listening and {addr.ip for addr in listening} == {"127.0.0.1"}, listening
+        assert len(script.children) == EXPECTED_CHILDREN[name]
+
+        status_code, body = local.post_json(ports["HTTP_PORT"], "/v1/completions",
+                                            {"model": "tiny", "prompt": "hello world", "max_tokens": 4,
+                                             "ignore_eos": True})
+        assert status_code == 200, body
+        assert body["usage"]["completion_tokens"] == 4
+        # Every worker registered in this etcd, with a lease (and nothing went to a discovery directory).
+        keys = etcd_get_prefix(ports["ETCD_PORT"], "v1/instances/dynamo/")
+        generate = [lease for key, (_, lease) in keys.items() if "/generate/" in key]
+        assert len(generate) == WORKERS[name] and all(generate), keys
+        assert list(script.tmpdir.glob("trio-sidecar-launch.*/file-kv/*")) == []
+        assert "NATS on nats://127.0.0.1:" in script.output()
+
+        script.popen.send_signal(signal.SIGINT)
+        try:
+            returncode = script.popen.wait(STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the script did not stop within {STOP_TIMEOUT}s:\n{script.output()}")
+        out = script.output()
+        assert returncode == 130, out
+        assert f"stopped {EXPECTED_CHILDREN[name] + 2} process(es)" in out
+        assert "did not stop within" not in out
+        assert [p for p in services.values() if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
+        assert script.leftovers() == []
+        assert list(script.tmpdir.glob("trio-sidecar-launch.*")) == []
+    finally:
+        for proc in locals().get("services", {}).values():
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        script.close()

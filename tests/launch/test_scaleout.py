@@ -9,6 +9,9 @@ one round-robin with ``--migration-limit`` and one ``--router-mode kv``.
 Killing a mock closes its listener and every connection at once (the in-process mock's nursery is
 cancelled, as when a process dies); restarting it binds the same port again (SO_REUSEADDR), with new KV-event
 ports (docs/reference/sidecar.md#recovery).
+
+Every test runs on both topologies (tests/topology.py): file discovery with the TCP request plane, and etcd
+discovery with the NATS request and event planes (real etcd and NATS on 127.0.0.1).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import trio
 from trio_sidecar.dynamo import local
 
 from dynamo_harness import MockThread, make_tiny_model, require_dynamo
+from topology import TOPOLOGIES, Topology, make_topology
+from topology import etcd_nats_fixture  # noqa: F401 - the etcd_nats fixture
 
 pytestmark = pytest.mark.dynamo
 
@@ -64,11 +69,12 @@ class PinnedMock(MockThread):
 
 
 class Cluster:
-    def __init__(self, workdir: Path, model: Path) -> None:
+    def __init__(self, workdir: Path, model: Path, topology: Topology) -> None:
         self.workdir = workdir
         self.model = model
         self.namespace = f"scaleout{uuid.uuid4().hex[:8]}"
-        self.env = local.dynamo_env(workdir / "file-kv")
+        self.topology = topology
+        self.env = dict(topology.env)
         self.mocks: list[PinnedMock] = []
         self.retired: list[PinnedMock] = []
         self.sidecars: list[local.Process] = []
@@ -82,11 +88,13 @@ class Cluster:
         self.mocks = [self.start_mock() for _ in range(WORKERS)]
         for name, extra in (("rr", ["--router-mode", "round-robin", "--migration-limit", "3"]),
                             ("kv", ["--router-mode", "kv"])):
-            proc, port = local.start_frontend(self.workdir, self.env, namespace=self.namespace, extra=extra)
+            proc, port = local.start_frontend(self.workdir, self.env, namespace=self.namespace,
+                                              extra=[*self.topology.flags, *extra])
             self.frontends[name] = (proc, port)
         for i, mock in enumerate(self.mocks):
             self.sidecars.append(local.start_trio_sidecar(self.workdir, self.env, mock.address,
-                                                          namespace=self.namespace, extra=SIDECAR_FLAGS,
+                                                          namespace=self.namespace,
+                                                          extra=[*self.topology.flags, *SIDECAR_FLAGS],
                                                           name=f"sidecar-{i}"))
         for _, port in self.frontends.values():
             local.wait_for_models(port, ["tiny"], timeout=120, watch=self.processes)
@@ -128,12 +136,15 @@ class Cluster:
         return codes
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+@pytest.fixture(scope="module", params=TOPOLOGIES)
+def cluster(request, tmp_path_factory):
     require_dynamo()
     pytest.importorskip("tokenizers")
+    # etcd and NATS (when used) are requested first, so they outlive the cluster's processes.
+    services = request.getfixturevalue("etcd_nats") if request.param == "etcd-nats" else None
+    workdir = tmp_path_factory.mktemp("scaleout")
     model = make_tiny_model(tmp_path_factory.mktemp("scaleout-model") / "tiny")
-    cluster = Cluster(tmp_path_factory.mktemp("scaleout"), model)
+    cluster = Cluster(workdir, model, make_topology(request.param, workdir, services))
     try:
         cluster.start()
         yield cluster

@@ -38,6 +38,9 @@ def test_help_documents_every_flag(capsys):
         "--max-concurrent-requests",
         "--extra-engine-args",
         "--supports-multimodal",
+        "--handshake-timeout",
+        "--idle-timeout",
+        "--max-connections",
         "--log-level",
     ):
         assert flag in text
@@ -49,22 +52,44 @@ def test_help_documents_every_flag(capsys):
         (["--extra-engine-args", "{not json"], "invalid engine args JSON"),
         (["--extra-engine-args", '{"block_size": 4} x'], "trailing data"),
         (["--extra-engine-args", '{"bogus": 1}'], "unknown engine arg 'bogus'"),
+        (["--extra-engine-args", '{"speedup_ration": 0}'], "did you mean 'speedup_ratio'?"),
+        (["--extra-engine-args", "[1,2]"], "engine args must be a JSON object"),
         (["--extra-engine-args", '{"dp_size": 0}'], "dp_size"),
         (["--extra-engine-args", '{"engine_type": "sglang"}'], "engine_type"),
         (["--extra-engine-args", '{"worker_type": "decode"}'], "worker_type"),
         (["--extra-engine-args", '{"num_gpu_blocks": 0}'], "num_gpu_blocks"),
-        (["--max-concurrent-requests", "0"], "max_concurrent_requests"),
+        (["--max-concurrent-requests", "0"], "max_concurrent_requests (--max-concurrent-requests) must be greater than 0"),
         (["--extra-engine-args", "/nonexistent/engine.json"], "cannot read engine args file"),
         (["--listen", "localhost:50051"], "invalid listen address"),
         (["--listen", "127.0.0.1:70000"], "port"),
         (["--disaggregation-mode", "encode"], "invalid choice"),
         (["--seed", "-1"], "unsigned 64-bit"),
         (["--bogus"], "unrecognized arguments"),
+        (["--handshake-timeout", "0"], "must be a positive number of seconds"),
+        (["--handshake-timeout", "soon"], "invalid number of seconds"),
+        (["--idle-timeout", "-1"], "must be a positive number of seconds"),
+        (["--max-connections", "0"], "must be at least 1"),
     ],
 )
 def test_configuration_errors_exit_2(argv, fragment, capsys):
     assert main(argv) == 2
-    assert fragment in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert fragment in err
+    assert err.startswith("error: ") and err.count("\n") == 1, err  # one line, run's convention
+
+
+def test_limit_flags_reach_the_server_limits():
+    from trio_sidecar.mock.cli import build_parser
+    from trio_sidecar.mock.server import MockConfig, prepare_config
+
+    ns = build_parser().parse_args(["--handshake-timeout", "2.5", "--idle-timeout", "0", "--max-connections", "7"])
+    assert (ns.handshake_timeout, ns.idle_timeout, ns.max_connections) == (2.5, None, 7)
+    limits = prepare_config(
+        MockConfig(handshake_timeout=ns.handshake_timeout, idle_timeout=ns.idle_timeout, max_connections=ns.max_connections)
+    ).limits
+    assert (limits.handshake_timeout, limits.idle_timeout, limits.max_connections) == (2.5, None, 7)
+    defaults = build_parser().parse_args([])
+    assert (defaults.handshake_timeout, defaults.idle_timeout, defaults.max_connections) == (10.0, 300.0, 1000)
 
 
 def test_engine_args_from_a_file(tmp_path, capsys):

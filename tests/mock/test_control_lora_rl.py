@@ -56,7 +56,10 @@ def test_lora_table_loads_in_order_with_increasing_ids_and_unloads():
     table = LoraTable(2, ("base",))
     a = table.load("a", "/adapters/a")
     b = table.load("b", "/adapters/b")
-    assert [(x.lora_id, x.lora_name, x.source_path) for x in table.list()] == [(1, "a", "/adapters/a"), (2, "b", "/adapters/b")]
+    assert [(x.lora_id, x.lora_name, x.source_path) for x in table.list()] == [
+        (1, "a", "/adapters/a"),
+        (2, "b", "/adapters/b"),
+    ]
     assert table.unload("a") == a and "a" not in table and b in table.list()
     assert table.load("c", "/adapters/c").lora_id == 3  # ids are never reused
 
@@ -65,7 +68,10 @@ def test_lora_table_errors_use_vllms_texts_in_vllms_order():
     table = LoraTable(1, ("base",))
     assert rejected(table.load, "", "") == (C.INVALID_ARGUMENT, "lora_name must not be empty")
     assert rejected(table.load, "a", "") == (C.INVALID_ARGUMENT, "lora_path must not be empty")
-    assert rejected(table.load, "base", "/p") == (C.ALREADY_EXISTS, "LoRA adapter `base` conflicts with a served base model")
+    assert rejected(table.load, "base", "/p") == (
+        C.ALREADY_EXISTS,
+        "LoRA adapter `base` conflicts with a served base model",
+    )
     table.load("a", "/p")
     assert rejected(table.load, "a", "/p") == (C.ALREADY_EXISTS, "LoRA adapter `a` is already loaded")
     assert rejected(table.load, "b", "/p") == (
@@ -80,8 +86,13 @@ def test_lora_table_errors_use_vllms_texts_in_vllms_order():
 
 def test_disabled_lora_table_refuses_everything_but_checks_an_empty_unload_name_first():
     table = LoraTable(0, ())
-    for call in (lambda: table.load("a", "/p"), lambda: table.load("", ""), table.list, lambda: table.unload("a"),
-                 lambda: table.check_request("a")):
+    for call in (
+        lambda: table.load("a", "/p"),
+        lambda: table.load("", ""),
+        table.list,
+        lambda: table.unload("a"),
+        lambda: table.check_request("a"),
+    ):
         assert rejected(call) == LORA_DISABLED
     assert rejected(table.unload, "") == (C.INVALID_ARGUMENT, "lora_name is required")
 
@@ -126,8 +137,14 @@ def test_sleep_and_wake_up_need_sleep_mode():
 def test_weight_update_state_machine():
     state = RlState(RlCapabilities(weight_transfer_backend="nccl"))
     assert state.weight_version == "default"
-    assert rejected(state.start_weight_update) == (C.FAILED_PRECONDITION, "the weight transfer engine is not initialized")
-    assert rejected(state.init_weight_transfer, b"not json") == (C.INVALID_ARGUMENT, "init_info_json must be a JSON object")
+    assert rejected(state.start_weight_update) == (
+        C.FAILED_PRECONDITION,
+        "the weight transfer engine is not initialized",
+    )
+    assert rejected(state.init_weight_transfer, b"not json") == (
+        C.INVALID_ARGUMENT,
+        "init_info_json must be a JSON object",
+    )
     state.init_weight_transfer(b'{"master_port": 1}')
     assert rejected(state.update_weights, b"{}") == (C.FAILED_PRECONDITION, "no weight update is in progress")
     state.start_weight_update()
@@ -138,15 +155,22 @@ def test_weight_update_state_machine():
     assert rejected(state.finish_weight_update, "") == (C.INVALID_ARGUMENT, "weight_version must not be empty")
     state.finish_weight_update("step-1")
     assert state.weight_update is None and state.weight_version == "step-1"
-    assert rejected(state.start_weight_update, draft=True) == (C.FAILED_PRECONDITION, "draft weight updates are not enabled")
+    assert rejected(state.start_weight_update, draft=True) == (
+        C.FAILED_PRECONDITION,
+        "draft weight updates are not enabled",
+    )
     assert rejected(state.set_weight_version, "") == (C.INVALID_ARGUMENT, "weight_version must not be empty")
 
 
 def test_weight_transfer_rpcs_need_a_backend_but_the_version_does_not():
     state = RlState(RlCapabilities())
-    for call in (lambda: state.init_weight_transfer(b"{}"), state.start_weight_update,
-                 lambda: state.start_weight_update(draft=True), lambda: state.update_weights(b"{}"),
-                 lambda: state.finish_weight_update("v")):
+    for call in (
+        lambda: state.init_weight_transfer(b"{}"),
+        state.start_weight_update,
+        lambda: state.start_weight_update(draft=True),
+        lambda: state.update_weights(b"{}"),
+        lambda: state.finish_weight_update("v"),
+    ):
         assert rejected(call) == TRANSFER_OFF
     state.set_weight_version("v7")
     assert state.weight_version == "v7"
@@ -155,7 +179,9 @@ def test_weight_transfer_rpcs_need_a_backend_but_the_version_does_not():
 def test_engine_args_for_lora_and_rl():
     args = ea.engine_args_from_mapping({"max_loras": 2, **RL_ON})
     assert (args.max_loras, args.enable_sleep_mode, args.weight_transfer_backend) == (2, True, "nccl")
-    with pytest.raises(ea.EngineArgsError, match="enable_draft_weight_updates requires weight_transfer_backend"):
+    with pytest.raises(
+        ea.EngineArgsError, match="engine arg 'enable_draft_weight_updates' requires weight_transfer_backend"
+    ):
         ea.validate_engine_args(ea.engine_args_from_mapping({"enable_draft_weight_updates": True}))
     with pytest.raises(ea.EngineArgsError, match="'max_loras' must be an integer"):
         ea.engine_args_from_mapping({"max_loras": "2"})
@@ -170,7 +196,10 @@ async def test_server_and_model_info_advertise_lora_and_rl_capabilities():
         model = await control(ch, "GetModelInfo", c.GetModelInfoRequest(), c.ModelInfo)
     assert info.max_loras == 3 and model.supports_lora
     assert info.rl_capabilities == c.RlCapabilities(
-        weight_transfer_enabled=True, weight_transfer_backend="nccl", sleep_mode_enabled=True, draft_weight_updates_enabled=True
+        weight_transfer_enabled=True,
+        weight_transfer_backend="nccl",
+        sleep_mode_enabled=True,
+        draft_weight_updates_enabled=True,
     )
 
 
@@ -182,7 +211,9 @@ async def test_lora_lifecycle_and_generate_with_the_adapter_are_recorded():
         assert messages[-1].outputs.finish_info.finish_reason == FinishReason.LENGTH
         assert [a.lora_name for a in (await rpc(ch, "ListLoras")).adapters] == ["a"]
         assert await rpc_status(ch, "LoadLora", lora_name="tiny", source_path="/p") == (
-            C.ALREADY_EXISTS, "LoRA adapter `tiny` conflicts with a served base model")
+            C.ALREADY_EXISTS,
+            "LoRA adapter `tiny` conflicts with a served base model",
+        )
         unloaded = await rpc(ch, "UnloadLora", lora_name="a")
         assert unloaded.adapter.lora_id == 1
         with pytest.raises(RpcError) as info:
@@ -191,8 +222,14 @@ async def test_lora_lifecycle_and_generate_with_the_adapter_are_recorded():
         assert await rpc_status(ch, "UnloadLora", lora_name="a") == (C.NOT_FOUND, "LoRA adapter `a` is not loaded")
         assert list((await rpc(ch, "ListLoras")).adapters) == []
         calls = [(name, getattr(req, "lora_name", None)) for name, req in mock.control_calls]
-        assert calls == [("LoadLora", "a"), ("ListLoras", None), ("LoadLora", "tiny"), ("UnloadLora", "a"),
-                         ("UnloadLora", "a"), ("ListLoras", None)]
+        assert calls == [
+            ("LoadLora", "a"),
+            ("ListLoras", None),
+            ("LoadLora", "tiny"),
+            ("UnloadLora", "a"),
+            ("UnloadLora", "a"),
+            ("ListLoras", None),
+        ]
         assert [r.lora_name for _, r, _, _ in mock.recorded_requests] == ["a", "a"]
 
 
@@ -224,8 +261,13 @@ async def test_pause_abort_ends_in_flight_requests_and_is_paused_reports_it():
         assert (await rpc(ch, "IsPaused")).paused and (await rpc(ch, "IsSleeping")).sleeping
         await rpc(ch, "ResumeGeneration")
         assert not (await rpc(ch, "IsPaused")).paused
-        assert [name for name, _ in mock.control_calls] == ["PauseGeneration", "IsPaused", "IsSleeping",
-                                                           "ResumeGeneration", "IsPaused"]
+        assert [name for name, _ in mock.control_calls] == [
+            "PauseGeneration",
+            "IsPaused",
+            "IsSleeping",
+            "ResumeGeneration",
+            "IsPaused",
+        ]
 
 
 async def test_pause_wait_returns_after_in_flight_requests_finish():
@@ -273,9 +315,13 @@ async def test_rl_rpcs_without_rl_enabled_fail_with_vllms_texts():
         assert await rpc_status(ch, "Sleep", level=1) == SLEEP_OFF
         assert await rpc_status(ch, "WakeUp") == SLEEP_OFF
         assert not (await rpc(ch, "IsSleeping")).sleeping
-        for name, fields in (("InitWeightTransferEngine", {"init_info_json": b"{}"}), ("StartWeightUpdate", {}),
-                             ("StartDraftWeightUpdate", {}), ("UpdateWeights", {"update_info_json": b"{}"}),
-                             ("FinishWeightUpdate", {"weight_version": "v"})):
+        for name, fields in (
+            ("InitWeightTransferEngine", {"init_info_json": b"{}"}),
+            ("StartWeightUpdate", {}),
+            ("StartDraftWeightUpdate", {}),
+            ("UpdateWeights", {"update_info_json": b"{}"}),
+            ("FinishWeightUpdate", {"weight_version": "v"}),
+        ):
             assert await rpc_status(ch, name, **fields) == TRANSFER_OFF, name
         await rpc(ch, "UpdateWeightVersion", weight_version="v7")
         assert (await rpc(ch, "GetWeightVersion")).weight_version == "v7"
@@ -290,23 +336,34 @@ async def test_grpcio_drives_lora_and_rl_rpcs_with_vllms_statuses():
     from grpc import aio
 
     def unary(channel, name):
-        return channel.unary_unary(f"/vllm.Control/{name}", request_serializer=lambda m: m.SerializeToString(),
-                                   response_deserializer=getattr(c, f"{name}Response").FromString)
+        return channel.unary_unary(
+            f"/vllm.Control/{name}",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=getattr(c, f"{name}Response").FromString,
+        )
 
     async def scenario(channel):
         out = []
-        for name, fields in (("LoadLora", {"lora_name": "a", "source_path": "/adapters/a"}),
-                             ("LoadLora", {"lora_name": "a", "source_path": "/adapters/a"}),
-                             ("ListLoras", {}), ("UnloadLora", {"lora_name": "zz"}),
-                             ("PauseGeneration", {"mode": c.PAUSE_MODE_KEEP}), ("IsPaused", {}),
-                             ("Sleep", {"level": 1}), ("UpdateWeightVersion", {"weight_version": "v2"}),
-                             ("GetWeightVersion", {})):
+        for name, fields in (
+            ("LoadLora", {"lora_name": "a", "source_path": "/adapters/a"}),
+            ("LoadLora", {"lora_name": "a", "source_path": "/adapters/a"}),
+            ("ListLoras", {}),
+            ("UnloadLora", {"lora_name": "zz"}),
+            ("PauseGeneration", {"mode": c.PAUSE_MODE_KEEP}),
+            ("IsPaused", {}),
+            ("Sleep", {"level": 1}),
+            ("UpdateWeightVersion", {"weight_version": "v2"}),
+            ("GetWeightVersion", {}),
+        ):
             try:
                 out.append(("OK", await unary(channel, name)(getattr(c, f"{name}Request")(**fields))))
             except aio.AioRpcError as err:
                 out.append((err.code().name, err.details()))
-        generate = channel.unary_unary("/vllm.Inference/Generate", request_serializer=lambda m: m.SerializeToString(),
-                                       response_deserializer=pb.GenerateResponse.FromString)
+        generate = channel.unary_unary(
+            "/vllm.Inference/Generate",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=pb.GenerateResponse.FromString,
+        )
         out.append(("OK", await generate(gen("g", max_new_tokens=2, lora_name="a"))))
         return out
 

@@ -77,6 +77,35 @@ def test_missing_file_is_an_error(tmp_path):
     assert str(path) in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("text", "suggestion"),
+    [('{"speedup_ration": 1}', "did you mean 'speedup_ratio'?"), ('{"dp_szie": 2}', "did you mean 'dp_size'?")],
+)
+def test_an_unknown_key_suggests_the_closest_and_lists_the_valid_keys(text, suggestion):
+    with pytest.raises(EngineArgsError) as info:
+        parse_engine_args(text)
+    message = str(info.value)
+    assert message.startswith("unknown engine arg '") and suggestion in message
+    assert "(valid keys: engine_type, block_size, " in message and "tokens_per_image)" in message
+    assert "planner_profile_data" not in message  # accepted but ignored keys are not advertised
+
+
+def test_an_unknown_key_far_from_every_valid_key_gets_no_suggestion():
+    with pytest.raises(EngineArgsError) as info:
+        parse_engine_args('{"bogus": 1}')
+    assert str(info.value).startswith("unknown engine arg 'bogus' (valid keys: ")
+
+
+@pytest.mark.parametrize(("text", "kind"), [("[1,2]", "array"), ('"x"', "string"), ("3", "number")])
+def test_inline_json_that_is_not_an_object_says_so(text, kind, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no file of that name exists
+    with pytest.raises(EngineArgsError) as info:
+        parse_engine_args(text)
+    assert str(info.value) == (
+        f"engine args must be a JSON object such as '{{\"speedup_ratio\": 0}}', not a JSON {kind}"
+    )
+
+
 def test_ignored_keys_are_accepted():
     args = parse_engine_args(
         '{"planner_profile_data": "/x", "reasoning": {"a": 1}, "kv_bytes_per_token": null,'
@@ -88,8 +117,6 @@ def test_ignored_keys_are_accepted():
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ('{"bogus": 1}', "unknown engine arg 'bogus'"),
-        ('{"speedup_ratio": 0, "engine": {"x": 1}}', "unknown engine arg 'engine'"),
         ('{"block_size": null}', "engine arg 'block_size' must not be null"),
         ('{"enable_prefix_caching": null}', "engine arg 'enable_prefix_caching' must not be null"),
         ('{"speedup_ratio": null}', "engine arg 'speedup_ratio' must not be null"),
@@ -121,7 +148,7 @@ def test_top_level_must_be_an_object(tmp_path, content):
     path.write_text(content)
     with pytest.raises(EngineArgsError) as info:
         parse_engine_args(str(path))
-    assert str(info.value) == "engine args must be a JSON object"
+    assert str(info.value).startswith("engine args must be a JSON object such as ")
 
 
 def test_trailing_data_is_an_error():
@@ -138,7 +165,7 @@ def test_syntax_error_is_an_error():
 
 def test_mapping_form_uses_the_same_rules():
     assert engine_args_from_mapping({"speedup_ratio": 0, "block_size": 4}).block_size == 4
-    with pytest.raises(EngineArgsError, match="^unknown engine arg 'nope'$"):
+    with pytest.raises(EngineArgsError, match="^unknown engine arg 'nope' "):
         engine_args_from_mapping({"nope": 1})
     with pytest.raises(EngineArgsError, match="must be a JSON object"):
         engine_args_from_mapping([("block_size", 4)])  # type: ignore[arg-type]
@@ -150,32 +177,33 @@ def test_mapping_form_uses_the_same_rules():
 @pytest.mark.parametrize(
     ("engine", "mcr", "message", "key"),
     [
-        ({"engine_type": "sglang"}, 256, "Mocker engine_type must be vllm", "engine_type"),
-        ({"dp_size": 0}, 256, "Mocker dp_size must be at least 1", "dp_size"),
-        ({}, 0, "max_concurrent_requests must be greater than 0", "max_concurrent_requests"),
+        ({"engine_type": "sglang"}, 256, "engine arg 'engine_type' must be \"vllm\"", "engine_type"),
+        ({"dp_size": 0}, 256, "engine arg 'dp_size' must be at least 1", "dp_size"),
+        ({}, 0, "max_concurrent_requests (--max-concurrent-requests) must be greater than 0", "max_concurrent_requests"),
         (
             {"worker_type": "prefill"},
             256,
-            "Mocker worker_type must be aggregated; use the server mode for the emulated wire role",
+            "engine arg 'worker_type' must be \"aggregated\" (is_prefill and is_decode must be false); use "
+            "--disaggregation-mode for the emulated wire role",
             "worker_type",
         ),
-        ({"is_prefill": True}, 256, "Mocker worker_type must be aggregated", "worker_type"),
-        ({"is_decode": True}, 256, "Mocker worker_type must be aggregated", "worker_type"),
-        ({"num_gpu_blocks": 0}, 256, "num_gpu_blocks must be greater than 0", "num_gpu_blocks"),
-        ({"max_model_len": 2**32}, 256, "max_model_len does not fit in u32", "max_model_len"),
-        ({"block_size": 2**32}, 256, "block_size does not fit in u32", "block_size"),
-        ({"num_gpu_blocks": 2**63, "dp_size": 2}, 256, "num_gpu_blocks does not fit in u64", "num_gpu_blocks"),
-        ({"max_num_seqs": 2**64}, 256, "max_num_seqs does not fit in u64", "max_num_seqs"),
+        ({"is_prefill": True}, 256, "engine arg 'worker_type' must be \"aggregated\"", "worker_type"),
+        ({"is_decode": True}, 256, "engine arg 'worker_type' must be \"aggregated\"", "worker_type"),
+        ({"num_gpu_blocks": 0}, 256, "engine arg 'num_gpu_blocks' must be greater than 0", "num_gpu_blocks"),
+        ({"max_model_len": 2**32}, 256, "engine arg 'max_model_len' must be at most 4294967295", "max_model_len"),
+        ({"block_size": 2**32}, 256, "engine arg 'block_size' must be at most 4294967295", "block_size"),
+        ({"num_gpu_blocks": 2**63, "dp_size": 2}, 256, "engine arg 'num_gpu_blocks' must be at most 18446744073709551615", "num_gpu_blocks"),
+        ({"max_num_seqs": 2**64}, 256, "engine arg 'max_num_seqs' must be at most 18446744073709551615", "max_num_seqs"),
         (
             {"max_num_batched_tokens": 2**64},
             256,
-            "max_num_batched_tokens does not fit in u64",
+            "engine arg 'max_num_batched_tokens' must be at most 18446744073709551615",
             "max_num_batched_tokens",
         ),
-        ({"speedup_ratio": -1}, 256, "speedup_ratio must not be negative", "speedup_ratio"),
-        ({"decode_speedup_ratio": 0}, 256, "decode_speedup_ratio must be greater than 0", "decode_speedup_ratio"),
-        ({"zmq_kv_events_port": 65535, "dp_size": 2}, 256, "zmq_kv_events_port must be a port", "zmq_kv_events_port"),
-        ({"tokens_per_image": 0}, 256, "tokens_per_image must be greater than 0", "tokens_per_image"),
+        ({"speedup_ratio": -1}, 256, "engine arg 'speedup_ratio' must not be negative", "speedup_ratio"),
+        ({"decode_speedup_ratio": 0}, 256, "engine arg 'decode_speedup_ratio' must be greater than 0", "decode_speedup_ratio"),
+        ({"zmq_kv_events_port": 65535, "dp_size": 2}, 256, "engine arg 'zmq_kv_events_port' must leave a port", "zmq_kv_events_port"),
+        ({"tokens_per_image": 0}, 256, "engine arg 'tokens_per_image' must be greater than 0", "tokens_per_image"),
     ],
 )
 def test_startup_validation_messages_name_the_key(engine, mcr, message, key):

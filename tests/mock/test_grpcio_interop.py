@@ -150,3 +150,38 @@ async def test_grpcio_error_codes():
     for (_, _, code, text), result in zip(cases, results, strict=False):
         assert result is not None and result[0] == code and text in result[1]
     assert results[-1] == (grpc.StatusCode.FAILED_PRECONDITION, "engine was not started with LoRA enabled")
+
+
+@pytest.mark.parametrize("compression", ["Gzip", "Deflate"])
+async def test_grpcio_compressed_requests_are_served(compression, monkeypatch):
+    """A grpc.aio client compressing its requests (gRPC gzip / deflate): the mock answers normally."""
+    from trio_sidecar.transport._protocol import BoundedReadBuffer
+
+    inflated: list[str] = []
+    original = BoundedReadBuffer.decompress
+
+    def spy(self, data):  # proves the requests really arrived compressed
+        inflated.append(self._message_encoding)
+        return original(self, data)
+
+    monkeypatch.setattr(BoundedReadBuffer, "decompress", spy)
+    prompt = [7] * 1000  # compressible (1,000 identical bytes), so grpcio really sends it compressed
+
+    async def scenario(channel):
+        generate = _unary(channel, "/vllm.Inference/Generate", pb.GenerateResponse)
+        unary = await generate(gen("c-unary", prompt=prompt, max_new_tokens=3), compression=getattr(grpc.Compression, compression))
+        streamed = [
+            m async for m in _stream(channel)(
+                gen("c-stream", prompt=prompt, max_new_tokens=3), compression=getattr(grpc.Compression, compression)
+            )
+        ]
+        return unary, streamed
+
+    async with running_mock() as (mock, _):
+        unary, streamed = await run_grpcio(mock.address, scenario)
+        assert len(unary.outputs.token_ids) == 3
+        assert unary.prompt_info.num_prompt_tokens == len(prompt)
+        assert sum(len(m.outputs.token_ids) for m in streamed) == 3
+        assert streamed[-1].outputs.finish_info.finish_reason == FinishReason.LENGTH
+        assert inflated == [compression.lower()] * 2
+        await wait_drained(mock)

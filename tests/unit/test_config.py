@@ -23,7 +23,7 @@ from trio_sidecar.errors import InvalidArgument
 ENCODE = "encode mode is not supported by the vLLM sidecar"
 ENCODER = "route-to-encoder is not supported by the vLLM sidecar"
 PARSERS = "vLLM gRPC does not preserve the request options required by Dynamo tool-call and reasoning parsers"
-RL = "RL controls are not supported by trio-sidecar yet"
+RL = "RL controls are not supported by trio-sidecar"
 ENDPOINT = "`--grpc-endpoint` must include a host"
 
 

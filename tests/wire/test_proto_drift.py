@@ -13,7 +13,7 @@ COMMITTED = ROOT / "trio_sidecar" / "_proto"
 def _files(directory: pathlib.Path) -> dict[str, bytes]:
     return {
         str(p.relative_to(directory)): p.read_bytes()
-        for p in sorted(directory.rglob("*.py"))
+        for p in sorted([*directory.rglob("*.py"), *directory.rglob("*.pyi")])
         if "__pycache__" not in p.parts
     }
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import uuid as uuid_module
-from typing import Any
+from typing import Any, TypeGuard
 
 import attrs
 
@@ -25,7 +25,7 @@ from ..multimodal import (
     decode_prompt_token_ids,
     has_media,
 )
-from ..protocol import PreprocessedRequest
+from ..protocol import PreprocessedRequest, RoutingHints
 from ..routing import dp_rank_metadata, select_dp_rank
 from ..sampling_checks import sampling_error
 
@@ -311,14 +311,14 @@ def _extra_args(request: PreprocessedRequest, media_present: bool) -> _Extras:
     )
 
 
-def _cache_namespace(routing: Any) -> str | None:
+def _cache_namespace(routing: RoutingHints) -> str | None:
     # docs/reference/sidecar.md#extra-args: either routing name satisfies the checks; cache_namespace wins when both are set.
     if routing.cache_namespace is not None:
         return routing.cache_namespace
     return routing.cache_salt
 
 
-def _cache_salt(routing: Any) -> str:
+def _cache_salt(routing: RoutingHints) -> str:
     namespace = _cache_namespace(routing)
     if namespace is None:
         return ""  # mdc_sum is never a salt
@@ -358,7 +358,7 @@ def _kv_transfer_params(request: PreprocessedRequest, extras: _Extras, mode: Dis
     return json_to_struct(caller)
 
 
-def _is_whole_non_negative(value: Any) -> bool:
+def _is_whole_non_negative(value: Any) -> TypeGuard[int | float]:
     if isinstance(value, bool):
         return False
     if isinstance(value, int):

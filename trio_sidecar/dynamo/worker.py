@@ -22,9 +22,12 @@ to ``drain_timeout`` — after it, every remaining request is stopped (it ends w
 an Abort is queued, docs/reference/worker.md#graceful-shutdown-and-drain) — then leave ``open_sidecar`` (cleanup), stop the loop, join the
 thread. A second SIGINT/SIGTERM exits 1 at once.
 
-Exit codes (docs/reference/sidecar.md#exit-codes): 0 after a graceful shutdown (also when the signal arrives during startup,
-with the log line ``runtime shut down during sidecar initialization``); 1 for a startup failure (printed
-as ``error: {message}``), a fatal identity change after recovery, or a runtime that stopped by itself.
+Exit codes (docs/reference/sidecar.md#exit-codes, docs/deployment.md "Exit codes and signals"): 0 after a
+graceful shutdown; 1 for a startup failure (printed as
+``error: {message}; hint: ...``), a fatal identity change after recovery, or a runtime that stopped by
+itself; 128 + the signal number (130, 143) when SIGINT/SIGTERM arrives before the worker serves — one line
+``received SIGTERM during {phase}: runtime shut down during sidecar initialization; ...`` and the process
+ends within 1.5 s even if Dynamo's runtime is stuck (e.g. waiting for an etcd that is not running).
 """
 
 from __future__ import annotations
@@ -35,15 +38,21 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
 
+from .._logging import emit, print_error
+from .._signals import SIGNALS, held, hold_signals, interrupted_code
 from ..config import DisaggregationMode, SidecarConfig, WorkerOptions
+from ..diagnostics import round_duration, startup_hint
 from ..errors import InvalidArgument, SidecarError, format_duration
+from ..progress import StartupProgress, tracking
 from ..transport import collapse_single_exception
 from .bridge import AsyncioThread, RequestBridge
 
@@ -57,6 +66,11 @@ __all__ = ["run_worker", "WorkerPlan", "plan_registration", "worker_namespace"]
 LOGGER = logging.getLogger("trio_sidecar.dynamo.worker")
 
 INIT_SHUTDOWN = "runtime shut down during sidecar initialization"
+# Signs of life while a startup step waits (plain log lines; a TTY gets a live status instead).
+TICK_INTERVAL = 10.0
+# A signal before serving ends the process within this bound even when Dynamo's runtime does not return
+# (e.g. it waits for an etcd that is not running and ignores cancellation).
+INTERRUPT_EXIT_BOUND = 1.5
 # After the drain bound, stopped requests end promptly; this bounds the wait for the runtime's own drain.
 STOP_GRACE = 10.0
 
@@ -330,6 +344,56 @@ class DynamoSide:
 # --- output for humans (TTY) or plain logs --------------------------------------------------------------
 
 
+class _Ticker:
+    """The "still waiting" line of one startup step (see :meth:`Reporter.waiting`)."""
+
+    def __init__(self, console: Any, what: str, deadline: float | None, progress: StartupProgress | None,
+                 hint: str | None) -> None:
+        self._console = console
+        self._what = what
+        self._deadline = deadline
+        self._progress = progress
+        self._hint = hint
+        self._started = time.monotonic()
+        self._scope = trio.CancelScope()
+        self._done = trio.Event()
+
+    def text(self) -> str:
+        line = f"still waiting for {self._what}: {format_duration(int(time.monotonic() - self._started))}"
+        if self._deadline is not None:
+            line += f" of {format_duration(self._deadline)}"
+        progress = self._progress
+        if progress is not None:
+            if progress.attempts:
+                plural = "s" if progress.attempts != 1 else ""
+                line += f", {progress.attempts} failed attempt{plural}, last: {progress.last_cause}"
+            else:
+                line += ", no failed attempt yet"
+        if self._hint:
+            line += f" ({self._hint})"
+        return line
+
+    async def run(self) -> None:
+        try:
+            with self._scope:
+                if self._console is not None:
+                    with self._console.status(f"waiting for {self._what}") as status:
+                        while True:
+                            await trio.sleep(0.5)
+                            status.update(self.text())
+                else:
+                    while True:
+                        await trio.sleep(TICK_INTERVAL)
+                        LOGGER.info("%s", self.text())
+        finally:
+            self._done.set()
+
+    async def stop(self) -> None:
+        """Stop the line and wait until it is gone (the live status must not overlap later output)."""
+        self._scope.cancel()
+        await self._done.wait()
+
+
 class Reporter:
     """Startup phases, the discovered model and the ready line: rich on a TTY, plain log records otherwise."""
 
@@ -350,14 +414,30 @@ class Reporter:
         if self._console is not None:
             self._console.print(f"[bold cyan]▶[/] {name}{bound}")
         else:
-            LOGGER.info("phase=%s%s", name.replace(" ", "_"), f" deadline={format_duration(deadline)}" if deadline else "")
+            LOGGER.info("%s%s: started", name, bound)
 
     def phase_done(self, name: str) -> None:
-        elapsed = format_duration(round(time.monotonic() - self._phase_started, 3))
+        elapsed = format_duration(round_duration(time.monotonic() - self._phase_started))
         if self._console is not None:
             self._console.print(f"  [green]✓[/] {name} in {elapsed}")
         else:
-            LOGGER.info("phase=%s done elapsed=%s", name.replace(" ", "_"), elapsed)
+            LOGGER.info("%s: done in %s", name, elapsed)
+
+    @asynccontextmanager
+    async def waiting(self, what: str, deadline: float | None = None, *, progress: StartupProgress | None = None,
+                      hint: str | None = None) -> AsyncIterator[_Ticker]:
+        """Signs of life while a startup step waits: a line every :data:`TICK_INTERVAL` (plain logs) or a
+        live status line (TTY) with the elapsed time against the deadline, the failed attempts and the last
+        cause. Ends with the block, or earlier with ``await ticker.stop()``."""
+        ticker = _Ticker(self._console, what, deadline, progress, hint)
+        with collapse_single_exception():  # the ticker never fails: the body's error surfaces as itself
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(ticker.run)
+                try:
+                    yield ticker
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await ticker.stop()
 
     def model_table(self, model: DiscoveredModel, engine: EngineConfig, plan: WorkerPlan,
                     sources: Sequence[KvEventSource]) -> None:
@@ -372,7 +452,7 @@ class Reporter:
                 table.add_row(key, value)
             self._console.print(table)
         else:
-            LOGGER.info("model %s", " ".join(f"{k.replace(' ', '_')}={v}" for k, v in rows))
+            LOGGER.info("discovered vLLM model: %s", "; ".join(f"{k}: {v}" for k, v in rows))
 
     def ready(self, plan: WorkerPlan) -> None:
         text = f"ready: serving `{plan.served_model_name}` on dyn://{plan.endpoint_path} ({plan.worker_type})"
@@ -411,14 +491,19 @@ def _model_rows(model: DiscoveredModel, engine: EngineConfig, plan: WorkerPlan,
 class _Shutdown:
     """Signal state shared by the watcher and the main flow.
 
-    While a startup step runs, the first signal cancels it (:meth:`startup`); once serving, it requests
-    the graceful shutdown (``requested``). The second signal always exits 1 at once.
+    Before serving, the first signal cancels the running startup step (:meth:`startup`), prints one line
+    and ends the process with 128 + the signal number, within :data:`INTERRUPT_EXIT_BOUND` even if Dynamo's
+    runtime does not return; once serving, it requests the graceful shutdown (``requested``). The second
+    signal always exits 1 at once.
     """
 
     def __init__(self) -> None:
         self.requested = trio.Event()
         self._startup_scope: trio.CancelScope | None = None
         self.signals = 0
+        self.serving = False
+        self.phase = "startup"
+        self.interrupted: int | None = None  # the exit code when a signal arrived before serving
 
     def startup(self) -> trio.CancelScope:
         scope = trio.CancelScope()
@@ -429,6 +514,7 @@ class _Shutdown:
 
     def end_startup(self) -> None:
         self._startup_scope = None
+        self.serving = True
 
     def on_signal(self, signum: int) -> None:
         self.signals += 1
@@ -437,22 +523,42 @@ class _Shutdown:
             sys.stderr.write(f"received {name} again; exiting immediately\n")
             sys.stderr.flush()
             os._exit(1)
-        LOGGER.info("received %s; shutting down", name)
         self.requested.set()
+        if self.serving:
+            LOGGER.info("received %s; shutting down", name)
+            return
+        code = interrupted_code(signum)
+        self.interrupted = code
+        emit(f"received {name} during {self.phase}: {INIT_SHUTDOWN}; exiting with code {code}",
+             name=LOGGER.name)
+        _exit_after(INTERRUPT_EXIT_BOUND, code)
         if self._startup_scope is not None:
             self._startup_scope.cancel()
 
 
+def _exit_after(delay: float, code: int) -> None:
+    """End the process with ``code`` after ``delay`` unless it has exited by then (a daemon timer)."""
+
+    def exit_now() -> None:
+        sys.stderr.flush()
+        os._exit(code)
+
+    timer = threading.Timer(delay, exit_now)
+    timer.daemon = True
+    timer.start()
+
+
 async def _watch_signals(state: _Shutdown, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as receiver:
+    with trio.open_signal_receiver(*SIGNALS) as receiver:
         task_status.started()
+        for signum in held():  # arrived between the CLI's hand-over and this receiver
+            state.on_signal(signum)
         async for signum in receiver:
             state.on_signal(signum)
 
 
 def _print_error(message: str) -> None:
-    sys.stderr.write(f"error: {message}\n")
-    sys.stderr.flush()
+    print_error(message, hint=startup_hint(message))
 
 
 def run_worker(config: SidecarConfig, options: WorkerOptions) -> int:
@@ -462,9 +568,11 @@ def run_worker(config: SidecarConfig, options: WorkerOptions) -> int:
     banner.
 
     Returns:
-        The process exit code: 0 after a graceful shutdown, 1 after a startup or fatal runtime failure
-        (the message is printed as ``error: {message}``).
+        The process exit code: 0 after a graceful shutdown; 1 after a startup or fatal runtime failure (the
+        message is printed as ``error: {message}``, with a hint when there is one); 128 + the signal
+        number (130 for SIGINT, 143 for SIGTERM) when a signal arrived before the worker served.
     """
+    hold_signals()
     try:
         return trio.run(_main, config, options)
     finally:
@@ -500,18 +608,22 @@ async def _main(config: SidecarConfig, options: WorkerOptions) -> int:
 
 async def _run(config: SidecarConfig, options: WorkerOptions, state: _Shutdown, reporter: Reporter) -> int:
     from ..api import discover
+    from ..endpoint import parse_grpc_endpoint
 
+    vllm = f"vLLM at {parse_grpc_endpoint(config.grpc_endpoint).canonical}"
     with state.startup() as scope:
-        reporter.phase("bootstrap discovery", config.startup_deadline)
+        state.phase = "bootstrap discovery"
+        reporter.phase(state.phase, config.startup_deadline)
         try:
-            bootstrap = await discover(config)
+            with tracking(StartupProgress()) as progress:
+                async with reporter.waiting(vllm, config.startup_deadline, progress=progress):
+                    bootstrap = await discover(config)
         except SidecarError as exc:
             _print_error(str(exc))
             return 1
-        reporter.phase_done("bootstrap discovery")
+        reporter.phase_done(state.phase)
     if scope.cancelled_caught:
-        LOGGER.info(INIT_SHUTDOWN)
-        return 0
+        return _interrupted(state)
 
     mode = DisaggregationMode.parse(config.disaggregation_mode)
     component = _FIXED_COMPONENT.get(mode, options.component)
@@ -520,10 +632,26 @@ async def _run(config: SidecarConfig, options: WorkerOptions, state: _Shutdown, 
     dynamo = DynamoSide(options)
     await thread.start()
     try:
-        return await _run_with_runtime(config, options, state, reporter, thread, dynamo, bootstrap, endpoint_path)
+        return await _run_with_runtime(config, options, state, reporter, thread, dynamo, bootstrap, endpoint_path,
+                                       vllm)
     finally:
         with trio.CancelScope(shield=True):
             await _stop_runtime(thread, dynamo)
+
+
+def _interrupted(state: _Shutdown) -> int:
+    """The exit code after a signal cancelled a startup step (the notice was printed when it arrived)."""
+    assert state.interrupted is not None
+    return state.interrupted
+
+
+def _runtime_hint(options: WorkerOptions) -> str | None:
+    if options.discovery_backend == "etcd":
+        return ("the etcd discovery backend needs a reachable etcd (ETCD_ENDPOINTS); "
+                "for one host use --discovery-backend file")
+    if options.discovery_backend == "kubernetes":
+        return "the kubernetes discovery backend needs the Kubernetes API"
+    return None
 
 
 async def _run_with_runtime(
@@ -535,34 +663,58 @@ async def _run_with_runtime(
     dynamo: DynamoSide,
     bootstrap: DiscoveredModel,
     endpoint_path: str,
+    vllm: str,
 ) -> int:
     from ..api import open_sidecar
+    from .prerequisites import PrerequisiteUnreachable, prerequisites, wait_reachable
+
+    for needed in prerequisites(options):
+        with state.startup() as scope:
+            state.phase = f"{needed.name} check"
+            reporter.phase(state.phase, needed.timeout)
+            try:
+                with tracking(StartupProgress()) as progress:
+                    async with reporter.waiting(f"{needed.name} at {', '.join(needed.urls)}", needed.timeout,
+                                                progress=progress, hint=needed.hint):
+                        await wait_reachable(needed)
+            except PrerequisiteUnreachable as exc:
+                print_error(str(exc), hint=needed.hint)
+                return 1
+            reporter.phase_done(state.phase)
+        if scope.cancelled_caught:
+            return _interrupted(state)
 
     with state.startup() as scope:
-        reporter.phase("starting the Dynamo runtime")
+        state.phase = "Dynamo runtime start"
+        reporter.phase(state.phase)
         try:
-            await thread.run(dynamo.create_runtime, endpoint_path)
+            async with reporter.waiting(f"Dynamo's runtime (discovery backend {options.discovery_backend})",
+                                        hint=_runtime_hint(options)):
+                await thread.run(dynamo.create_runtime, endpoint_path)
         except Exception as exc:  # noqa: BLE001 - Dynamo raises plain exceptions
             _print_error(f"failed to start the Dynamo runtime: {exc}")
             return 1
-        reporter.phase_done("starting the Dynamo runtime")
+        reporter.phase_done(state.phase)
     if scope.cancelled_caught:
-        LOGGER.info(INIT_SHUTDOWN)
-        return 0
+        return _interrupted(state)
 
     bridge = RequestBridge(thread)
     code = 0
     with state.startup() as scope:
-        reporter.phase("start phase", config.startup_deadline)
+        state.phase = "start phase"
+        reporter.phase(state.phase, config.startup_deadline)
         try:
             with collapse_single_exception():
-                async with open_sidecar(config, expected=bootstrap) as sidecar:
-                    reporter.phase_done("start phase")
-                    async with trio.open_nursery() as requests:
-                        requests.start_soon(bridge.run_dispatcher, sidecar.submit)
-                        code = await _register_and_serve(config, options, state, reporter, thread, dynamo,
-                                                         bridge, sidecar)
-                        requests.cancel_scope.cancel()
+                with tracking(StartupProgress()) as progress:
+                    async with reporter.waiting(vllm, config.startup_deadline, progress=progress) as waiting:
+                        async with open_sidecar(config, expected=bootstrap) as sidecar:
+                            await waiting.stop()
+                            reporter.phase_done(state.phase)
+                            async with trio.open_nursery() as requests:
+                                requests.start_soon(bridge.run_dispatcher, sidecar.submit)
+                                code = await _register_and_serve(config, options, state, reporter, thread,
+                                                                 dynamo, bridge, sidecar)
+                                requests.cancel_scope.cancel()
         except SidecarError as exc:
             _print_error(str(exc))
             return 1
@@ -570,8 +722,7 @@ async def _run_with_runtime(
             _print_error(str(exc) or repr(exc))
             return 1
     if scope.cancelled_caught:
-        LOGGER.info(INIT_SHUTDOWN)
-        return 0
+        return _interrupted(state)
     return code
 
 
@@ -587,11 +738,12 @@ async def _register_and_serve(
 ) -> int:
     sources = tuple(sidecar.kv_event_sources)
     plan = plan_registration(config, options, sidecar.engine_config, sources)
-    reporter.phase("registering with Dynamo")
+    state.phase = "registration with Dynamo"
+    reporter.phase(state.phase)
     await thread.run(dynamo.serve_and_register, plan, bridge.handler)
     count = await thread.run(dynamo.replace_publishers, plan, sources)
     await thread.run(dynamo.set_ready, True)
-    reporter.phase_done("registering with Dynamo")
+    reporter.phase_done(state.phase)
     if count:
         LOGGER.info("relaying KV events from %d vLLM source(s) to the router", count)
     reporter.model_table(sidecar.model, sidecar.engine_config, plan, sources)

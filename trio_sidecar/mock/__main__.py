@@ -2,7 +2,12 @@
 
 import sys
 
-from trio_sidecar.mock.cli import main
-
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        from trio_sidecar.mock.cli import main
+
+        code = main()
+    except KeyboardInterrupt:  # SIGINT before the Trio run took the signals over: one line, no traceback
+        sys.stderr.write("interrupted by SIGINT before serving; exiting with code 130\n")
+        code = 130
+    sys.exit(code)

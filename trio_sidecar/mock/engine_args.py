@@ -17,12 +17,13 @@ not a generic enum error.
 
 from __future__ import annotations
 
+import difflib
 import enum
 import json
 import math
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import attrs
 
@@ -200,14 +201,14 @@ _KEYS: dict[str, tuple[Callable[[str, Any], Any], bool] | object] = {
     "startup_time": (_float, True),
     "zmq_kv_events_port": (_int, True),
     "zmq_replay_port": (_int, True),
-    "token_seed_source": (_enum(TokenSeedSource), False),
-    "text_mode": (_enum(TextMode), False),
-    "image_token_id": (_int, False),
-    "tokens_per_image": (_int, False),
     "max_loras": (_int, False),
     "enable_sleep_mode": (_bool, False),
     "weight_transfer_backend": (_text, True),
     "enable_draft_weight_updates": (_bool, False),
+    "token_seed_source": (_enum(TokenSeedSource), False),
+    "text_mode": (_enum(TextMode), False),
+    "image_token_id": (_int, False),
+    "tokens_per_image": (_int, False),
     "planner_profile_data": _IGNORED,
     "reasoning": _IGNORED,
     "kv_bytes_per_token": _IGNORED,
@@ -216,6 +217,15 @@ _KEYS: dict[str, tuple[Callable[[str, Any], Any], bool] | object] = {
 
 
 # --- parsing ------------------------------------------------------------------------------------------
+
+
+def unknown_key_message(key: object) -> str:
+    """``unknown engine arg 'x'``, the closest valid key when one is close, and the valid keys."""
+    valid = [name for name, entry in _KEYS.items() if entry is not _IGNORED]
+    close = difflib.get_close_matches(str(key), valid, n=1)
+    suggestion = f"; did you mean '{close[0]}'?" if close else ""
+    return f"unknown engine arg '{key}'{suggestion} (valid keys: {', '.join(valid)})"
+
 
 
 def load_engine_args_text(value: str) -> str:
@@ -227,11 +237,24 @@ def load_engine_args_text(value: str) -> str:
     """
     if value.lstrip().startswith("{"):
         return value
+    if not os.path.exists(os.path.expanduser(value)) and _is_json(value):
+        return value  # inline JSON that is not an object: parse_engine_args says so
     try:
         with open(os.path.expanduser(value), encoding="utf-8") as f:
             return f.read()
     except (OSError, UnicodeDecodeError) as exc:
-        raise EngineArgsError(f"cannot read engine args file '{value}': {exc}") from None
+        raise EngineArgsError(
+            f"cannot read engine args file '{value}': {exc.strerror if isinstance(exc, OSError) else exc} "
+            "(--extra-engine-args takes a JSON object such as '{\"speedup_ratio\": 0}' or a path to a JSON file)"
+        ) from None
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _reject_constant(name: str) -> None:
@@ -271,8 +294,22 @@ def parse_engine_args(value: str | None) -> EngineArgs:
             f"invalid engine args JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
         ) from None
     if not isinstance(obj, dict):
-        raise EngineArgsError("engine args must be a JSON object")
+        raise EngineArgsError(
+            f"engine args must be a JSON object such as '{{\"speedup_ratio\": 0}}', not a JSON {_json_kind(obj)}"
+        )
     return engine_args_from_mapping(obj)
+
+
+def _json_kind(value: Any) -> str:
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, bool):
+        return "boolean"
+    if value is None:
+        return "null"
+    return "number"
 
 
 def engine_args_from_mapping(obj: Mapping[str, Any] | None) -> EngineArgs:
@@ -288,10 +325,10 @@ def engine_args_from_mapping(obj: Mapping[str, Any] | None) -> EngineArgs:
     for key, value in obj.items():
         entry = _KEYS.get(key) if isinstance(key, str) else None
         if entry is None:
-            raise EngineArgsError(f"unknown engine arg '{key}'")
+            raise EngineArgsError(unknown_key_message(key))
         if entry is _IGNORED:
             continue
-        convert, nullable = entry  # type: ignore[misc]
+        convert, nullable = cast("tuple[Callable[[str, Any], Any], bool]", entry)
         if value is None:
             if not nullable:
                 raise EngineArgsError(f"engine arg '{key}' must not be null")
@@ -316,19 +353,20 @@ def validate_engine_args(args: EngineArgs, *, max_concurrent_requests: int = 256
         EngineArgsError: the first failing check; the message names the offending key.
     """
     if args.engine_type != "vllm":
-        raise EngineArgsError("Mocker engine_type must be vllm")
+        raise EngineArgsError("engine arg 'engine_type' must be \"vllm\"")
     if args.dp_size < 1:
-        raise EngineArgsError("Mocker dp_size must be at least 1")
+        raise EngineArgsError("engine arg 'dp_size' must be at least 1")
     if max_concurrent_requests == 0:
-        raise EngineArgsError("max_concurrent_requests must be greater than 0")
+        raise EngineArgsError("max_concurrent_requests (--max-concurrent-requests) must be greater than 0")
     if args.worker_type != "aggregated" or args.is_prefill or args.is_decode:
         raise EngineArgsError(
-            "Mocker worker_type must be aggregated; use the server mode for the emulated wire role"
+            "engine arg 'worker_type' must be \"aggregated\" (is_prefill and is_decode must be false); "
+            "use --disaggregation-mode for the emulated wire role"
         )
     if args.num_gpu_blocks == 0:
-        raise EngineArgsError("num_gpu_blocks must be greater than 0")
+        raise EngineArgsError("engine arg 'num_gpu_blocks' must be greater than 0")
     if args.block_size == 0:
-        raise EngineArgsError("block_size must be greater than 0")
+        raise EngineArgsError("engine arg 'block_size' must be greater than 0")
     fits: tuple[tuple[str, int | None, int, str], ...] = (
         ("max_model_len", args.max_model_len, U32_MAX, "u32"),
         ("block_size", args.block_size, U32_MAX, "u32"),
@@ -338,25 +376,25 @@ def validate_engine_args(args: EngineArgs, *, max_concurrent_requests: int = 256
     )
     for key, value, limit, name in fits:
         if value is not None and value > limit:
-            raise EngineArgsError(f"{key} does not fit in {name}")
+            raise EngineArgsError(f"engine arg '{key}' must be at most {limit} (it does not fit in {name})")
     # Project checks (beyond docs/reference/mock.md#startup-validation): values the simulation cannot honour.
     if max_concurrent_requests < 0:
-        raise EngineArgsError("max_concurrent_requests must be greater than 0")
+        raise EngineArgsError("max_concurrent_requests (--max-concurrent-requests) must be greater than 0")
     if args.speedup_ratio < 0:
-        raise EngineArgsError("speedup_ratio must not be negative")
+        raise EngineArgsError("engine arg 'speedup_ratio' must not be negative")
     if args.decode_speedup_ratio <= 0:
-        raise EngineArgsError("decode_speedup_ratio must be greater than 0")
+        raise EngineArgsError("engine arg 'decode_speedup_ratio' must be greater than 0")
     for key, port in (
         ("zmq_kv_events_port", args.zmq_kv_events_port),
         ("zmq_replay_port", args.zmq_replay_port),
     ):
         if port is not None and port != 0 and port + args.dp_size - 1 > 65535:
-            raise EngineArgsError(f"{key} must be a port number (0..65535) for every DP rank")
+            raise EngineArgsError(f"engine arg '{key}' must leave a port number (0..65535) for every DP rank")
     if args.tokens_per_image == 0:
-        raise EngineArgsError("tokens_per_image must be greater than 0")
+        raise EngineArgsError("engine arg 'tokens_per_image' must be greater than 0")
     if args.image_token_id > U32_MAX:
-        raise EngineArgsError("image_token_id does not fit in u32")
+        raise EngineArgsError(f"engine arg 'image_token_id' must be at most {U32_MAX}")
     if args.max_loras > U32_MAX:
-        raise EngineArgsError("max_loras does not fit in u32")
+        raise EngineArgsError(f"engine arg 'max_loras' must be at most {U32_MAX}")
     if args.enable_draft_weight_updates and not args.weight_transfer_backend:
-        raise EngineArgsError("enable_draft_weight_updates requires weight_transfer_backend")
+        raise EngineArgsError("engine arg 'enable_draft_weight_updates' requires weight_transfer_backend")

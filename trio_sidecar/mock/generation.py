@@ -179,7 +179,7 @@ class TokenPlan(Sequence[int]):
             return len(other) == self._length and all(a == b for a, b in zip(self, other))
         return NotImplemented
 
-    __hash__ = None  # type: ignore[assignment]  (equal to tuples, so not hashable consistently)
+    __hash__ = None  # type: ignore[assignment]  # equal to tuples, so not hashable consistently
 
     def __repr__(self) -> str:
         head = ", ".join(str(t) for t in self[:5])

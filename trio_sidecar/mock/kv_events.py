@@ -178,9 +178,9 @@ class KvEventPublisher:
         router = self._router
         if router is None:
             return
-        fd = router.getsockopt(zmq.FD)
+        fd = _fd(router)
         while True:
-            while not self._closed and router.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            while not self._closed and _events(router) & zmq.POLLIN:
                 try:
                     frames = router.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
@@ -220,9 +220,9 @@ class KvEventPublisher:
                     pass
                 except zmq.ZMQError:
                     return False
-                if router.getsockopt(zmq.EVENTS) & zmq.POLLOUT:
+                if _events(router) & zmq.POLLOUT:
                     continue
-                await trio.lowlevel.wait_readable(router.getsockopt(zmq.FD))
+                await trio.lowlevel.wait_readable(_fd(router))
         return False
 
     # --- lifetime ---------------------------------------------------------------------------------
@@ -242,7 +242,7 @@ class KvEventPublisher:
         self._closed = True
         if self._router is not None:
             try:
-                trio.lowlevel.notify_closing(self._router.getsockopt(zmq.FD))
+                trio.lowlevel.notify_closing(_fd(self._router))
             except RuntimeError:
                 pass  # not inside a Trio run (e.g. closing after trio.run returned)
             self._router.close(linger=0)
@@ -302,3 +302,12 @@ def bind_publishers(host: str, dp_size: int, *, port: int | None = None,
             publisher.close()
         raise
     return publishers
+
+
+# ZMQ_FD and ZMQ_EVENTS are int options; pyzmq's getsockopt is typed for every option (int | bytes).
+def _fd(socket: zmq.Socket[bytes]) -> int:
+    return int(socket.getsockopt(zmq.FD))
+
+
+def _events(socket: zmq.Socket[bytes]) -> int:
+    return int(socket.getsockopt(zmq.EVENTS))

@@ -30,9 +30,12 @@ Its :meth:`RankEngine.run` task repeats *passes*; each pass is three steps:
 loop sleeps through a long pass (the apply step skips requests that are no longer running). When nothing is
 runnable the loop waits on an event set by ``submit``/``cancel``; it never spins.
 
-Output channels have ``len(plan) + 1`` slots and are written with ``send_nowait``: a request emits at most
-``len(plan)`` signals (a recompute after preemption re-emits nothing), so a slow reader never stalls the
-loop. A reader that went away (closed receive side) gets its request cancelled.
+Output channels (:class:`TokenReceiver`) are written with ``send_nowait`` and never block: a request emits at
+most ``len(plan)`` signals (a recompute after preemption re-emits nothing), so a slow reader never stalls the
+loop. Unread output is *coalesced*: the tokens are the plan's, in order, so a channel holds two counters
+(emitted, received) and the reader computes the tokens it takes. A request whose client does not read
+therefore costs no memory per generated token (docs/reliability.md). A reader that went away (closed
+receive side) gets its request cancelled.
 """
 
 from __future__ import annotations
@@ -40,11 +43,13 @@ from __future__ import annotations
 import collections
 import enum
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import attrs
 import trio
 import trio_util
+from trio.lowlevel import Abort, current_task, reschedule, wait_task_rescheduled
 
 from trio_sidecar.mock.engine_args import EngineArgs, PreemptionMode
 from trio_sidecar.mock.generation import TokenPlan, token_at
@@ -63,7 +68,10 @@ __all__ = [
     "RankEngine",
     "SchedulerError",
     "SimRequest",
+    "TokenReceiver",
+    "TokenSender",
     "check_prompt",
+    "open_token_channel",
 ]
 
 LOGGER = logging.getLogger("trio_sidecar.mock.scheduler")
@@ -144,6 +152,141 @@ class OutputSignal(NamedTuple):
     completed: bool
 
 
+class _TokenBuffer:
+    """The state shared by one request's :class:`TokenSender` and :class:`TokenReceiver`.
+
+    The tokens are the plan's, in order, so the channel holds only two counters: tokens emitted and tokens
+    received. However far the reader lags, its pending output costs no memory (it is coalesced into the
+    range ``plan[received:emitted]``, read when the reader asks).
+    """
+
+    __slots__ = ("completed", "emitted", "plan", "received", "receive_closed", "seed", "send_closed", "waiter")
+
+    def __init__(self, plan: Sequence[int]) -> None:
+        self.plan = plan
+        # A TokenPlan's tokens are computed directly from its seed (no bounds checks per token).
+        self.seed = plan.seed if isinstance(plan, TokenPlan) else None
+        self.emitted = 0
+        self.received = 0
+        self.completed = False  # the last token emitted completes the request
+        self.send_closed = False
+        self.receive_closed = False
+        self.waiter: trio.lowlevel.Task | None = None  # the task parked in receive()
+
+    def wake(self) -> None:
+        task = self.waiter
+        if task is not None:
+            self.waiter = None
+            reschedule(task)
+
+
+class TokenSender:
+    """The scheduler's end of an output channel: ``emit`` never blocks (see the module docstring)."""
+
+    __slots__ = ("_buffer",)
+
+    def __init__(self, buffer: _TokenBuffer) -> None:
+        self._buffer = buffer
+
+    def emit(self, completed: bool) -> None:
+        """The plan's next token is generated. Raises ``BrokenResourceError`` (reader gone) or
+        ``ClosedResourceError`` (after ``close``)."""
+        buffer = self._buffer
+        if buffer.send_closed:
+            raise trio.ClosedResourceError
+        if buffer.receive_closed:
+            raise trio.BrokenResourceError
+        buffer.emitted += 1
+        if completed:
+            buffer.completed = True
+        task = buffer.waiter
+        if task is not None:
+            buffer.waiter = None
+            reschedule(task)
+
+    def close(self) -> None:
+        """No more tokens: the reader gets ``EndOfChannel`` once it has taken the pending ones."""
+        self._buffer.send_closed = True
+        self._buffer.wake()
+
+
+class TokenReceiver:
+    """The reader's end of an output channel: the subset of ``trio.MemoryReceiveChannel`` the mock uses
+    (``receive``, ``receive_nowait``, ``async for``, ``close``/``aclose``), with the same exceptions.
+    Yields ``OutputSignal(token, completed)``, ``completed`` on the plan's last token."""
+
+    __slots__ = ("_buffer",)
+
+    def __init__(self, buffer: _TokenBuffer) -> None:
+        self._buffer = buffer
+
+    def pending(self) -> int:
+        """Tokens emitted and not yet received."""
+        return self._buffer.emitted - self._buffer.received
+
+    def receive_nowait(self) -> OutputSignal:
+        buffer = self._buffer
+        if buffer.receive_closed:
+            raise trio.ClosedResourceError
+        position = buffer.received
+        if position < buffer.emitted:
+            buffer.received = position + 1
+            seed = buffer.seed
+            token = token_at(seed, position) if seed is not None else buffer.plan[position]
+            return OutputSignal(token, buffer.completed and position + 1 == buffer.emitted)
+        if buffer.send_closed:
+            raise trio.EndOfChannel
+        raise trio.WouldBlock
+
+    async def receive(self) -> OutputSignal:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        buffer = self._buffer
+        while True:
+            try:
+                signal = self.receive_nowait()
+            except trio.WouldBlock:
+                buffer.waiter = current_task()
+
+                def abort(raise_cancel):  # type: ignore[no-untyped-def]
+                    buffer.waiter = None
+                    return Abort.SUCCEEDED
+
+                await wait_task_rescheduled(abort)
+                continue
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return signal
+
+    def __aiter__(self) -> TokenReceiver:
+        return self
+
+    async def __anext__(self) -> OutputSignal:
+        try:
+            return await self.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+
+    def close(self) -> None:
+        buffer = self._buffer
+        buffer.receive_closed = True
+        buffer.wake()
+
+    async def aclose(self) -> None:
+        self.close()
+        await trio.lowlevel.checkpoint()
+
+    def __enter__(self) -> TokenReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open_token_channel(plan: Sequence[int]) -> tuple[TokenSender, TokenReceiver]:
+    """An output channel for ``plan``'s tokens (emitted in order by the scheduler)."""
+    buffer = _TokenBuffer(plan)
+    return TokenSender(buffer), TokenReceiver(buffer)
+
+
 @attrs.frozen(kw_only=True)
 class Metrics:
     """Snapshot of one rank (``mock.metrics``, docs/reference/mock.md#in-process-api-and-test-hooks)."""
@@ -171,19 +314,16 @@ class _Req:
         "num_tokens",
         "prefilled",
         "plan",
-        "plan_seed",
         "sched",
         "send",
         "sim",
         "state",
     )
 
-    def __init__(self, sim: SimRequest, send: trio.MemorySendChannel[OutputSignal]) -> None:
+    def __init__(self, sim: SimRequest, send: TokenSender) -> None:
         self.sim = sim
         self.send = send
         self.plan = sim.plan
-        # A TokenPlan's tokens are computed directly from its seed (no bounds checks per token).
-        self.plan_seed = sim.plan.seed if isinstance(sim.plan, TokenPlan) else None
         self.kv = SeqKv(
             sim.prompt, sim.plan, salt=sim.cache_salt, bypass_prefix_cache=sim.bypass_prefix_cache
         )
@@ -239,8 +379,8 @@ class RankEngine:
     def __contains__(self, uuid: str) -> bool:
         return uuid in self._requests
 
-    def submit(self, req: SimRequest) -> trio.MemoryReceiveChannel[OutputSignal]:
-        """Queue a request; returns its output channel (``len(plan) + 1`` slots).
+    def submit(self, req: SimRequest) -> TokenReceiver:
+        """Queue a request; returns its output channel (never full: unread tokens are coalesced).
 
         Raises:
             BudgetError: chunked prefill off and the prompt exceeds ``max_num_batched_tokens``.
@@ -252,7 +392,7 @@ class RankEngine:
         check_prompt(self.args, len(req.prompt))
         if req.uuid in self._requests:
             raise ValueError(f"request {req.uuid} is already submitted to rank {self.rank}")
-        send, receive = trio.open_memory_channel[OutputSignal](len(req.plan) + 1)
+        send, receive = open_token_channel(req.plan)
         r = _Req(req, send)
         self._requests[req.uuid] = r
         self._waiting.append(r)
@@ -415,18 +555,14 @@ class RankEngine:
             if r.num_computed < r.num_tokens:
                 continue  # a prompt chunk
             r.prefilled = True
-            plan = r.plan
-            generated = r.generated
-            seed = r.plan_seed
-            token = token_at(seed, generated) if seed is not None else plan[generated]
-            r.generated = generated = generated + 1
+            r.generated = generated = r.generated + 1
             r.num_tokens += 1
-            completed = generated == len(plan)
+            completed = generated == len(r.plan)
             emitted += 1
             try:
-                r.send.send_nowait(OutputSignal(token, completed))
-            except (trio.BrokenResourceError, trio.ClosedResourceError, trio.WouldBlock):
-                # The reader went away (or, impossibly, overflowed): the request has no one to serve.
+                r.send.emit(completed)  # (the token is plan[generated - 1]; the reader computes it)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                # The reader went away: the request has no one to serve.
                 completed = True
             if completed:
                 self._requests.pop(r.sim.uuid, None)

@@ -12,8 +12,9 @@ in-flight id check (row 19); then the request is submitted to its rank's schedul
 it). From then on it is a :class:`_Call` registered under its request UUID in the server's routes until
 the RPC ends, however it ends; the permit is held for exactly as long.
 
-The scheduler delivers output signals into the call's own buffer (``len(plan) + 1`` entries, filled with
-non-blocking sends), so a slow reader never stalls a pass and is never shed. ``Control.Abort`` and shutdown
+The scheduler delivers output signals into the call's own channel (never full: unread tokens are coalesced
+into two counters, see :mod:`.scheduler`), so a slow reader never stalls a pass, is never shed, and costs
+no memory per token it has not read (docs/reliability.md). ``Control.Abort`` and shutdown
 wake a waiting handler by cancelling the scheduler request, which closes that buffer; signals already in
 it are still received. Exactly one terminal is sent per request: a claim flag on the call decides between
 the natural finish and an abort that race. Abort flushes the already-buffered tokens first, then sends an
@@ -59,7 +60,7 @@ from trio_sidecar.mock.generation import (
 from trio_sidecar.mock.handoff import Role, prefill_terminal_params
 from trio_sidecar.mock.validation import PreparedRequest, RequestPolicy, parse_dp_rank, prepare_request
 from trio_sidecar.status import StatusCode
-from trio_sidecar.transport import FramedMessages, HealthServicer, RpcError, serve_grpc
+from trio_sidecar.transport import FramedMessages, HealthServicer, RpcError, ServerLimits, serve_grpc
 
 __all__ = [
     "CALL_HISTORY",
@@ -133,6 +134,12 @@ class MockConfig:
     #: Keep ``recorded_requests`` / ``abort_calls`` (test hooks). The CLI turns it off so a long-running
     #: process does not grow with its traffic.
     record_requests: bool = True
+    #: Seconds a new connection has to complete the HTTP/2 handshake (docs/reliability.md).
+    handshake_timeout: float = 10.0
+    #: Seconds a connection may stay without open streams before GOAWAY and close (``None``: never).
+    idle_timeout: float | None = 300.0
+    #: Connections served at once; more are closed on accept (one WARNING line per 10 s).
+    max_connections: int = 1000
 
 
 @attrs.frozen(kw_only=True)
@@ -143,6 +150,7 @@ class _Prepared:
     args: _engine_args.EngineArgs
     policy: RequestPolicy
     config: MockConfig
+    limits: ServerLimits
 
 
 def prepare_config(config: MockConfig) -> _Prepared:
@@ -169,6 +177,14 @@ def prepare_config(config: MockConfig) -> _Prepared:
             f"invalid disaggregation mode '{config.disaggregation_mode}': expected aggregated, prefill or decode"
         ) from None
     host, port = parse_listen(config.listen)
+    try:
+        limits = ServerLimits(
+            handshake_timeout=config.handshake_timeout,
+            idle_timeout=config.idle_timeout,
+            max_connections=config.max_connections,
+        )
+    except ValueError as exc:
+        raise MockConfigError(str(exc)) from None
     served = config.served_model_name or config.model
     policy = RequestPolicy(
         served_model_name=served,
@@ -183,7 +199,7 @@ def prepare_config(config: MockConfig) -> _Prepared:
         tokens_per_image=args.tokens_per_image,
         lora=_lora.LoraTable(args.max_loras, (served,)) if args.max_loras > 0 else None,
     )
-    return _Prepared(host=host, port=port, mode=mode, args=args, policy=policy, config=config)
+    return _Prepared(host=host, port=port, mode=mode, args=args, policy=policy, config=config, limits=limits)
 
 
 def _enum_value(value: Any) -> Any:
@@ -211,7 +227,7 @@ class _Call:
         self.sent = 0  # tokens handed to the client so far
         self.claim: _Claim | None = None
         self.shutting_down = False
-        self._receive: trio.MemoryReceiveChannel[Any] | None = None
+        self._receive: Any = None  # the scheduler's TokenReceiver once submitted
 
     # --- decisions (synchronous) ---------------------------------------------------------------------
 
@@ -915,6 +931,7 @@ async def open_mock_server(config: MockConfig) -> AsyncIterator[MockServer]:
                         host=prepared.host,
                         port=prepared.port,
                         max_message_length=MAX_MESSAGE_LENGTH,
+                        limits=prepared.limits,
                     )
                 )
                 server.port = listener.port

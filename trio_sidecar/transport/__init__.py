@@ -50,13 +50,19 @@ Rules that close the measured defects:
    PING; when nothing is read within ``keepalive_timeout`` after it, the connection is lost as in rule 2.
    A third task per connection (parked while the connection has no calls) does this; the reader only
    records the time of each read.
+9. *Hostile peers* (docs/reliability.md). The server closes a connection that does not complete its
+   handshake in time, sends GOAWAY to one idle too long, and caps the connections it serves
+   (``ServerLimits``). Compressed messages (gRPC ``gzip``, ``deflate``) are inflated with the message
+   limit as a hard cap on the output. A frame header over SETTINGS_MAX_FRAME_SIZE (16 KiB) ends the
+   connection before its payload is buffered, and a peer that provokes control frames (PING, SETTINGS
+   acks) without reading them gets GOAWAY ENHANCE_YOUR_CALM once 256 KiB are pending.
 """
 
 from __future__ import annotations
 
 from ._client import Channel, ResponseStream, connect_channel, open_channel
 from ._errors import DEFAULT_MAX_MESSAGE_LENGTH, ConnectionLostError, RpcError
-from ._server import CallContext, FramedMessages, GrpcServer, serve_grpc
+from ._server import CallContext, FramedMessages, GrpcServer, ServerLimits, serve_grpc
 from ._util import collapse_single_exception
 from .health import HealthServicer, check_health, watch_health
 
@@ -71,6 +77,7 @@ __all__ = [
     "HealthServicer",
     "ResponseStream",
     "RpcError",
+    "ServerLimits",
     "check_health",
     "connect_channel",
     "open_channel",

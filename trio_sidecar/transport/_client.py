@@ -6,7 +6,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import NoReturn, Any
+from typing import Any, NoReturn, cast
 
 import h2.exceptions
 import trio
@@ -166,7 +166,7 @@ class _ClientConnection(Connection):
         self.stream_ended()
 
     def handle_events(self, events: list) -> None:
-        calls = self.calls
+        calls = cast("dict[int, _ClientCall]", self.calls)  # this connection's calls are all client calls
         flushing: _ClientCall | None = None  # a listening call handed messages in this run, not flushed yet
         for event in events:
             kind = type(event)

@@ -13,7 +13,7 @@ import os
 import select
 import struct
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import h2.exceptions
@@ -22,7 +22,7 @@ from h2.stream import STREAM_OPEN
 from trio.lowlevel import Abort, current_task, reschedule, wait_task_rescheduled
 
 from ._errors import ConnectionLostError, RpcError
-from ._protocol import CONNECTION_ERRORS, GrpcProtocol
+from ._protocol import CONNECTION_ERRORS, ErrorCodes, GrpcProtocol
 from trio_sidecar.status import StatusCode
 
 LOGGER = logging.getLogger("trio_sidecar.transport")
@@ -35,6 +35,10 @@ RECEIVE_SIZE = 64 * 1024
 WRITE_HIGH_WATER = 64 * 1024
 # ... and yields to the scheduler at least every this many messages (cancellation and fairness).
 YIELD_EVERY = 32
+# Output that reading the peer's frames queued (PING and SETTINGS acks, RST_STREAM, rejections) and that
+# is still unsent. A peer that floods control frames without reading the answers trips it: GOAWAY
+# ENHANCE_YOUR_CALM and close, so its unread acks cannot grow our memory (about 15,000 PING acks).
+CONTROL_BACKLOG_LIMIT = 256 * 1024
 
 _pack_prefix = struct.Struct(">BI").pack
 
@@ -44,7 +48,7 @@ def frame_message(data: bytes) -> bytes:
     return _pack_prefix(0, len(data)) + data
 
 
-def encode_metadata(metadata: Sequence[tuple[str, Any]]) -> list[tuple[str, str]]:
+def encode_metadata(metadata: Iterable[tuple[str, Any]]) -> list[tuple[str, str]]:
     """Lower-case keys; base64 for ``-bin`` keys; reserved keys are a programming error (ValueError)."""
     encoded = []
     for key, value in metadata:
@@ -79,7 +83,7 @@ class Call:
         self.messages: deque = deque()  # purerpc MessageReceived events, not yet acknowledged
         self.error: RpcError | None = None
         self.done = False
-        self._task = None
+        self._task: trio.lowlevel.Task | None = None
 
     def wake(self) -> None:
         task = self._task
@@ -127,10 +131,12 @@ class Connection:
         self.closing = False
         self.window_waiters: set[Call] = set()
         self.nursery: trio.Nursery | None = None
-        self._writer = None  # the writer task while it is parked
+        self._writer: trio.lowlevel.Task | None = None  # the writer task while it is parked
         self._drain_waiters: list = []
         self._burst = 0  # messages queued since the last yield
         self._pending = b""  # bytes a direct write (flush) could not send; the writer sends them first
+        self._backlog = 0  # at most this much unsent output was queued by reading (CONTROL_BACKLOG_LIMIT)
+        self._writing = False  # the writer is inside send_all
         self._fileno = stream.socket.fileno()
         self._scope = trio.CancelScope()
         self._done = trio.Event()
@@ -229,7 +235,11 @@ class Connection:
                 else:
                     data = h2conn.data_to_send()
                 if data:
+                    self._writing = True
                     await send_all(data)
+                    self._writing = False
+                    if self._backlog:
+                        self._backlog = min(self._backlog, len(h2conn._data_to_send) + len(self._pending))
                     if self._drain_waiters:
                         self._wake_drain_waiters()
                 elif self.closing:
@@ -353,9 +363,9 @@ class Connection:
             for call in waiters:
                 call.wake()
         else:
-            call = self.calls.get(stream_id)
-            if call is not None and call in self.window_waiters:
-                call.wake()
+            waiting = self.calls.get(stream_id)
+            if waiting is not None and waiting in self.window_waiters:
+                waiting.wake()
 
     # -- reading -------------------------------------------------------------------------------------
 
@@ -393,14 +403,18 @@ class Connection:
                 self.lose(f"connection to {self.description} closed by the peer")
                 return
             self.last_read = current_time()
+            queued = len(h2conn._data_to_send)
             try:
                 events = receive_data(data)
             except CONNECTION_ERRORS as exc:
+                self._flush_final()  # the GOAWAY h2 queued (e.g. FRAME_SIZE_ERROR)
                 self.lose(f"HTTP/2 protocol error on the connection to {self.description}: {exc}")
                 return
             if events:
                 self.handle_events(events)
             if h2conn._data_to_send:
+                if len(h2conn._data_to_send) > queued and self._over_backlog(len(h2conn._data_to_send) - queued):
+                    return
                 self.flush()
             try:
                 if len(data) < RECEIVE_SIZE:
@@ -410,6 +424,42 @@ class Connection:
             except trio.ClosedResourceError as exc:
                 self._lose_io(exc)
                 return
+
+    def _over_backlog(self, added: int) -> bool:
+        """Count output a read queued; past CONTROL_BACKLOG_LIMIT unsent, GOAWAY ENHANCE_YOUR_CALM and lose.
+
+        The count never exceeds what is still unsent (the writer's progress shrinks it), so a peer that
+        reads its acks, however many it provokes, never trips it.
+        """
+        unsent = len(self.h2._data_to_send) + len(self._pending)
+        backlog = min(self._backlog + added, unsent)
+        self._backlog = backlog
+        if backlog <= CONTROL_BACKLOG_LIMIT:
+            return False
+        LOGGER.warning(
+            "transport: %s does not read the answers to its control frames (%d bytes unsent); closing the "
+            "connection with ENHANCE_YOUR_CALM", self.description, unsent
+        )
+        try:
+            self.h2.close_connection(ErrorCodes.ENHANCE_YOUR_CALM)
+        except h2.exceptions.ProtocolError:
+            pass
+        self._flush_final()
+        self.lose(f"connection to {self.description} closed: ENHANCE_YOUR_CALM (unread control frames)")
+        return True
+
+    def _flush_final(self) -> None:
+        """Before losing the connection: one non-blocking write of what is queued (a GOAWAY), unless the
+        writer is mid-send (a frame it started must not be interleaved). Best effort."""
+        if self._writing:
+            return
+        data = self._pending + self.h2.data_to_send()
+        self._pending = b""
+        if data:
+            try:
+                os.write(self._fileno, data)
+            except OSError:
+                pass
 
     def _lose_io(self, exc: BaseException) -> None:
         """The socket failed (or was closed under a reader or the writer)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import struct
 import urllib.parse
+import zlib
 
 import h2.config
 import h2.connection
@@ -234,7 +235,7 @@ class _H2Connection(h2.connection.H2Connection):
         super().__init__(config)
         self.encoder = _CachingEncoder()
         decoder = _CachingDecoder()
-        decoder.max_header_list_size = self.decoder.max_header_list_size
+        decoder.max_header_list_size = self.decoder.max_header_list_size  # type: ignore[has-type]  # h2 sets it untyped
         self.decoder = decoder
 
     def _receive_goaway_frame(self, frame):  # type: ignore[no-untyped-def]
@@ -331,6 +332,68 @@ def _buffered_flow_controlled_length(buffer: MessageReadBuffer) -> int:
     return total
 
 
+class MessageDecodeError(Exception):
+    """A compressed message that cannot be accepted; fails only its stream with ``code``."""
+
+    def __init__(self, code: StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+#: ``grpc-encoding`` values accepted on received messages, with the zlib window bits for each. gRPC's
+#: ``gzip`` is RFC 1952 gzip framing and its ``deflate`` is zlib framing (RFC 1950), as grpcio's C core
+#: compresses them (``deflateInit2`` with 15 | 16 window bits for gzip, 15 for deflate).
+_ZLIB_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+# Inflate at most this much per step: a message over the limit is refused with about the limit held, never
+# more (one ``decompress(data, limit + 1)`` peaks at twice that: CPython joins its output blocks at the end).
+_INFLATE_CHUNK = 256 * 1024
+
+
+class BoundedReadBuffer(MessageReadBuffer):
+    """purerpc's message read buffer with bounded, gRPC-conformant decompression.
+
+    purerpc 0.8.0 inflates with an unbounded ``zlib.decompress`` and reads ``gzip`` as zlib framing. Here
+    the output of one message is capped at the message limit: ``zlib.decompressobj`` inflates it in steps
+    of at most 256 KiB (``max_length``) and stops as soon as the total passes the limit, so a small
+    compressed message cannot expand to gigabytes; a message over the limit fails its stream with
+    RESOURCE_EXHAUSTED.
+    """
+
+    def decompress(self, data):  # type: ignore[no-untyped-def]
+        encoding = self._message_encoding
+        if encoding is None or encoding == "identity":
+            raise MessageDecodeError(
+                StatusCode.INTERNAL, "compressed message received without a grpc-encoding"
+            )
+        wbits = _ZLIB_WBITS.get(encoding)
+        if wbits is None:
+            raise MessageDecodeError(
+                StatusCode.UNIMPLEMENTED, f"message compressed with unsupported grpc-encoding {encoding!r}"
+            )
+        limit = self._max_message_length
+        inflater = zlib.decompressobj(wbits)
+        parts = []
+        total = 0
+        pending = data
+        try:
+            while not inflater.eof:
+                out = inflater.decompress(pending, _INFLATE_CHUNK)
+                pending = inflater.unconsumed_tail
+                if not out and not pending:
+                    raise MessageDecodeError(StatusCode.INTERNAL, f"truncated {encoding} message")
+                total += len(out)
+                if total > limit:
+                    raise MessageDecodeError(
+                        StatusCode.RESOURCE_EXHAUSTED,
+                        f"received message larger than max after decompression (more than {limit} bytes)",
+                    )
+                parts.append(out)
+        except zlib.error as exc:
+            raise MessageDecodeError(StatusCode.INTERNAL, f"failed to decompress a {encoding} message: {exc}") from None
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
 _HTTP_TO_GRPC = {
     400: StatusCode.INTERNAL,
     401: StatusCode.UNAUTHENTICATED,
@@ -345,6 +408,11 @@ _HTTP_TO_GRPC = {
 
 class GrpcProtocol(GRPCConnection):
     """``GRPCConnection`` with per-stream failure handling and a table-driven ``receive_data``."""
+
+    #: SETTINGS_MAX_FRAME_SIZE advertised (HTTP/2's default, as grpc-go and Rust's h2 advertise; purerpc's
+    #: 16 MiB let one peer make us buffer a 16 MiB frame per connection). A frame header declaring more is
+    #: a connection error (FRAME_SIZE_ERROR) as soon as its 9 bytes arrive, before any payload is buffered.
+    MAX_INBOUND_FRAME_SIZE = 16_384
 
     def __init__(self, config: GRPCConfiguration) -> None:
         self.config = config
@@ -401,11 +469,15 @@ class GrpcProtocol(GRPCConnection):
         h2conn = self.h2_connection
         frames = h2conn.incoming_buffer
         if frames._preamble_len:
-            return self._receive_via_h2(data)
+            events = self._receive_via_h2(data)
+            pending = frames.data
+            if len(pending) >= 9 and (pending[0] << 16 | pending[1] << 8 | pending[2]) > h2conn.max_inbound_frame_size:
+                self._frame_too_large(pending[0] << 16 | pending[1] << 8 | pending[2])
+            return events
         if frames.data:
             data = frames.data + data
             frames.data = b""
-        events: list = []
+        events = []
         total = len(data)
         position = 0
         streams = h2conn.streams
@@ -416,6 +488,8 @@ class GrpcProtocol(GRPCConnection):
         while total - position >= 9:
             length_high, length_low, frame_type, flags, stream_id = _unpack_frame_header(data, position)
             length = (length_high << 16) | length_low
+            if length > max_frame_size:
+                self._frame_too_large(length)
             end = position + 9 + length
             if end > total:
                 break  # an incomplete frame: kept for the next read
@@ -453,6 +527,17 @@ class GrpcProtocol(GRPCConnection):
         if position < total:
             frames.data = data[position:]
         return events
+
+    def _frame_too_large(self, length: int) -> None:
+        """A frame header declares more than SETTINGS_MAX_FRAME_SIZE: GOAWAY FRAME_SIZE_ERROR, as h2 would
+        after buffering the whole payload (RFC 9113 section 4.2), but before a byte of it is kept."""
+        h2conn = self.h2_connection
+        h2conn.incoming_buffer.data = b""
+        exc = h2.exceptions.FrameTooLargeError(
+            f"Received overlong frame: length {length}, max {h2conn.max_inbound_frame_size}"
+        )
+        h2conn._terminate_connection(exc.error_code)
+        raise exc
 
     #: Take plain HEADERS frames without h2's frame buffer (a switch for the tests that compare the paths).
     fast_headers = True
@@ -539,7 +624,7 @@ class GrpcProtocol(GRPCConnection):
             )
         except _HEADER_ERRORS as exc:
             return [StreamFailed(stream_id, StatusCode.INTERNAL, f"malformed request headers: {exc}")]
-        self.message_read_buffers[stream_id] = MessageReadBuffer(
+        self.message_read_buffers[stream_id] = BoundedReadBuffer(
             request.message_encoding, self.config.max_message_length
         )
         return [request]
@@ -562,7 +647,7 @@ class GrpcProtocol(GRPCConnection):
                 return [response, ended]
         except _HEADER_ERRORS as exc:
             return self._fail(stream_id, StatusCode.UNKNOWN, f"malformed response headers: {exc}")
-        self.message_read_buffers[stream_id] = MessageReadBuffer(
+        self.message_read_buffers[stream_id] = BoundedReadBuffer(
             response.message_encoding, self.config.max_message_length
         )
         return [response]
@@ -619,6 +704,8 @@ class GrpcProtocol(GRPCConnection):
                 StatusCode.RESOURCE_EXHAUSTED,
                 f"received message larger than max ({length} vs. {self.config.max_message_length})",
             )
+        except MessageDecodeError as exc:
+            return self._fail(stream_id, exc.code, exc.message)
         except Exception as exc:  # e.g. an unsupported compression flag
             return self._fail(stream_id, StatusCode.INTERNAL, f"invalid message framing: {exc}")
         messages = buffer._messages

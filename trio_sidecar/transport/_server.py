@@ -11,6 +11,7 @@ import struct
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
+import attrs
 import h2.exceptions
 import trio
 from google.protobuf.message import DecodeError
@@ -35,7 +36,7 @@ from ._protocol import (
 from ._util import collapse_single_exception
 from trio_sidecar.status import StatusCode
 
-__all__ = ["CallContext", "FramedMessages", "GrpcServer", "serve_grpc"]
+__all__ = ["CallContext", "FramedMessages", "GrpcServer", "ServerLimits", "serve_grpc"]
 
 LOGGER = logging.getLogger("trio_sidecar.transport.server")
 
@@ -46,6 +47,36 @@ _OK_TRAILERS = (("grpc-status", "0"),)
 _pack_prefix = struct.Struct(">BI").pack
 # accept() failures that mean "out of resources right now": wait and retry (as trio.serve_listeners does).
 _ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+
+
+# While the connection cap turns connections away, one log line per this many seconds (with a count).
+_CAP_LOG_INTERVAL_S = 10.0
+
+
+@attrs.frozen(kw_only=True)
+class ServerLimits:
+    """What one peer may hold on a ``serve_grpc`` server (docs/reliability.md).
+
+    Attributes:
+        handshake_timeout: seconds a new connection has to send the HTTP/2 preface and its SETTINGS; after
+            that it is closed.
+        idle_timeout: seconds a connection may go without any open stream before it is sent GOAWAY and
+            closed (``None``: never).
+        max_connections: connections served at once; past it a new connection is accepted and closed at
+            once, and one WARNING line per 10 s says how many were turned away.
+    """
+
+    handshake_timeout: float = 10.0
+    idle_timeout: float | None = 300.0
+    max_connections: int = 1000
+
+    def __attrs_post_init__(self) -> None:
+        if not self.handshake_timeout > 0:
+            raise ValueError("handshake_timeout must be positive")
+        if self.idle_timeout is not None and not self.idle_timeout > 0:
+            raise ValueError("idle_timeout must be positive")
+        if self.max_connections < 1:
+            raise ValueError("max_connections must be at least 1")
 
 
 class FramedMessages(bytes):
@@ -218,6 +249,7 @@ class _ServerCall(Call):
             return
         self.done = True
         conn.calls.pop(self.stream_id, None)
+        conn.last_active = trio.current_time()  # type: ignore[attr-defined]
         if code == StatusCode.OK and not message and not metadata and self.response_started:
             trailers: list = list(_OK_TRAILERS)
         else:
@@ -247,6 +279,7 @@ class _ServerCall(Call):
         self.done = True
         conn = self.conn
         conn.calls.pop(self.stream_id, None)
+        conn.last_active = trio.current_time()  # type: ignore[attr-defined]
         if conn.lost is None:
             if not self.reset:
                 conn.protocol.reset_stream(self.stream_id, ErrorCodes.CANCEL)
@@ -260,6 +293,31 @@ class _ServerConnection(Connection):
         super().__init__(stream, protocol, f"{peer[0]}:{peer[1]}")
         self.server = server
         self.peer: tuple[str, int] = (peer[0], peer[1])
+        self.handshaken = trio.Event()  # the client's SETTINGS arrived
+        self.last_active = trio.current_time()  # when the last stream ended (or the connection opened)
+
+    async def supervise(self, limits: ServerLimits) -> None:
+        """Close the connection when its handshake or, later, an idle period exceeds ``limits``."""
+        with trio.move_on_after(limits.handshake_timeout):
+            await self.handshaken.wait()
+        if not self.handshaken.is_set():
+            LOGGER.debug("transport: closing %s: no HTTP/2 handshake within %s s", self.description, limits.handshake_timeout)
+            self.lose(f"connection from {self.description} closed: handshake timeout")
+            return
+        idle_timeout = limits.idle_timeout
+        if idle_timeout is None:
+            return
+        while self.lost is None:
+            now = trio.current_time()
+            if self.calls:
+                deadline = now + idle_timeout
+            else:
+                deadline = self.last_active + idle_timeout
+                if now >= deadline:
+                    LOGGER.debug("transport: closing %s: idle for %s s", self.description, idle_timeout)
+                    await self.aclose()  # GOAWAY (NO_ERROR), then close
+                    return
+            await trio.sleep_until(deadline)
 
     def connection_lost(self, call: Call, reason: str) -> None:
         call.reset = True  # type: ignore[attr-defined]
@@ -288,6 +346,7 @@ class _ServerConnection(Connection):
             elif kind is StreamReset:
                 call = calls.pop(event.stream_id, None)
                 if call is not None:
+                    self.last_active = trio.current_time()
                     self.connection_lost(call, "reset")
             elif kind is StreamFailed:
                 call = calls.get(event.stream_id)
@@ -297,6 +356,7 @@ class _ServerConnection(Connection):
                 else:
                     self._reject(event.stream_id, event.code, event.message)
             elif kind is SettingsReceived:
+                self.handshaken.set()
                 self.wake_window_waiters(0)
             elif kind is GoAway:
                 pass  # the client is going away; its open calls continue until the socket closes
@@ -309,6 +369,7 @@ class _ServerConnection(Connection):
             pass
         self.protocol.reset_stream(stream_id, ErrorCodes.NO_ERROR)
         self.kick()
+        self.last_active = trio.current_time()
 
     def _request_received(self, event: RequestReceived) -> None:
         path = f"/{event.service_name}/{event.method_name}"
@@ -354,18 +415,38 @@ class _ServerConnection(Connection):
 class GrpcServer:
     """A running ``serve_grpc`` server, as passed to ``task_status.started``."""
 
-    def __init__(self, host: str, port: int, methods: dict[str, _Method], max_message_length: int) -> None:
+    def __init__(
+        self, host: str, port: int, methods: dict[str, _Method], max_message_length: int, limits: ServerLimits
+    ) -> None:
         self.host = host
         self.port = port
         self.open_connections = 0
         self.max_message_length = max_message_length
+        self.limits = limits
+        self.refused_connections = 0  # turned away at the connection cap, since the server started
         self._methods = methods
+        self._cap_logged_at = -math.inf
+        self._refused_since_log = 0
+
+    def _refuse(self, stream: trio.SocketStream) -> None:
+        """At the connection cap: close the new connection at once; log at most once per interval."""
+        stream.socket.close()
+        self.refused_connections += 1
+        self._refused_since_log += 1
+        now = trio.current_time()
+        if now - self._cap_logged_at >= _CAP_LOG_INTERVAL_S:
+            LOGGER.warning(
+                "connection limit reached: %d connections open (max_connections=%d); refused %d new "
+                "connection(s) since the last report",
+                self.open_connections, self.limits.max_connections, self._refused_since_log,
+            )
+            self._cap_logged_at = now
+            self._refused_since_log = 0
 
     def __repr__(self) -> str:
         return f"<GrpcServer {self.host}:{self.port} [{self.open_connections} open connections]>"
 
     async def _handle_connection(self, stream: trio.SocketStream) -> None:
-        self.open_connections += 1
         try:
             try:
                 protocol = GrpcProtocol(
@@ -376,7 +457,10 @@ class GrpcServer:
                 stream.socket.close()
                 return
             protocol.initiate_connection()
-            await conn.run()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(conn.supervise, self.limits)
+                await conn.run()
+                nursery.cancel_scope.cancel()
         except Exception:  # a bug in one connection must not take the server down
             LOGGER.exception("transport: connection handler failed")
             stream.socket.close()
@@ -412,6 +496,7 @@ async def serve_grpc(
     host: str = "127.0.0.1",
     port: int = 0,
     max_message_length: int = DEFAULT_MAX_MESSAGE_LENGTH,
+    limits: ServerLimits = ServerLimits(),  # noqa: B008 (frozen)
     task_status: trio.TaskStatus[GrpcServer] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
     """Serve gRPC on ``host:port`` until cancelled; start it with ``await nursery.start(serve_grpc, ...)``.
@@ -421,7 +506,8 @@ async def serve_grpc(
             ``await handler(request, context)`` (unary) or iterated as ``handler(request, context)`` async
             generators (server streaming). Methods a servicer does not override answer UNIMPLEMENTED.
         host: the exact address to bind (default loopback); port 0 picks a free port.
-        max_message_length: limit for one message, each way.
+        max_message_length: limit for one message, each way (also the cap on a decompressed message).
+        limits: handshake and idle timeouts and the connection cap (``ServerLimits``).
 
     Returns:
         Never; ``task_status.started(server)`` reports the ``GrpcServer`` (``host``, ``port``,
@@ -441,7 +527,7 @@ async def serve_grpc(
     listener = await _bind(host, port)
     try:
         bound = listener.socket.getsockname()
-        server = GrpcServer(bound[0], bound[1], methods, max_message_length)
+        server = GrpcServer(bound[0], bound[1], methods, max_message_length, limits)
         with collapse_single_exception():
             async with trio.open_nursery() as nursery:
                 task_status.started(server)
@@ -454,6 +540,10 @@ async def serve_grpc(
                             await trio.sleep(0.1)
                             continue
                         raise
+                    if server.open_connections >= limits.max_connections:
+                        server._refuse(stream)
+                        continue
+                    server.open_connections += 1  # (counted here, so a burst of accepts sees the cap)
                     nursery.start_soon(server._handle_connection, stream)
     finally:
         listener.socket.close()

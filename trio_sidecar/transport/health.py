@@ -76,7 +76,7 @@ class HealthServicer(health_grpc.HealthServicer):
         status = self._statuses.get(request.service)
         if status is None:
             raise RpcError(StatusCode.NOT_FOUND, NOT_REGISTERED_MESSAGE)
-        return health_pb2.HealthCheckResponse(status=status)
+        return health_pb2.HealthCheckResponse(status=status)  # type: ignore[arg-type]  # the enum's int value
 
     async def Watch(self, request: Any, context: Any) -> AsyncIterator[Any]:  # noqa: N802
         name = request.service
@@ -88,7 +88,7 @@ class HealthServicer(health_grpc.HealthServicer):
             status = self._statuses.get(name, SERVICE_UNKNOWN)
             if status != last:
                 last = status
-                yield health_pb2.HealthCheckResponse(status=status)
+                yield health_pb2.HealthCheckResponse(status=status)  # type: ignore[arg-type]  # the enum's int value
             if self._shut_down:
                 return
             await changed.wait()
