@@ -19,10 +19,9 @@ import time
 from pathlib import Path
 
 import pytest
+from topology import etcd_get_prefix
 
 from trio_sidecar.dynamo import local
-
-from topology import etcd_get_prefix
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH = REPO / "launch"

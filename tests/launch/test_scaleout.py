@@ -27,12 +27,15 @@ from pathlib import Path
 import attrs
 import pytest
 import trio
+from dynamo_harness import MockThread, make_tiny_model, require_dynamo
+from topology import (
+    TOPOLOGIES,
+    Topology,
+    etcd_nats_fixture,  # noqa: F401 - the etcd_nats fixture
+    make_topology,
+)
 
 from trio_sidecar.dynamo import local
-
-from dynamo_harness import MockThread, make_tiny_model, require_dynamo
-from topology import TOPOLOGIES, Topology, make_topology
-from topology import etcd_nats_fixture  # noqa: F401 - the etcd_nats fixture
 
 pytestmark = pytest.mark.dynamo
 
@@ -182,7 +185,7 @@ def test_scaleout_round_robin_spreads_300_requests_over_three_workers(cluster):
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         results = list(pool.map(lambda k: complete(port, f"hello world {k}"), range(300)))
     assert [status for status, _ in results] == [200] * 300, [b for s, b in results if s != 200][:3]
-    counts = [len(m.generate_ids()) - b for m, b in zip(mocks, before)]
+    counts = [len(m.generate_ids()) - b for m, b in zip(mocks, before, strict=True)]
     assert sum(counts) == 300, counts
     for count in counts:
         assert count >= 60, counts  # >= 20% each

@@ -6,12 +6,11 @@ Over real sockets on 127.0.0.1 port 0.
 from __future__ import annotations
 
 import pytest
+from mock_helpers import GENERATE, FinishReason, collect, gen, running_mock
 
 from trio_sidecar._proto.vllm import inference_pb2 as pb
 from trio_sidecar.mock.engine_args import EngineArgsError, TextMode, parse_engine_args
 from trio_sidecar.mock.generation import ByteDetokenizer, prompt_token_seed, token_at, token_bytes
-
-from mock_helpers import GENERATE, FinishReason, collect, gen, running_mock
 
 BYTES = {"text_mode": "bytes", "token_seed_source": "prompt"}
 

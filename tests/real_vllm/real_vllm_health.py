@@ -6,12 +6,11 @@ import time
 
 import pytest
 import trio
+from real_vllm_client import open_direct_channel, rpc_error_types
+from real_vllm_helpers import unique_id
 
 from trio_sidecar import CannotConnect, GenerateContext, HealthKind, SidecarConfig, open_sidecar
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
-
-from real_vllm_client import open_direct_channel, rpc_error_types
-from real_vllm_helpers import unique_id
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

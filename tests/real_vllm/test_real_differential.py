@@ -27,10 +27,9 @@ from typing import Any
 
 import attrs
 import pytest
+from real_vllm_server import MAX_MODEL_LEN, SERVED_MODEL_NAME
 
 from trio_sidecar.dynamo import local
-
-from real_vllm_server import MAX_MODEL_LEN, SERVED_MODEL_NAME
 
 HTTP_TIMEOUT_S = 60.0
 READY_TIMEOUT_S = 300.0

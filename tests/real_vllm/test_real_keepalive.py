@@ -14,16 +14,17 @@ measures.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import trio
+from real_vllm_server import SERVED_MODEL_NAME
 
 from trio_sidecar import SidecarConfig
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar._proto.vllm import control_pb2
 from trio_sidecar.pool import channel_options
 from trio_sidecar.transport import connect_channel
-
-from real_vllm_server import SERVED_MODEL_NAME
 
 WATCH = "/grpc.health.v1.Health/Watch"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -74,7 +75,7 @@ async def test_default_keepalive_keeps_a_silent_connection_to_real_vllm_up_for_6
     assert len(sent) >= 5, sent
     for ping_at in sent:
         assert any(ping_at <= read_at <= ping_at + 4.0 for read_at in reads), (ping_at, reads)
-    gaps = [b - a for a, b in zip(sent, sent[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(sent)]
     print(f"\n{len(sent)} PINGs in {trio.current_time() - start:.1f} s, gaps {[round(g, 2) for g in gaps]}")
     assert all(9.9 <= gap <= 12.0 for gap in gaps), gaps
     # No GOAWAY: the same connection still serves a request, and the Watch is still open.

@@ -9,11 +9,6 @@ from __future__ import annotations
 
 import pytest
 import trio
-
-from trio_sidecar._proto.grpc.health.v1 import health_pb2
-from trio_sidecar._proto.vllm import control_pb2, inference_pb2
-from trio_sidecar.status import StatusCode
-
 from real_vllm_client import open_direct_channel, rpc_error_types
 from real_vllm_helpers import (
     ABORT,
@@ -26,6 +21,10 @@ from real_vllm_helpers import (
 )
 from real_vllm_server import MAX_MODEL_LEN, READY_LOG_LINE, SERVED_MODEL_NAME
 from real_vllm_wire import RawMessage, decode, scalar_fields
+
+from trio_sidecar._proto.grpc.health.v1 import health_pb2
+from trio_sidecar._proto.vllm import control_pb2, inference_pb2
+from trio_sidecar.status import StatusCode
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 LENGTH = inference_pb2.FinishInfo.LENGTH

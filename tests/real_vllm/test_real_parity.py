@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import pytest
 import trio
+from real_vllm_client import open_direct_channel, rpc_error_types
+from real_vllm_helpers import collect, generate_request, race_attempts, unique_id
+from real_vllm_server import MAX_MODEL_LEN, MAX_NUM_SEQS, SERVED_MODEL_NAME
 
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar._proto.vllm import control_pb2, inference_pb2
 from trio_sidecar.mock import MockConfig, open_mock_server
 from trio_sidecar.status import StatusCode
-
-from real_vllm_client import open_direct_channel, rpc_error_types
-from real_vllm_helpers import collect, generate_request, race_attempts, unique_id
-from real_vllm_server import MAX_MODEL_LEN, MAX_NUM_SEQS, SERVED_MODEL_NAME
 
 FINISH = inference_pb2.FinishInfo
 

@@ -12,6 +12,9 @@ import re
 
 import pytest
 import trio
+from real_vllm_client import open_direct_channel
+from real_vllm_helpers import collect, drop_outcome, race_attempts, unique_id
+from real_vllm_server import MAX_MODEL_LEN, SERVED_MODEL_NAME
 
 from trio_sidecar import (
     GenerateContext,
@@ -27,10 +30,6 @@ from trio_sidecar import (
 from trio_sidecar._proto.vllm import control_pb2, inference_pb2
 from trio_sidecar.errors import ErrorKind, status_to_error
 from trio_sidecar.model import EngineConfig
-
-from real_vllm_client import open_direct_channel
-from real_vllm_helpers import collect, drop_outcome, race_attempts, unique_id
-from real_vllm_server import MAX_MODEL_LEN, SERVED_MODEL_NAME
 
 PROMPT = [5, 6, 7, 8]
 LONG = MAX_MODEL_LEN - len(PROMPT)

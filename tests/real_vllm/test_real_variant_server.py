@@ -24,13 +24,6 @@ from pathlib import Path
 
 import pytest
 import trio
-
-from trio_sidecar import HealthKind, KvEventSource, SidecarConfig, WorkerOptions, discover, open_sidecar
-from trio_sidecar._proto.grpc.health.v1 import health_pb2
-from trio_sidecar._proto.vllm import control_pb2
-from trio_sidecar.mock import MockConfig, open_mock_server
-from trio_sidecar.status import StatusCode
-
 from real_vllm_client import open_direct_channel, rpc_error_types
 from real_vllm_health import assert_left_serving, observe_shutdown
 from real_vllm_helpers import collect, generate_request, unique_id
@@ -44,6 +37,12 @@ from real_vllm_server import (
     process_exited,
 )
 from real_vllm_wire import RawMessage, decode, scalar_fields
+
+from trio_sidecar import HealthKind, KvEventSource, SidecarConfig, WorkerOptions, discover, open_sidecar
+from trio_sidecar._proto.grpc.health.v1 import health_pb2
+from trio_sidecar._proto.vllm import control_pb2
+from trio_sidecar.mock import MockConfig, open_mock_server
+from trio_sidecar.status import StatusCode
 
 MAX_LORAS = 2
 ALLOWED_PREFIXES = "VLLM_RUNTIME_LORA_ALLOWED_PATH_PREFIXES"

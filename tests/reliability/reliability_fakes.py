@@ -340,7 +340,7 @@ class MockProcess:
     async def start(self, *, timeout: float = 60.0) -> int:
         assert self.process is None
         command = [sys.executable, "-m", "trio_sidecar", "mock", "--listen", f"127.0.0.1:{self.port}", *self.args]
-        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        log = open(self.log_path, "ab")  # noqa: SIM115, ASYNC230 - handed to the child; opening a local file does not block
         try:
             self.process = await trio.lowlevel.open_process(
                 command, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL

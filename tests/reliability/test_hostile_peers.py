@@ -14,12 +14,12 @@ import h2.events
 import pytest
 import trio
 from hostile_peers import (
+    DATA,
     EMPTY_SETTINGS,
     FRAME_SIZE_ERROR,
     PING_FRAME,
     PREFACE,
     SETTINGS_ACK,
-    DATA,
     H2Peer,
     frame_header,
     goaway_codes,
@@ -222,7 +222,7 @@ async def test_a_peer_that_reads_its_acks_may_ping_as_much_as_it_likes(tmp_path)
                     await peer.stream.send_all(PING_FRAME * 2000)
                     pings += 2000
                     await peer.wait_for(
-                        lambda: sum(isinstance(e, h2.events.PingAcknowledged) for e in peer.events) >= pings
+                        lambda pings=pings: sum(isinstance(e, h2.events.PingAcknowledged) for e in peer.events) >= pings
                     )
                     peer.events.clear()
                     pings = 0

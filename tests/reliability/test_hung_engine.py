@@ -15,7 +15,6 @@ import json
 import logging
 import signal
 
-import pytest
 import trio
 from reliability_fakes import MockProcess, check_all, drive, mock_request, sidecar_config, sidecar_in_flight, wait_until
 

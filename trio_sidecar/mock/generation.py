@@ -176,7 +176,7 @@ class TokenPlan(Sequence[int]):
         if isinstance(other, TokenPlan):
             return (self._seed, self._length) == (other._seed, other._length)
         if isinstance(other, Sequence) and not isinstance(other, str):
-            return len(other) == self._length and all(a == b for a, b in zip(self, other))
+            return len(other) == self._length and all(a == b for a, b in zip(self, other, strict=True))
         return NotImplemented
 
     __hash__ = None  # type: ignore[assignment]  # equal to tuples, so not hashable consistently
