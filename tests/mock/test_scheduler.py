@@ -126,7 +126,9 @@ def test_budget_error_with_chunked_prefill_off():
     check_prompt(args, 8)
     # Chunked prefill on, or no budget: any length that fits the pool is fine.
     check_prompt(engine_args_from_mapping({**BASE, "max_num_batched_tokens": 8}), 100)
-    check_prompt(engine_args_from_mapping({**BASE, "enable_chunked_prefill": False, "max_num_batched_tokens": None}), 100)
+    check_prompt(
+        engine_args_from_mapping({**BASE, "enable_chunked_prefill": False, "max_num_batched_tokens": None}), 100
+    )
 
 
 async def test_submit_raises_budget_error():

@@ -163,9 +163,16 @@ async def test_role_validation():
     async with running_mock(disaggregation_mode="prefill") as (_, ch):
         err = await rpc_error(collect(ch, gen()))
         assert (err.code, err.message) == (C.FAILED_PRECONDITION, "prefill mock server requires do_remote_decode=true")
-        both = gen(kv=pb.KVCacheParameters(kv_transfer_params=struct({"do_remote_decode": True, "do_remote_prefill": True})))
+        both = gen(
+            kv=pb.KVCacheParameters(kv_transfer_params=struct({"do_remote_decode": True, "do_remote_prefill": True}))
+        )
         assert (await rpc_error(collect(ch, both))).code == C.INVALID_ARGUMENT
-        for key, value in (("remote_engine_id", "e"), ("remote_host", "h"), ("remote_port", 1), ("remote_block_ids", [0])):
+        for key, value in (
+            ("remote_engine_id", "e"),
+            ("remote_host", "h"),
+            ("remote_port", 1),
+            ("remote_block_ids", [0]),
+        ):
             params = struct({"do_remote_decode": True, key: value})
             err = await rpc_error(collect(ch, gen(kv=pb.KVCacheParameters(kv_transfer_params=params))))
             assert err.code == C.INVALID_ARGUMENT and key in err.message
@@ -206,7 +213,10 @@ async def test_prefill_handoff_round_trips_through_a_decode_server_and_needs_the
         err = await rpc_error(collect(decode_ch, decode))
         assert err.code == C.INVALID_ARGUMENT and "mocker_request_id" in err.message
         err = await rpc_error(collect(decode_ch, gen()))
-        assert (err.code, err.message) == (C.FAILED_PRECONDITION, "decode mock server requires a prefill KV transfer payload")
+        assert (err.code, err.message) == (
+            C.FAILED_PRECONDITION,
+            "decode mock server requires a prefill KV transfer payload",
+        )
         assert mock.active_request_count() == 0
 
 
@@ -244,7 +254,12 @@ async def test_control_values():
         assert info.instance_id == "trio-sidecar-mock-aggregated"
         assert info.HasField("rl_capabilities") and info.rl_capabilities == control_pb2.RlCapabilities()  # as vLLM
         p = info.parallelism
-        assert (p.tensor_parallel_size, p.pipeline_parallel_size, p.data_parallel_size, p.data_parallel_rank) == (1, 1, 2, 0)
+        assert (p.tensor_parallel_size, p.pipeline_parallel_size, p.data_parallel_size, p.data_parallel_rank) == (
+            1,
+            1,
+            2,
+            0,
+        )
         assert (p.decode_context_parallel_size, p.world_size, p.data_parallel_size_local) == (1, 1, 2)
         assert (info.max_model_len, info.kv_block_size, info.total_kv_blocks) == (512, 4, 200)
         assert (info.max_running_requests, info.max_batched_tokens, info.max_loras) == (64, 1024, 0)
@@ -356,7 +371,13 @@ async def test_slow_consumer_survives():
 
 @pytest.mark.parametrize(
     ("mode", "caching", "dp_size", "count"),
-    [("aggregated", True, 1, 1), ("prefill", True, 1, 1), ("decode", True, 1, 0), ("aggregated", False, 1, 0), ("aggregated", True, 2, 2)],
+    [
+        ("aggregated", True, 1, 1),
+        ("prefill", True, 1, 1),
+        ("decode", True, 1, 0),
+        ("aggregated", False, 1, 0),
+        ("aggregated", True, 2, 2),
+    ],
 )
 async def test_kv_event_source_counts(mode, caching, dp_size, count):
     engine_args = {"enable_prefix_caching": caching, "dp_size": dp_size}
@@ -476,8 +497,10 @@ async def test_call_records_tell_how_each_request_ended_and_are_kept_after_it():
     async with running_mock() as (mock, ch):
         assert mock.call_record("never") is None
         done = await collect(ch, gen("done", max_new_tokens=3))
-        assert mock.call_record("done") == CallRecord("done", len(stream_tokens(done)), "finish") == CallRecord(
-            "done", 3, "finish"
+        assert (
+            mock.call_record("done")
+            == CallRecord("done", len(stream_tokens(done)), "finish")
+            == CallRecord("done", 3, "finish")
         )
         await collect(ch, gen("done", max_new_tokens=1))  # the same id again: the last call is kept
         assert mock.call_record("done") == CallRecord("done", 1, "finish")
@@ -507,7 +530,9 @@ async def test_dropped_stream_frees_its_slot_and_spares_the_others():
     async with running_mock(engine_args={"speedup_ratio": 0.1}) as (mock, ch):
         async with ch.unary_stream(GENERATE_STREAM, gen("keep", max_new_tokens=10_000), pb.GenerateResponse) as keep:
             await keep.__anext__()
-            async with ch.unary_stream(GENERATE_STREAM, gen("drop", max_new_tokens=10_000), pb.GenerateResponse) as drop:
+            async with ch.unary_stream(
+                GENERATE_STREAM, gen("drop", max_new_tokens=10_000), pb.GenerateResponse
+            ) as drop:
                 await drop.__anext__()
                 await drop.__anext__()  # the first token
             # Left the block: RST_STREAM. The dropped request leaves within 2 s...
@@ -590,8 +615,10 @@ async def test_kv_events_for_a_two_block_prompt_and_its_eviction():
             # A 16-token prompt needs the whole pool: the cached blocks are evicted.
             await collect(ch, gen("kv-2", prompt=tuple(range(500, 516)), max_new_tokens=1))
             later = await receive_events(
-                lambda evs: {h for _, b in evs for e in b if e["type"] == "BlockRemoved" for h in e["block_hashes"]}
-                >= set(hashes[:2])
+                lambda evs: (
+                    {h for _, b in evs for e in b if e["type"] == "BlockRemoved" for h in e["block_hashes"]}
+                    >= set(hashes[:2])
+                )
             )
             seqs = [s for s, _ in stored + later]
             assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
@@ -646,7 +673,9 @@ async def test_health_check_watch_and_graceful_shutdown():
 async def test_dp_rank_metadata_and_least_loaded_choice():
     async with running_mock(engine_args={"dp_size": 2, **SLOW}) as (mock, ch):
         rank1 = [("x-data-parallel-rank", "1")]
-        async with ch.unary_stream(GENERATE_STREAM, gen("on-1", max_new_tokens=10_000), pb.GenerateResponse, metadata=rank1) as s1:
+        async with ch.unary_stream(
+            GENERATE_STREAM, gen("on-1", max_new_tokens=10_000), pb.GenerateResponse, metadata=rank1
+        ) as s1:
             await s1.__anext__()
             with trio.fail_after(5):
                 await mock.metrics_value(1).wait_value(lambda m: m.running_requests == 1)
@@ -657,7 +686,9 @@ async def test_dp_rank_metadata_and_least_loaded_choice():
                 with trio.fail_after(5):
                     await mock.metrics_value(0).wait_value(lambda m: m.running_requests == 1)
                 # Tie (1, 1) → the lowest rank.
-                async with ch.unary_stream(GENERATE_STREAM, gen("tie", max_new_tokens=10_000), pb.GenerateResponse) as s3:
+                async with ch.unary_stream(
+                    GENERATE_STREAM, gen("tie", max_new_tokens=10_000), pb.GenerateResponse
+                ) as s3:
                     await s3.__anext__()
                     with trio.fail_after(5):
                         await mock.metrics_value(0).wait_value(lambda m: m.running_requests + m.waiting_requests == 2)
@@ -718,7 +749,9 @@ def test_parse_listen_accepts_literal_ips(text, expected):
     assert parse_listen(text) == expected
 
 
-@pytest.mark.parametrize("text", ["localhost:1", "127.0.0.1", "::1:80", "[127.0.0.1]:80", "127.0.0.1:x", "1.2.3.4:65536"])
+@pytest.mark.parametrize(
+    "text", ["localhost:1", "127.0.0.1", "::1:80", "[127.0.0.1]:80", "127.0.0.1:x", "1.2.3.4:65536"]
+)
 def test_parse_listen_rejects_everything_else(text):
     with pytest.raises(MockConfigError, match="invalid listen address"):
         parse_listen(text)

@@ -227,7 +227,6 @@ def unknown_key_message(key: object) -> str:
     return f"unknown engine arg '{key}'{suggestion} (valid keys: {', '.join(valid)})"
 
 
-
 def load_engine_args_text(value: str) -> str:
     """Return the JSON text of ``--extra-engine-args``: the value itself when it is inline JSON (after
     leading whitespace it starts with ``{``, docs/reference/mock.md#cli), else the content of the file it names.
@@ -287,12 +286,9 @@ def parse_engine_args(value: str | None) -> EngineArgs:
     except json.JSONDecodeError as exc:
         if exc.msg == "Extra data":
             raise EngineArgsError(
-                f"invalid engine args JSON: trailing data after the JSON value "
-                f"at line {exc.lineno} column {exc.colno}"
+                f"invalid engine args JSON: trailing data after the JSON value at line {exc.lineno} column {exc.colno}"
             ) from None
-        raise EngineArgsError(
-            f"invalid engine args JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
-        ) from None
+        raise EngineArgsError(f"invalid engine args JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     if not isinstance(obj, dict):
         raise EngineArgsError(
             f"engine args must be a JSON object such as '{{\"speedup_ratio\": 0}}', not a JSON {_json_kind(obj)}"

@@ -68,7 +68,9 @@ TOKEN_BASE = 1000
 TOKEN_SPAN = 31000
 DEFAULT_MAX_NEW_TOKENS = 20  # StoppingCriteria.max_new_tokens == 0 means this (docs/reference/wire.md#default-values)
 MAX_NEW_TOKENS_LIMIT = 32768  # the upstream stack's limit (docs/reference/mock.md#request-validation row 16)
-MAX_CANDIDATES = 20  # per position; more are truncated, not rejected (docs/reference/mock.md#text-logprobs-and-candidates)
+MAX_CANDIDATES = (
+    20  # per position; more are truncated, not rejected (docs/reference/mock.md#text-logprobs-and-candidates)
+)
 
 FinishReason = pb.FinishInfo.FinishReason
 

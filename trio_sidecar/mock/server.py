@@ -540,9 +540,7 @@ class MockServer:
                 call.abort()
         elif mode is _rl.PauseMode.WAIT:
             pending = list(self._routes.values())
-            await self._active.wait_value(
-                lambda _: not any(self._routes.get(c.prepared.uuid) is c for c in pending)
-            )
+            await self._active.wait_value(lambda _: not any(self._routes.get(c.prepared.uuid) is c for c in pending))
 
 
 # --- servicers -------------------------------------------------------------------------------------------
@@ -578,7 +576,9 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
         finally:
             call.release()
 
-    async def GenerateStream(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse | FramedMessages]:  # noqa: N802
+    async def GenerateStream(
+        self, request: pb.GenerateRequest, context: Any
+    ) -> AsyncIterator[pb.GenerateResponse | FramedMessages]:  # noqa: N802
         call = self._server._begin("GenerateStream", request, context)
         try:
             rejection = self._server._submit(call)
@@ -731,7 +731,9 @@ class _ControlServicer(control_grpc.ControlServicer):
     # --- RL (docs/reference/mock.md#rl-controls) -------------------------------------------------------
 
     @_recorded
-    async def PauseGeneration(self, request: control_pb2.PauseGenerationRequest, context: Any) -> control_pb2.PauseGenerationResponse:  # noqa: N802
+    async def PauseGeneration(
+        self, request: control_pb2.PauseGenerationRequest, context: Any
+    ) -> control_pb2.PauseGenerationResponse:  # noqa: N802
         mode = self._server.rl.pause(_rl.PauseMode.from_proto(request.mode))
         await self._server._apply_pause(mode)
         return control_pb2.PauseGenerationResponse()
@@ -762,7 +764,9 @@ class _ControlServicer(control_grpc.ControlServicer):
         return control_pb2.IsSleepingResponse(sleeping=self._server.rl.sleeping)
 
     @_recorded
-    async def InitWeightTransferEngine(self, request: control_pb2.InitWeightTransferEngineRequest, context: Any) -> control_pb2.InitWeightTransferEngineResponse:  # noqa: N802
+    async def InitWeightTransferEngine(
+        self, request: control_pb2.InitWeightTransferEngineRequest, context: Any
+    ) -> control_pb2.InitWeightTransferEngineResponse:  # noqa: N802
         self._server.rl.init_weight_transfer(request.init_info_json)
         return control_pb2.InitWeightTransferEngineResponse()
 
@@ -777,18 +781,24 @@ class _ControlServicer(control_grpc.ControlServicer):
         return control_pb2.StartDraftWeightUpdateResponse()
 
     @_recorded
-    async def UpdateWeights(self, request: control_pb2.UpdateWeightsRequest, context: Any) -> control_pb2.UpdateWeightsResponse:  # noqa: N802
+    async def UpdateWeights(
+        self, request: control_pb2.UpdateWeightsRequest, context: Any
+    ) -> control_pb2.UpdateWeightsResponse:  # noqa: N802
         self._server.rl.update_weights(request.update_info_json)
         return control_pb2.UpdateWeightsResponse()
 
     @_recorded
-    async def FinishWeightUpdate(self, request: control_pb2.FinishWeightUpdateRequest, context: Any) -> control_pb2.FinishWeightUpdateResponse:  # noqa: N802
+    async def FinishWeightUpdate(
+        self, request: control_pb2.FinishWeightUpdateRequest, context: Any
+    ) -> control_pb2.FinishWeightUpdateResponse:  # noqa: N802
         version = request.weight_version if request.HasField("weight_version") else None
         self._server.rl.finish_weight_update(version)
         return control_pb2.FinishWeightUpdateResponse()
 
     @_recorded
-    async def UpdateWeightVersion(self, request: control_pb2.UpdateWeightVersionRequest, context: Any) -> control_pb2.UpdateWeightVersionResponse:  # noqa: N802
+    async def UpdateWeightVersion(
+        self, request: control_pb2.UpdateWeightVersionRequest, context: Any
+    ) -> control_pb2.UpdateWeightVersionResponse:  # noqa: N802
         self._server.rl.set_weight_version(request.weight_version)
         return control_pb2.UpdateWeightVersionResponse()
 
@@ -951,7 +961,9 @@ async def open_mock_server(config: MockConfig) -> AsyncIterator[MockServer]:
             pub.close()
 
 
-async def serve_mock(config: MockConfig, *, task_status: trio.TaskStatus[MockServer] = trio.TASK_STATUS_IGNORED) -> NoReturn:
+async def serve_mock(
+    config: MockConfig, *, task_status: trio.TaskStatus[MockServer] = trio.TASK_STATUS_IGNORED
+) -> NoReturn:
     """Run a mock server until cancelled: ``mock = await nursery.start(serve_mock, config)``.
 
     ``task_status.started`` receives the running :class:`MockServer`. Raises as :func:`open_mock_server`.
