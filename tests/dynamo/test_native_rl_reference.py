@@ -13,7 +13,7 @@ import pytest
 from dynamo_harness import FAST_ENGINE_ARGS, free_system_port
 
 from trio_sidecar._proto.vllm import control_pb2
-from trio_sidecar.dynamo import local
+from trio_sidecar._devtools import local
 
 pytestmark = pytest.mark.dynamo
 
