@@ -194,7 +194,7 @@ class OutputPlan:
     """What the scheduler will emit for one request, decided up front (docs/reference/mock.md#termination)."""
 
     tokens: Sequence[int]
-    finish_reason: int  # FinishReason.LENGTH or FinishReason.STOP
+    finish_reason: pb.FinishInfo.FinishReason  # FinishReason.LENGTH or FinishReason.STOP
     stop_token_id: int | None = None
 
 

@@ -134,7 +134,7 @@ class SimRequest:
 
     uuid: str
     prompt: tuple[int, ...]
-    plan: tuple[int, ...]
+    plan: Sequence[int]  # a TokenPlan: computed on demand
     cache_salt: str = ""
     bypass_prefix_cache: bool = False
     priority: int = 0  # recorded, not used for ordering (as upstream)
