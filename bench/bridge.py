@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import trio  # noqa: E402
 
-from trio_sidecar.dynamo.bridge import AsyncioThread, RequestBridge  # noqa: E402
+from trio_sidecar.dynamo.bridge import RequestBridge  # noqa: E402
+from trio_sidecar.dynamo.thread import AsyncioThread  # noqa: E402
 
 
 class _Chunk:

@@ -75,7 +75,7 @@ sys.path.insert(0, str(REPO))
 
 import psutil  # noqa: E402
 
-from trio_sidecar.dynamo import local  # noqa: E402
+from trio_sidecar._devtools import local  # noqa: E402
 
 MODEL = "tiny"
 

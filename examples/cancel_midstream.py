@@ -62,7 +62,7 @@ async def main() -> int:
                 table.add_row("after the stream", *map(str, counters(mock)))
                 drained = False
                 with trio.move_on_after(5):
-                    while counters(mock)[:3] != (0, 0, 0) or not mock.abort_calls:
+                    while counters(mock)[:3] != (0, 0, 0) or not mock.abort_calls:  # noqa: ASYNC110 - polls the mock's counters
                         await trio.sleep(0.01)
                     drained = True
                 table.add_row("drained" if drained else "after 5 s", *map(str, counters(mock)))

@@ -79,13 +79,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     try:
-        from trio_sidecar.dynamo import local
+        from trio_sidecar._devtools import local
     except ImportError as exc:  # pragma: no cover - the package itself is missing
         console.print(f"[red]error:[/] {exc}")
         return 1
     if importlib.util.find_spec("dynamo") is None or importlib.util.find_spec("dynamo.frontend") is None:
-        console.print("[red]error:[/] Dynamo 1.6.1 is not installed; run "
-                      "`scripts/install-dynamo.sh .venv/bin/python` (or `make demo`)")
+        console.print(
+            "[red]error:[/] Dynamo 1.6.1 is not installed; run "
+            "`scripts/install-dynamo.sh .venv/bin/python` (or `make demo`)"
+        )
         return 1
 
     workdir = Path(tempfile.mkdtemp(prefix="trio-sidecar-demo-"))
@@ -98,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"tiny model directory: {model_dir}")
 
         with console.status("starting the mock vLLM gRPC server ..."):
-            mock, address = local.start_mock(workdir, env, model=str(model_dir), served_model_name="tiny",
-                                             engine_args={"speedup_ratio": 1.0})
+            mock, address = local.start_mock(
+                workdir, env, model=str(model_dir), served_model_name="tiny", engine_args={"speedup_ratio": 1.0}
+            )
         processes.append(mock)
         console.print(f"[green]✓[/] mock vLLM (pid {mock.pid}) on {address}")
         _show_discovered_model(address)
@@ -110,17 +113,26 @@ def main(argv: list[str] | None = None) -> int:
             sidecar = local.start_trio_sidecar(workdir, env, address, namespace="demo")
             processes.append(sidecar)
             waited = local.wait_for_models(http_port, ["tiny"], timeout=180, watch=[frontend, sidecar, mock])
-        console.print(f"[green]✓[/] trio-sidecar run (pid {sidecar.pid}) registered `tiny`; "
-                      f"frontend (pid {frontend.pid}) on http://127.0.0.1:{http_port} "
-                      f"(ready in {waited:.1f}s)")
-        console.print(f"[dim]$ curl -sN http://127.0.0.1:{http_port}/v1/chat/completions "
-                      f"-d '{{\"model\": \"tiny\", \"stream\": true, ...}}'[/]")
+        console.print(
+            f"[green]✓[/] trio-sidecar run (pid {sidecar.pid}) registered `tiny`; "
+            f"frontend (pid {frontend.pid}) on http://127.0.0.1:{http_port} "
+            f"(ready in {waited:.1f}s)"
+        )
+        console.print(
+            f"[dim]$ curl -sN http://127.0.0.1:{http_port}/v1/chat/completions "
+            f'-d \'{{"model": "tiny", "stream": true, ...}}\'[/]'
+        )
 
         console.rule("[bold]streamed chat completion")
         console.print(f"[bold]user:[/] {args.prompt}")
         console.print("[bold]assistant:[/] ", end="")
-        payload = {"model": "tiny", "messages": [{"role": "user", "content": args.prompt}],
-                   "max_tokens": args.max_tokens, "stream": True, "stream_options": {"include_usage": True}}
+        payload = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": args.prompt}],
+            "max_tokens": args.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         usage = finish = None
         start = time.monotonic()
         with local.stream_sse(http_port, "/v1/chat/completions", payload) as events:
@@ -132,16 +144,20 @@ def main(argv: list[str] | None = None) -> int:
                     finish = choice.get("finish_reason") or finish
                 usage = event.get("usage") or usage
         console.out("")
-        console.print(f"[dim]finish_reason={finish} usage={usage} in {time.monotonic() - start:.2f}s "
-                      "(the mock's synthetic tokens are rendered as <token:ID>)[/]")
+        console.print(
+            f"[dim]finish_reason={finish} usage={usage} in {time.monotonic() - start:.2f}s "
+            "(the mock's synthetic tokens are rendered as <token:ID>)[/]"
+        )
 
         console.rule("[bold]shutdown")
         sidecar.send_signal(signal.SIGTERM)
         gone = local.wait_for_no_model(http_port, "tiny", timeout=10)
         code = sidecar.wait(60)
-        console.print(f"[green]✓[/] SIGTERM: `tiny` left /v1/models after {gone:.2f}s; "
-                      f"trio-sidecar exited {code}" if gone is not None else
-                      f"[red]✗[/] `tiny` still listed after SIGTERM; trio-sidecar exited {code}")
+        console.print(
+            f"[green]✓[/] SIGTERM: `tiny` left /v1/models after {gone:.2f}s; trio-sidecar exited {code}"
+            if gone is not None
+            else f"[red]✗[/] `tiny` still listed after SIGTERM; trio-sidecar exited {code}"
+        )
         ok = gone is not None and code == 0 and finish is not None
     except KeyboardInterrupt:
         console.print("\n[yellow]interrupted[/]")

@@ -47,9 +47,7 @@ def mock_config(mode: str) -> MockConfig:
 
 
 def sidecar_config(address: str, mode: str) -> SidecarConfig:
-    return SidecarConfig(
-        grpc_endpoint=address, disaggregation_mode=mode, grpc_connections=1, startup_deadline=30.0
-    )
+    return SidecarConfig(grpc_endpoint=address, disaggregation_mode=mode, grpc_connections=1, startup_deadline=30.0)
 
 
 async def main() -> int:
@@ -61,12 +59,14 @@ async def main() -> int:
         "extra_args": {"mm_hashes": ["0123456789abcdef"]},
     }
     try:
-        async with open_mock_server(mock_config("prefill")) as prefill_mock, open_mock_server(
-            mock_config("decode")
-        ) as decode_mock:
-            async with open_sidecar(sidecar_config(prefill_mock.address, "prefill")) as prefill, open_sidecar(
-                sidecar_config(decode_mock.address, "decode")
-            ) as decode:
+        async with (
+            open_mock_server(mock_config("prefill")) as prefill_mock,
+            open_mock_server(mock_config("decode")) as decode_mock,
+        ):
+            async with (
+                open_sidecar(sidecar_config(prefill_mock.address, "prefill")) as prefill,
+                open_sidecar(sidecar_config(decode_mock.address, "decode")) as decode,
+            ):
                 ctx = GenerateContext("disagg-1")
                 async with prefill.generate(request, ctx) as chunks:
                     prefill_chunks = [chunk async for chunk in chunks]

@@ -26,8 +26,18 @@ LOCAL_ROOTS = ("vllm", "grpc.health")
 def _rewrite_imports(text: str) -> str:
     for root in LOCAL_ROOTS:
         escaped = re.escape(root)
-        text = re.sub(rf"^from {escaped}(\.[\w.]*)? import ", lambda m: f"from {PACKAGE}.{root}{m.group(1) or ''} import ", text, flags=re.M)
-        text = re.sub(rf"^import {escaped}(\.[\w.]+) as ", lambda m: f"import {PACKAGE}.{root}{m.group(1)} as ", text, flags=re.M)
+        text = re.sub(
+            rf"^from {escaped}(\.[\w.]*)? import ",
+            lambda m, root=root: f"from {PACKAGE}.{root}{m.group(1) or ''} import ",
+            text,
+            flags=re.M,
+        )
+        text = re.sub(
+            rf"^import {escaped}(\.[\w.]+) as ",
+            lambda m, root=root: f"import {PACKAGE}.{root}{m.group(1)} as ",
+            text,
+            flags=re.M,
+        )
     return text
 
 

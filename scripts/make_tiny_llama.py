@@ -29,10 +29,7 @@ def corpus() -> list[str]:
     verbs = ["streams", "returns", "cancels", "aborts", "generates", "reports", "serves"]
     objects = ["tokens", "logprobs", "a finish reason", "health status", "prompt info", "the output"]
     tails = ["quickly.", "on the CPU.", "over gRPC.", "with Trio!", "in 2026?", "for Dynamo, 123 times."]
-    return [
-        f"{s} {v} {o} {t}"
-        for s, v, o, t in itertools.product(subjects, verbs, objects, tails)
-    ]
+    return [f"{s} {v} {o} {t}" for s, v, o, t in itertools.product(subjects, verbs, objects, tails)]
 
 
 def build_tokenizer(out: Path):
@@ -102,15 +99,13 @@ def main(argv: list[str]) -> int:
     fast = build_tokenizer(out)
     n = build_model(out, len(fast))
     # Sanity: the chat template renders and round-trips through the tokenizer.
-    text = fast.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False,
-                                    add_generation_prompt=True)
+    text = fast.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False, add_generation_prompt=True)
     ids = fast(text)["input_ids"]
     if fast.decode(ids) != text:
         raise SystemExit(f"tokenizer round trip failed for {text!r}")
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     files = sorted(p.name for p in out.iterdir())
-    print(json.dumps({"out": str(out), "parameters": n, "vocab_size": len(fast), "bytes": size,
-                      "files": files}))
+    print(json.dumps({"out": str(out), "parameters": n, "vocab_size": len(fast), "bytes": size, "files": files}))
     return 0
 
 

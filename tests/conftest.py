@@ -65,6 +65,9 @@ SLOW_MODULES = frozenset(
         "tests/reliability/test_health_flaps.py",
         "tests/reliability/test_mock_restart.py",
         "tests/reliability/test_slow_consumer.py",
+        "tests/reliability/test_hung_engine.py",
+        "tests/reliability/test_hostile_peers.py",
+        "tests/reliability/test_mock_process_load.py",
         "tests/transport/test_transport_stress.py",
         "tests/sidecar/test_sidecar_stress.py",
     }

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import trio
 
-from trio_sidecar.dynamo import local
+from trio_sidecar._devtools import local
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -154,8 +154,8 @@ class Deployment:
         return proc
 
     def native_sidecar(self, mock: MockThread, *extra: str, namespace: str | None = None,
-                       name: str = "native-sidecar") -> local.Process:
-        proc = local.start_native_sidecar(self.workdir, self.env, mock.address,
+                       name: str = "native-sidecar", env: dict[str, str] | None = None) -> local.Process:
+        proc = local.start_native_sidecar(self.workdir, {**self.env, **(env or {})}, mock.address,
                                           namespace=namespace or self.namespace, extra=extra, name=name)
         self.processes.append(proc)
         return proc

@@ -16,7 +16,7 @@ A :class:`Topology` says how the Dynamo processes find each other:
 Both Dynamo 1.6.1 processes read the same variables: ``ETCD_ENDPOINTS`` (comma list of URLs, default
 ``http://localhost:2379``) and ``NATS_SERVER`` (default ``nats://localhost:4222``); the flags
 ``--discovery-backend/--request-plane/--event-plane`` select the backends. The flags are appended after the
-ones :mod:`trio_sidecar.dynamo.local` passes, and both ``dynamo.frontend`` and ``trio-sidecar run`` take the
+ones :mod:`trio_sidecar._devtools.local` passes, and both ``dynamo.frontend`` and ``trio-sidecar run`` take the
 last value of a repeated flag; the native sidecar (a clap parser, which rejects a repeated flag) gets its own
 command line here.
 """
@@ -36,7 +36,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from trio_sidecar.dynamo import local
+from trio_sidecar._devtools import local
 
 LOOPBACK = local.LOOPBACK
 READY_TIMEOUT = 30.0
@@ -98,9 +98,13 @@ def etcd_get_prefix(port: int, prefix: str) -> dict[str, tuple[str, int]]:
     finally:
         conn.close()
     assert resp.status == 200, body
-    return {base64.b64decode(kv["key"]).decode(errors="replace"):
-            (base64.b64decode(kv.get("value", "")).decode(errors="replace"), int(kv.get("lease", 0)))
-            for kv in body.get("kvs", [])}
+    return {
+        base64.b64decode(kv["key"]).decode(errors="replace"): (
+            base64.b64decode(kv.get("value", "")).decode(errors="replace"),
+            int(kv.get("lease", 0)),
+        )
+        for kv in body.get("kvs", [])
+    }
 
 
 class _Server:
@@ -124,8 +128,12 @@ class _Server:
     def start(self, timeout: float = READY_TIMEOUT) -> None:
         assert self.proc is None or not self.proc.alive(), f"{self.name} is already running"
         self.starts += 1
-        self.proc = local.Process(self.name, self.argv(), env={"PATH": "/usr/bin:/bin"},
-                                  log_path=self.workdir / f"{self.name}-{self.starts}.log")
+        self.proc = local.Process(
+            self.name,
+            self.argv(),
+            env={"PATH": "/usr/bin:/bin"},
+            log_path=self.workdir / f"{self.name}-{self.starts}.log",
+        )
         deadline = time.monotonic() + timeout
         while not self.ready():
             if not self.proc.alive():
@@ -172,11 +180,27 @@ class EtcdServer(_Server):
 
     def argv(self) -> list[str]:
         peer = f"http://{LOOPBACK}:{self.peer_port}"
-        return [_binary("etcd"), "--name", "suite", "--data-dir", str(self.data_dir),
-                "--listen-client-urls", self.endpoint, "--advertise-client-urls", self.endpoint,
-                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"suite={peer}", "--initial-cluster-state", "new",
-                "--log-level", "warn"]
+        return [
+            _binary("etcd"),
+            "--name",
+            "suite",
+            "--data-dir",
+            str(self.data_dir),
+            "--listen-client-urls",
+            self.endpoint,
+            "--advertise-client-urls",
+            self.endpoint,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"suite={peer}",
+            "--initial-cluster-state",
+            "new",
+            "--log-level",
+            "warn",
+        ]
 
     def ready(self) -> bool:
         return _http_ok(self.client_port, "/health")
@@ -212,8 +236,18 @@ class NatsServer(_Server):
         return f"nats://{LOOPBACK}:{self.port}"
 
     def argv(self) -> list[str]:
-        return [_binary("nats-server"), "--addr", LOOPBACK, "--port", str(self.port),
-                "--http_port", str(self.monitor_port), "--jetstream", "--store_dir", str(self.data_dir)]
+        return [
+            _binary("nats-server"),
+            "--addr",
+            LOOPBACK,
+            "--port",
+            str(self.port),
+            "--http_port",
+            str(self.monitor_port),
+            "--jetstream",
+            "--store_dir",
+            str(self.data_dir),
+        ]
 
     def ready(self) -> bool:
         # /healthz answers 200 once the client listener and JetStream are up.
@@ -258,8 +292,13 @@ def etcd_nats_env(services: EtcdNats, base: Mapping[str, str] | None = None, **e
     """Environment for Dynamo processes on etcd discovery and the NATS planes (loopback hosts kept)."""
     env = local.dynamo_env("/nonexistent-file-kv", base)
     env.pop("DYN_FILE_KV")
-    env.update(DYN_DISCOVERY_BACKEND="etcd", DYN_REQUEST_PLANE="nats", DYN_EVENT_PLANE="nats",
-               ETCD_ENDPOINTS=services.etcd.endpoint, NATS_SERVER=services.nats.url)
+    env.update(
+        DYN_DISCOVERY_BACKEND="etcd",
+        DYN_REQUEST_PLANE="nats",
+        DYN_EVENT_PLANE="nats",
+        ETCD_ENDPOINTS=services.etcd.endpoint,
+        NATS_SERVER=services.nats.url,
+    )
     env.update(extra)
     return env
 
@@ -271,11 +310,27 @@ def make_topology(name: str, workdir: Path, services: EtcdNats | None = None) ->
     return Topology(name, etcd_nats_env(services), ETCD_NATS_FLAGS, services)
 
 
-def start_native_sidecar(workdir: Path, topology: Topology, grpc_endpoint: str, *, namespace: str,
-                         extra: Sequence[str] = (), name: str = "native-sidecar") -> local.Process:
+def start_native_sidecar(
+    workdir: Path,
+    topology: Topology,
+    grpc_endpoint: str,
+    *,
+    namespace: str,
+    extra: Sequence[str] = (),
+    name: str = "native-sidecar",
+) -> local.Process:
     """``python -m dynamo.vllm.sidecar`` with the topology's backends (its parser rejects repeated flags)."""
-    argv = [sys.executable, "-m", "dynamo.vllm.sidecar", "--grpc-endpoint", grpc_endpoint,
-            *topology.flags, "--namespace", namespace, *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "dynamo.vllm.sidecar",
+        "--grpc-endpoint",
+        grpc_endpoint,
+        *topology.flags,
+        "--namespace",
+        namespace,
+        *extra,
+    ]
     return local.Process(name, argv, env=topology.env, log_path=workdir / f"{name}.log")
 
 
@@ -287,8 +342,13 @@ def instances(port: int, namespace: str, endpoint: str = "generate") -> list[int
         return []
     if status != 200 or not isinstance(body, dict):
         return []
-    return sorted({i["instance_id"] for i in body.get("instances", [])
-                   if i.get("namespace") == namespace and i.get("endpoint") == endpoint})
+    return sorted(
+        {
+            i["instance_id"]
+            for i in body.get("instances", [])
+            if i.get("namespace") == namespace and i.get("endpoint") == endpoint
+        }
+    )
 
 
 @pytest.fixture(scope="module", name="etcd_nats")

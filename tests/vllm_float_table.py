@@ -58,7 +58,11 @@ TABLE: list[tuple[str, float, str | None]] = [
     ("repetition_penalty", INF, "repetition_penalty must be a finite number, got inf"),
     ("repetition_penalty", -INF, "repetition_penalty must be a finite number, got -inf"),
     ("repetition_penalty", -1.0, "repetition_penalty must be in (0, inf), got -1"),
-    ("repetition_penalty", -BIG, "repetition_penalty must be in (0, inf), got -100000000000000000000000000000000000000"),
+    (
+        "repetition_penalty",
+        -BIG,
+        "repetition_penalty must be in (0, inf), got -100000000000000000000000000000000000000",
+    ),
     ("repetition_penalty", 0.0, None),  # proto3 default: unset
     ("repetition_penalty", 0.5, None),
     ("repetition_penalty", 100.0, None),
@@ -67,8 +71,14 @@ TABLE: list[tuple[str, float, str | None]] = [
 
 # vLLM checks the fields in this order (measured with every pair of bad values): the first bad one is reported.
 ORDER = ["temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"]
-BAD = {"temperature": 5.0, "top_p": 5.0, "min_p": 5.0, "frequency_penalty": 5.0, "presence_penalty": 5.0,
-       "repetition_penalty": -5.0}
+BAD = {
+    "temperature": 5.0,
+    "top_p": 5.0,
+    "min_p": 5.0,
+    "frequency_penalty": 5.0,
+    "presence_penalty": 5.0,
+    "repetition_penalty": -5.0,
+}
 
 # logit_bias values are never checked: each of these is accepted.
 LOGIT_BIASES = [float("nan"), float("inf"), float("-inf"), -1e38, 1e38]

@@ -53,8 +53,13 @@ def configure_logging(level: str, *, logger: str = "trio_sidecar") -> None:
         from rich.console import Console
         from rich.logging import RichHandler
 
-        handler = RichHandler(console=Console(stderr=True), show_path=False, rich_tracebacks=False,
-                              log_time_format=_rich_time, omit_repeated_times=False)
+        handler = RichHandler(
+            console=Console(stderr=True),
+            show_path=False,
+            rich_tracebacks=False,
+            log_time_format=_rich_time,
+            omit_repeated_times=False,
+        )
     else:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(UtcFormatter())

@@ -73,73 +73,272 @@ class Option:
 
 OPTIONS: tuple[Option, ...] = (
     # vLLM gRPC transport (docs/reference/sidecar.md#configuration)
-    Option("--grpc-endpoint", "DYN_SIDECAR_GRPC_ENDPOINT", "grpc_endpoint", "sidecar", "", "str",
-           "vLLM gRPC endpoint (HOST:PORT, http://HOST:PORT or grpc://HOST:PORT); required", metavar="URL"),
-    Option("--grpc-connections", "DYN_SIDECAR_GRPC_CONNECTIONS", "grpc_connections", "sidecar", 8, "count",
-           "number of pooled gRPC connections", metavar="N"),
-    Option("--grpc-connect-attempt-timeout-secs", "DYN_SIDECAR_GRPC_CONNECT_ATTEMPT_TIMEOUT_SECS",
-           "connect_attempt_timeout", "sidecar", 30, "count", "per-attempt connect timeout, in seconds",
-           metavar="SECS"),
-    Option("--grpc-retry-interval-secs", "DYN_SIDECAR_GRPC_RETRY_INTERVAL_SECS", "retry_interval", "sidecar", 1,
-           "count", "fixed retry interval between connect attempts, in seconds", metavar="SECS"),
-    Option("--grpc-startup-deadline-secs", "DYN_SIDECAR_GRPC_STARTUP_DEADLINE_SECS", "startup_deadline",
-           "sidecar", 1800, "count", "maximum duration of each sidecar gRPC startup phase, in seconds",
-           metavar="SECS"),
+    Option(
+        "--grpc-endpoint",
+        "DYN_SIDECAR_GRPC_ENDPOINT",
+        "grpc_endpoint",
+        "sidecar",
+        "",
+        "str",
+        "vLLM gRPC endpoint (HOST:PORT, http://HOST:PORT or grpc://HOST:PORT); required",
+        metavar="URL",
+    ),
+    Option(
+        "--grpc-connections",
+        "DYN_SIDECAR_GRPC_CONNECTIONS",
+        "grpc_connections",
+        "sidecar",
+        8,
+        "count",
+        "number of pooled gRPC connections",
+        metavar="N",
+    ),
+    Option(
+        "--grpc-connect-attempt-timeout-secs",
+        "DYN_SIDECAR_GRPC_CONNECT_ATTEMPT_TIMEOUT_SECS",
+        "connect_attempt_timeout",
+        "sidecar",
+        30,
+        "count",
+        "per-attempt connect timeout, in seconds",
+        metavar="SECS",
+    ),
+    Option(
+        "--grpc-retry-interval-secs",
+        "DYN_SIDECAR_GRPC_RETRY_INTERVAL_SECS",
+        "retry_interval",
+        "sidecar",
+        1,
+        "count",
+        "fixed retry interval between connect attempts, in seconds",
+        metavar="SECS",
+    ),
+    Option(
+        "--grpc-startup-deadline-secs",
+        "DYN_SIDECAR_GRPC_STARTUP_DEADLINE_SECS",
+        "startup_deadline",
+        "sidecar",
+        1800,
+        "count",
+        "maximum duration of each sidecar gRPC startup phase, in seconds",
+        metavar="SECS",
+    ),
     # worker registration (docs/reference/sidecar.md#configuration)
-    Option("--disaggregation-mode", "DYN_DISAGGREGATION_MODE", "disaggregation_mode", "sidecar", "agg", "mode",
-           "worker role; aggregated is an alias of agg (encode is rejected)", metavar="MODE",
-           choices=("agg", "aggregated", "prefill", "decode")),
+    Option(
+        "--disaggregation-mode",
+        "DYN_DISAGGREGATION_MODE",
+        "disaggregation_mode",
+        "sidecar",
+        "agg",
+        "mode",
+        "worker role; aggregated is an alias of agg (encode is rejected)",
+        metavar="MODE",
+        choices=("agg", "aggregated", "prefill", "decode"),
+    ),
     Option("--namespace", "DYN_NAMESPACE", "namespace", "worker", "dynamo", "str", "Dynamo namespace"),
-    Option("--component", "DYN_COMPONENT", "component", "worker", "backend", "str",
-           "Dynamo component (honoured in aggregated mode only)"),
+    Option(
+        "--component",
+        "DYN_COMPONENT",
+        "component",
+        "worker",
+        "backend",
+        "str",
+        "Dynamo component (honoured in aggregated mode only)",
+    ),
     Option("--endpoint", "DYN_ENDPOINT", "endpoint", "worker", "generate", "str", "Dynamo endpoint name"),
-    Option("--endpoint-types", "DYN_ENDPOINT_TYPES", "endpoint_types", "worker", ("chat", "completions"),
-           "endpoint_types", "comma-separated endpoint types", metavar="TYPES",
-           choices=("chat", "completions")),
-    Option("--custom-jinja-template", "DYN_CUSTOM_JINJA_TEMPLATE", "custom_jinja_template", "worker", None,
-           "opt_str", "custom chat template path", metavar="PATH"),
-    Option("--dyn-tool-call-parser", "DYN_TOOL_CALL_PARSER", "tool_call_parser", "worker", None, "opt_str",
-           "must be unset (vLLM gRPC does not preserve the options the parsers need)", metavar="NAME"),
-    Option("--dyn-reasoning-parser", "DYN_REASONING_PARSER", "reasoning_parser", "worker", None, "opt_str",
-           "must be unset", metavar="NAME"),
-    Option("--exclude-tools-when-tool-choice-none", "DYN_EXCLUDE_TOOLS_WHEN_TOOL_CHOICE_NONE",
-           "exclude_tools_when_tool_choice_none", "worker", True, "bool_value", "passed through to the model card",
-           metavar="BOOL"),
-    Option("--route-to-encoder", "DYN_ROUTE_TO_ENCODER", "route_to_encoder", "worker", False, "switch",
-           "must be off"),
-    Option("--enable-rl", "DYN_ENABLE_RL", "enable_rl", "worker", False, "switch",
-           "must be off: RL controls are not supported by trio-sidecar"),
-    Option("--vllm-http-endpoint", "VLLM_HTTP_ENDPOINT", "vllm_http_endpoint", "worker", None, "opt_str",
-           "accepted for compatibility; ignored", metavar="URL"),
-    Option("--vllm-rl-world-size", "DYN_VLLM_RL_WORLD_SIZE", "vllm_rl_world_size", "worker", None, "opt_int",
-           "accepted for compatibility; ignored", metavar="N"),
+    Option(
+        "--endpoint-types",
+        "DYN_ENDPOINT_TYPES",
+        "endpoint_types",
+        "worker",
+        ("chat", "completions"),
+        "endpoint_types",
+        "comma-separated endpoint types",
+        metavar="TYPES",
+        choices=("chat", "completions"),
+    ),
+    Option(
+        "--custom-jinja-template",
+        "DYN_CUSTOM_JINJA_TEMPLATE",
+        "custom_jinja_template",
+        "worker",
+        None,
+        "opt_str",
+        "custom chat template path",
+        metavar="PATH",
+    ),
+    Option(
+        "--dyn-tool-call-parser",
+        "DYN_TOOL_CALL_PARSER",
+        "tool_call_parser",
+        "worker",
+        None,
+        "opt_str",
+        "must be unset (vLLM gRPC does not preserve the options the parsers need)",
+        metavar="NAME",
+    ),
+    Option(
+        "--dyn-reasoning-parser",
+        "DYN_REASONING_PARSER",
+        "reasoning_parser",
+        "worker",
+        None,
+        "opt_str",
+        "must be unset",
+        metavar="NAME",
+    ),
+    Option(
+        "--exclude-tools-when-tool-choice-none",
+        "DYN_EXCLUDE_TOOLS_WHEN_TOOL_CHOICE_NONE",
+        "exclude_tools_when_tool_choice_none",
+        "worker",
+        True,
+        "bool_value",
+        "passed through to the model card",
+        metavar="BOOL",
+    ),
+    Option("--route-to-encoder", "DYN_ROUTE_TO_ENCODER", "route_to_encoder", "worker", False, "switch", "must be off"),
+    Option(
+        "--enable-rl",
+        "DYN_ENABLE_RL",
+        "enable_rl",
+        "worker",
+        False,
+        "switch",
+        "must be off: RL controls are not supported by trio-sidecar",
+    ),
+    Option(
+        "--vllm-http-endpoint",
+        "VLLM_HTTP_ENDPOINT",
+        "vllm_http_endpoint",
+        "worker",
+        None,
+        "opt_str",
+        "accepted for compatibility; ignored",
+        metavar="URL",
+    ),
+    Option(
+        "--vllm-rl-world-size",
+        "DYN_VLLM_RL_WORLD_SIZE",
+        "vllm_rl_world_size",
+        "worker",
+        None,
+        "opt_int",
+        "accepted for compatibility; ignored",
+        metavar="N",
+    ),
     # Dynamo runtime planes (docs/reference/sidecar.md#configuration)
-    Option("--discovery-backend", "DYN_DISCOVERY_BACKEND", "discovery_backend", "worker", "etcd", "choice",
-           "discovery backend", choices=("kubernetes", "etcd", "file", "mem")),
-    Option("--request-plane", "DYN_REQUEST_PLANE", "request_plane", "worker", "tcp", "choice", "request plane",
-           choices=("tcp", "nats")),
-    Option("--response-plane", "DYN_RESPONSE_PLANE", "response_plane", "worker", "tcp", "choice",
-           "response plane (must match the frontend)", choices=("tcp", "quic")),
-    Option("--event-plane", "DYN_EVENT_PLANE", "event_plane", "worker", None, "opt_choice",
-           "event plane (unset: the runtime's default, zmq)", choices=("nats", "zmq")),
+    Option(
+        "--discovery-backend",
+        "DYN_DISCOVERY_BACKEND",
+        "discovery_backend",
+        "worker",
+        "etcd",
+        "choice",
+        "discovery backend",
+        choices=("kubernetes", "etcd", "file", "mem"),
+    ),
+    Option(
+        "--request-plane",
+        "DYN_REQUEST_PLANE",
+        "request_plane",
+        "worker",
+        "tcp",
+        "choice",
+        "request plane",
+        choices=("tcp", "nats"),
+    ),
+    Option(
+        "--response-plane",
+        "DYN_RESPONSE_PLANE",
+        "response_plane",
+        "worker",
+        "tcp",
+        "choice",
+        "response plane (must match the frontend)",
+        choices=("tcp", "quic"),
+    ),
+    Option(
+        "--event-plane",
+        "DYN_EVENT_PLANE",
+        "event_plane",
+        "worker",
+        None,
+        "opt_choice",
+        "event plane (unset: the runtime's default, zmq)",
+        choices=("nats", "zmq"),
+    ),
     # project flags (docs/reference/sidecar.md#configuration)
-    Option("--health-prober", "TRIO_SIDECAR_HEALTH_PROBER", "health_prober", "sidecar", True, "pair",
-           "continuous Health.Watch prober"),
-    Option("--abort-on-cancel", "TRIO_SIDECAR_ABORT_ON_CANCEL", "abort_on_cancel", "sidecar", True, "pair",
-           "send Control.Abort for abandoned streams"),
-    Option("--grpc-keepalive-time-secs", "TRIO_SIDECAR_GRPC_KEEPALIVE_TIME_SECS", "keepalive_time", "sidecar", 10.0,
-           "secs", "HTTP/2 PING a vLLM connection that has calls open (the health prober's always has) but read "
-           "nothing this long; 0 disables", metavar="SECS"),
-    Option("--grpc-keepalive-timeout-secs", "TRIO_SIDECAR_GRPC_KEEPALIVE_TIMEOUT_SECS", "keepalive_timeout",
-           "sidecar", 4.0, "pos_secs", "close the connection when nothing answers the PING this long; its "
-           "requests fail as Unavailable, which Dynamo migrates", metavar="SECS"),
-    Option("--unserving-grace-secs", "TRIO_SIDECAR_UNSERVING_GRACE_SECS", "unserving_grace", "worker", 5.0,
-           "secs", "take the instance out of rotation after vLLM is not serving this long",
-           metavar="SECS"),
-    Option("--drain-timeout-secs", "TRIO_SIDECAR_DRAIN_TIMEOUT_SECS", "drain_timeout", "worker", 30.0, "secs",
-           "graceful-shutdown drain bound", metavar="SECS"),
-    Option("--log-level", "TRIO_SIDECAR_LOG_LEVEL", "log_level", "worker", "info", "choice", "log level",
-           choices=("debug", "info", "warning", "error")),
+    Option(
+        "--health-prober",
+        "TRIO_SIDECAR_HEALTH_PROBER",
+        "health_prober",
+        "sidecar",
+        True,
+        "pair",
+        "continuous Health.Watch prober",
+    ),
+    Option(
+        "--abort-on-cancel",
+        "TRIO_SIDECAR_ABORT_ON_CANCEL",
+        "abort_on_cancel",
+        "sidecar",
+        True,
+        "pair",
+        "send Control.Abort for abandoned streams",
+    ),
+    Option(
+        "--grpc-keepalive-time-secs",
+        "TRIO_SIDECAR_GRPC_KEEPALIVE_TIME_SECS",
+        "keepalive_time",
+        "sidecar",
+        10.0,
+        "secs",
+        "HTTP/2 PING a vLLM connection that has calls open (the health prober's always has) but read "
+        "nothing this long; 0 disables",
+        metavar="SECS",
+    ),
+    Option(
+        "--grpc-keepalive-timeout-secs",
+        "TRIO_SIDECAR_GRPC_KEEPALIVE_TIMEOUT_SECS",
+        "keepalive_timeout",
+        "sidecar",
+        4.0,
+        "pos_secs",
+        "close the connection when nothing answers the PING this long; its "
+        "requests fail as Unavailable, which Dynamo migrates",
+        metavar="SECS",
+    ),
+    Option(
+        "--unserving-grace-secs",
+        "TRIO_SIDECAR_UNSERVING_GRACE_SECS",
+        "unserving_grace",
+        "worker",
+        5.0,
+        "secs",
+        "take the instance out of rotation after vLLM is not serving this long",
+        metavar="SECS",
+    ),
+    Option(
+        "--drain-timeout-secs",
+        "TRIO_SIDECAR_DRAIN_TIMEOUT_SECS",
+        "drain_timeout",
+        "worker",
+        30.0,
+        "secs",
+        "graceful-shutdown drain bound",
+        metavar="SECS",
+    ),
+    Option(
+        "--log-level",
+        "TRIO_SIDECAR_LOG_LEVEL",
+        "log_level",
+        "worker",
+        "info",
+        "choice",
+        "log level",
+        choices=("debug", "info", "warning", "error"),
+    ),
 )
 
 
@@ -153,8 +352,13 @@ class _Parser(argparse.ArgumentParser):
 class _Toggle(argparse.Action):
     """``--x`` sets True, ``--no-x`` sets False (one entry in ``--help``, like clap's paired flags)."""
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         setattr(namespace, self.dest, not (option_string or "").startswith("--no-"))
 
 
@@ -223,11 +427,11 @@ def _build_run_parser() -> _Parser:
     for opt in OPTIONS:
         text = _option_help(opt)
         if opt.kind == "switch":
-            parser.add_argument(opt.flag, dest=opt.dest, action="store_const", const=True, default=_SENTINEL,
-                                help=text)
+            parser.add_argument(opt.flag, dest=opt.dest, action="store_const", const=True, default=_SENTINEL, help=text)
         elif opt.kind == "pair":
-            parser.add_argument(opt.flag, "--no-" + opt.flag[2:], dest=opt.dest, action=_Toggle, nargs=0,
-                                default=_SENTINEL, help=text)
+            parser.add_argument(
+                opt.flag, "--no-" + opt.flag[2:], dest=opt.dest, action=_Toggle, nargs=0, default=_SENTINEL, help=text
+            )
         else:
             metavar = opt.metavar or ("{" + ",".join(opt.choices) + "}" if opt.choices else "VALUE")
             parser.add_argument(opt.flag, dest=opt.dest, default=_SENTINEL, metavar=metavar, help=text)
@@ -353,8 +557,10 @@ def _port_warning(endpoint: GrpcEndpoint, raw: str) -> str | None:
     """A warning when the endpoint names no port (the connection then goes to port 80)."""
     if endpoint.canonical.rsplit(":", 1)[-1].isdigit():
         return None
-    return (f"`--grpc-endpoint` `{raw.strip()}` has no port, so port {endpoint.port} is used; vLLM's gRPC "
-            f"server listens on its --grpc-port (e.g. `{endpoint.url_host}:50051`)")
+    return (
+        f"`--grpc-endpoint` `{raw.strip()}` has no port, so port {endpoint.port} is used; vLLM's gRPC "
+        f"server listens on its --grpc-port (e.g. `{endpoint.url_host}:50051`)"
+    )
 
 
 def _run(argv: Sequence[str], environ: Mapping[str, str] | None) -> int:

@@ -43,7 +43,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from trio_sidecar.dynamo import local
+from trio_sidecar._devtools import local
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = ("README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").rglob("*.md")))
@@ -94,8 +94,9 @@ def extract_blocks(path: str) -> list[Block]:
         before = source[: match.start()].rstrip("\n").rsplit("\n", 1)[-1]
         marker = _MARKER.search(before)
         mode, retry, reason = _parse_marker(marker.group(1)) if marker else (None, 0.0, "")
-        blocks.append(Block(path, source.count("\n", 0, match.start()) + 1, match.group(1), match.group(2),
-                            mode, retry, reason))
+        blocks.append(
+            Block(path, source.count("\n", 0, match.start()) + 1, match.group(1), match.group(2), mode, retry, reason)
+        )
     return blocks
 
 
@@ -104,8 +105,9 @@ def shell_blocks(path: str) -> list[Block]:
 
 
 def test_every_shell_block_in_the_docs_says_how_it_is_tested():
-    unmarked = [b.where + (f" ({b.reason})" if b.reason else "") for path in DOCS for b in shell_blocks(path)
-                if b.mode is None]
+    unmarked = [
+        b.where + (f" ({b.reason})" if b.reason else "") for path in DOCS for b in shell_blocks(path) if b.mode is None
+    ]
     assert not unmarked, "shell blocks without a valid <!-- doc-test: ... --> marker: " + ", ".join(unmarked)
     skipped = [b for path in DOCS for b in shell_blocks(path) if b.mode == "skip"]
     assert all(b.reason for b in skipped), [b.where for b in skipped if not b.reason]
@@ -121,7 +123,9 @@ def test_the_extractor_reads_markers_modes_and_options(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "REPO", tmp_path)
     blocks = shell_blocks("doc.md")
     assert [(b.mode, b.retry, b.reason, b.line) for b in blocks] == [
-        ("run", 30.0, "", 2), ("skip", 0.0, "needs a GPU", 7), (None, 0.0, "", 11),
+        ("run", 30.0, "", 2),
+        ("skip", 0.0, "needs a GPU", 7),
+        (None, 0.0, "", 11),
         (None, 0.0, "unknown doc-test marker 'bogus'", 15),
     ]
 
@@ -165,8 +169,9 @@ def _dry_run(block: Block, clone: Path, env: dict[str, str]) -> None:
             continue
         words = line.split()
         if words[0] == "make":
-            result = subprocess.run(["make", "-n", *words[1:]], cwd=clone, env=env, capture_output=True,
-                                    text=True, timeout=60)
+            result = subprocess.run(
+                ["make", "-n", *words[1:]], cwd=clone, env=env, capture_output=True, text=True, timeout=60
+            )
             assert result.returncode == 0, f"{block.where}: `make -n {' '.join(words[1:])}`: {result.stderr}"
         elif words[0] in ("source", "."):
             assert (clone / words[1]).exists(), f"{block.where}: {words[1]} does not exist"
@@ -182,8 +187,15 @@ def _run(block: Block, clone: Path, env: dict[str, str], ports: dict[str, str], 
         with open(log, "ab") as out:
             out.write(f"\n### {block.where}\n".encode())
             out.flush()
-            result = subprocess.run(["bash", "-c", _script(block, ports)], cwd=clone, env=env,
-                                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, timeout=300)
+            result = subprocess.run(
+                ["bash", "-c", _script(block, ports)],
+                cwd=clone,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                timeout=300,
+            )
         if result.returncode == 0 or time.monotonic() >= deadline:
             break
         time.sleep(1.0)
@@ -238,9 +250,15 @@ def test_the_documented_commands_work_in_a_fresh_clone(path, clone, tmp_path):
                 out = open(log, "ab")  # noqa: SIM115 - closed with the file handle of the child below
                 out.write(f"\n### {block.where} (background)\n".encode())
                 out.flush()
-                proc = subprocess.Popen(["bash", "-c", _script(block, ports) + "wait\n"], cwd=clone, env=env,
-                                        stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+                proc = subprocess.Popen(
+                    ["bash", "-c", _script(block, ports) + "wait\n"],
+                    cwd=clone,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
                 out.close()
                 background.append((block, proc, time.monotonic()))
         _end_background(background, log, codes)

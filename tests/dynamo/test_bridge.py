@@ -15,21 +15,18 @@ from functools import partial
 import pytest
 import trio
 import trio.testing
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from trio_sidecar.dynamo.bridge import (
     QUEUE_WARN_THRESHOLD,
     SHUTTING_DOWN,
-    AsyncioThread,
     CancelHandle,
     Outbox,
     RequestBridge,
     RequestItem,
-    _Egress,
-    dynamo_exception,
-    merge_deltas,
 )
+from trio_sidecar.dynamo.egress import Egress as _Egress
+from trio_sidecar.dynamo.error_map import dynamo_exception
+from trio_sidecar.dynamo.thread import AsyncioThread
 from trio_sidecar.errors import (
     CannotConnect,
     ConnectionTimeout,
@@ -179,8 +176,16 @@ async def running_bridge(thread: AsyncioThread, sidecar: FakeSidecar, *, dispatc
         nursery.cancel_scope.cancel()
 
 
-async def consume(bridge: RequestBridge, request: dict, context: FakeDynamoContext, *, close_after=None,
-                  stop_after=None, pause_first: float = 0.0, stall_until=None):
+async def consume(
+    bridge: RequestBridge,
+    request: dict,
+    context: FakeDynamoContext,
+    *,
+    close_after=None,
+    stop_after=None,
+    pause_first: float = 0.0,
+    stall_until=None,
+):
     """Runs on the asyncio thread, as Dynamo's runtime would drive the handler.
 
     ``stall_until``: after the first item, stop reading until this predicate holds (a stalled consumer whose
@@ -420,16 +425,6 @@ def test_the_sinks_token_fast_path_emits_the_dict_of_the_same_chunk(token_ids, t
     assert type(emitted[0]["token_ids"]) is list
 
 
-async def test_requests_after_stop_admitting_are_rejected(loop_thread):
-    sidecar = FakeSidecar()
-    async with running_bridge(loop_thread, sidecar) as (bridge, _):
-        bridge.stop_admitting()
-        out = await loop_thread.run(consume, bridge, {"token_ids": [1]}, FakeDynamoContext("late"))
-    assert len(out) == 1 and isinstance(_sidecar_error(out[0]), EngineShutdown)
-    assert str(out[0]) == SHUTTING_DOWN
-    assert sidecar.contexts == {}
-
-
 async def test_first_token_notification_runs_on_the_asyncio_thread(loop_thread):
     sidecar = FakeSidecar(plan=2)
     async with running_bridge(loop_thread, sidecar) as (bridge, _):
@@ -443,27 +438,6 @@ async def test_first_token_notification_runs_on_the_asyncio_thread(loop_thread):
     asyncio_ident = await loop_thread.run(loop_thread_id)
     assert ctx.first_token_threads == [asyncio_ident]
     assert asyncio_ident != threading.get_ident()
-
-
-async def test_stop_all_cancels_every_in_flight_request(loop_thread):
-    sidecar = FakeSidecar(plan=5, hold=True)
-    async with running_bridge(loop_thread, sidecar) as (bridge, nursery):
-        results: dict[str, list] = {}
-
-        async def drive(rid):
-            results[rid] = await loop_thread.run(consume, bridge, {"token_ids": [1]}, FakeDynamoContext(rid))
-
-        for rid in ("a", "b", "c"):
-            nursery.start_soon(drive, rid)
-        with trio.fail_after(10):
-            while len(bridge.in_flight) < 3 or len(sidecar.contexts) < 3:
-                await trio.sleep(0.01)
-            assert "3 in flight" in repr(bridge)
-            assert bridge.stop_all() == 3
-            await bridge.wait_idle()
-            while len(results) < 3:
-                await trio.sleep(0.01)
-    assert all(out[-1] == CANCELLED for out in results.values())
 
 
 async def test_a_stalled_consumer_is_reported_once(loop_thread, caplog):
@@ -510,6 +484,7 @@ async def test_the_worker_runs_the_asyncio_thread_on_uvloop_like_dynamos_own_wor
     thread = AsyncioThread(loop_factory=_loop_factory())
     await thread.start()
     try:
+
         async def loop_type():
             return type(asyncio.get_running_loop())
 
@@ -551,52 +526,6 @@ async def test_many_concurrent_streams_lose_no_chunk_and_keep_order(loop_thread)
         assert tokens_of(out) == [i * 1000 + k for k in range(300)]
         assert all(c["index"] == 0 for c in out)
     assert bridge.completed == 40
-
-
-@pytest.mark.parametrize(
-    ("first", "second", "merged"),
-    [
-        ({"token_ids": [1], "index": 0}, {"token_ids": [2], "index": 0}, {"token_ids": [1, 2], "index": 0}),
-        # text and per-token logprob arrays are concatenated, aligned with the tokens
-        ({"token_ids": [1], "index": 0, "text": "a", "log_probs": [-0.1],
-          "top_logprobs": [[{"rank": 1, "token_id": 1, "token": None, "logprob": -0.1}]]},
-         {"token_ids": [2, 3], "index": 0, "text": "bc", "log_probs": [-0.2, -0.3],
-          "top_logprobs": [[{"rank": 1, "token_id": 2, "token": None, "logprob": -0.2}],
-                           [{"rank": 1, "token_id": 3, "token": None, "logprob": -0.3}]]},
-         {"token_ids": [1, 2, 3], "index": 0, "text": "abc", "log_probs": [-0.1, -0.2, -0.3],
-          "top_logprobs": [[{"rank": 1, "token_id": 1, "token": None, "logprob": -0.1}],
-                           [{"rank": 1, "token_id": 2, "token": None, "logprob": -0.2}],
-                           [{"rank": 1, "token_id": 3, "token": None, "logprob": -0.3}]]}),
-        # held-back text ("") and the completed character: concatenated exactly, "" kept (never dropped)
-        ({"token_ids": [1], "index": 0, "text": ""}, {"token_ids": [2], "index": 0, "text": "\u00e4"},
-         {"token_ids": [1, 2], "index": 0, "text": "\u00e4"}),
-        ({"token_ids": [1], "index": 0, "text": ""}, {"token_ids": [2], "index": 0, "text": ""},
-         {"token_ids": [1, 2], "index": 0, "text": ""}),
-        # a delta absorbs the terminal chunk; the terminal's keys are kept
-        ({"token_ids": [1], "index": 0}, {"token_ids": [2], "index": 0, "finish_reason": "length",
-                                           "completion_usage": {"prompt_tokens": 3, "completion_tokens": 2,
-                                                                "total_tokens": 5}},
-         {"token_ids": [1, 2], "index": 0, "finish_reason": "length",
-          "completion_usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}),
-    ],
-)
-def test_plain_token_deltas_are_coalesced(first, second, merged):
-    assert merge_deltas(first, second) == merged
-
-
-@pytest.mark.parametrize(
-    ("first", "second"),
-    [
-        ({"token_ids": [1], "index": 0, "finish_reason": "stop"}, {"token_ids": [2], "index": 0}),  # terminal first
-        ({"token_ids": [1], "index": 0}, CANCELLED),  # never fold into or across an empty delta
-        ({"token_ids": [], "index": 0}, {"token_ids": [2], "index": 0}),
-        ({"token_ids": [1], "index": 0, "log_probs": [-0.1]}, {"token_ids": [2], "index": 0}),  # misaligned
-        ({"token_ids": [1], "index": 0}, {"token_ids": [2], "index": 1}),
-        ({"token_ids": [1], "index": 0, "disaggregated_params": {}}, {"token_ids": [2], "index": 0}),
-    ],
-)
-def test_chunks_that_are_not_plain_deltas_are_never_coalesced(first, second):
-    assert merge_deltas(first, second) is None
 
 
 # -- push egress (Dynamo 1.6.1 passes a ResponseSender to a handler that declares ``response_sender``) ----
@@ -772,9 +701,7 @@ async def test_a_full_response_channel_parks_an_egress_thread_never_the_loop(loo
                 await trio.to_thread.run_sync(stalled.blocked.wait)
                 # The loop is free: another request is served from start to end while the first one is stuck.
                 other = FakeResponseSender()
-                assert await loop_thread.run(
-                    push, bridge, {"token_ids": [1000]}, FakeDynamoContext("o"), other
-                ) is None
+                assert await loop_thread.run(push, bridge, {"token_ids": [1000]}, FakeDynamoContext("o"), other) is None
                 assert tokens_of(other.frames) == [1000 + i for i in range(plan)] and other.closed == 1
                 assert len(stalled.frames) == 3 and not outcome
         finally:
@@ -942,63 +869,6 @@ async def test_egress_at_its_thread_cap_queues_frames_for_the_next_free_thread(l
 # -- coalescing a run of queued deltas at once (``_Stream.take``) ------------------------------------------
 
 
-@st.composite
-def queued_chunk(draw):
-    """A chunk as the Trio side queues it: mostly plain deltas, sometimes terminal, cancelled or other."""
-    index = draw(st.sampled_from([0, 0, 0, 1]))
-    ids = draw(st.lists(st.integers(0, 9), min_size=0, max_size=3))
-    chunk = {"token_ids": ids, "index": index}
-    if draw(st.booleans()):
-        chunk["text"] = draw(st.sampled_from(["", "a", "bc"]))
-    if draw(st.integers(0, 4)) == 0:
-        chunk["log_probs"] = [-0.5] * len(ids)
-    if draw(st.integers(0, 6)) == 0:
-        chunk["top_logprobs"] = [[{"rank": 1, "token_id": t, "token": None, "logprob": -0.5}] for t in ids]
-    kind = draw(st.integers(0, 7))
-    if kind == 0:
-        chunk.update(finish_reason="length", completion_usage={"prompt_tokens": 1, "completion_tokens": 2,
-                                                               "total_tokens": 3})
-    elif kind == 1:
-        chunk["disaggregated_params"] = {}
-    return chunk
-
-
-def fold_pairwise(queue: list) -> list:
-    """What ``_Stream.take`` returned before it merged whole runs: ``merge_deltas`` one chunk at a time."""
-    from collections import deque
-
-    from trio_sidecar.dynamo.bridge import merge_deltas
-
-    items = deque(queue)
-    out = []
-    while items:
-        chunk = items.popleft()
-        while items and type(items[0]) is dict:
-            merged = merge_deltas(chunk, items[0])
-            if merged is None:
-                break
-            items.popleft()
-            chunk = merged
-        out.append(chunk)
-    return out
-
-
-@settings(max_examples=400, deadline=None)
-@given(st.lists(queued_chunk(), max_size=12))
-def test_taking_a_run_of_queued_deltas_equals_merging_them_one_by_one(queue):
-    from collections import deque
-
-    from trio_sidecar.dynamo.bridge import _Stream
-
-    outbox = Outbox()
-    outbox.items = deque(dict(c) for c in queue)
-    stream = _Stream(None, outbox, "r", lambda: None, None)
-    taken = []
-    while outbox.items:
-        taken.append(stream.take())
-    assert taken == fold_pairwise([dict(c) for c in queue])
-
-
 def test_a_waiter_abandoned_in_the_publish_race_is_never_drained_or_republished():
     """An emit that lands between the handler publishing its waiter and re-checking the deque queues that
     waiter for a flush, although the handler returns without awaiting it and parks on a new one. The flush
@@ -1065,3 +935,37 @@ def test_a_waiter_abandoned_in_the_publish_race_is_never_drained_or_republished(
     result, sent = asyncio.run(scenario())
     assert result == "ended"
     assert sent == [{"token_ids": [1], "index": 0}, {"token_ids": [2], "index": 0}]
+
+
+async def test_the_asyncio_loop_ending_fails_its_trio_callers_instead_of_leaving_them_waiting():
+    # A failure on the asyncio side ends the Trio side's waits on it: the worker's watcher of the serve future
+    # then ends the worker (exit 1) instead of hanging.
+    from trio_sidecar.dynamo.thread import LOOP_ENDED
+
+    thread = AsyncioThread()
+    await thread.start()
+    outcome: list[BaseException] = []
+
+    async def forever():
+        await asyncio.sleep(3600)
+
+    def die():
+        raise SystemExit("the loop dies")
+
+    async def call_forever():
+        try:
+            await thread.run(forever)
+        except RuntimeError as exc:
+            outcome.append(exc)
+
+    try:
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call_forever)
+                await trio.testing.wait_all_tasks_blocked()
+                thread.call_soon(die)
+            with pytest.raises(RuntimeError, match=LOOP_ENDED):
+                await thread.run(forever)  # and a call after the end fails at once
+    finally:
+        await thread.stop()
+    assert [str(exc) for exc in outcome] == [LOOP_ENDED]

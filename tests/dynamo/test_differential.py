@@ -22,7 +22,7 @@ import urllib.parse
 import pytest
 from dynamo_harness import FAST_ENGINE_ARGS, start_pair
 
-from trio_sidecar.dynamo import local
+from trio_sidecar._devtools import local
 
 pytestmark = pytest.mark.dynamo
 
@@ -151,7 +151,7 @@ def test_same_streamed_chunks_as_the_native_sidecar(agg_pair, path):
 def _fold_stream(chunks: list[dict]) -> dict:
     """What a client reads from a stream, independent of chunk boundaries.
 
-    trio-sidecar coalesces already-queued token deltas when Dynamo's consumer lags (bridge.merge_deltas),
+    trio-sidecar coalesces the token deltas of one request that are queued together (coalesce.take_merged),
     so a loaded machine may deliver the same tokens in fewer SSE events than the native sidecar.
     """
     content, finishes, usage, shapes = [], [], [], set()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 from dynamo_harness import FAST_ENGINE_ARGS, start_pair
 
-from trio_sidecar.dynamo import local
+from trio_sidecar._devtools import local
 from trio_sidecar.mock.generation import ByteDetokenizer, prompt_token_seed, token_at, token_bytes
 
 pytestmark = pytest.mark.dynamo

@@ -24,7 +24,7 @@ from topology import (
     make_topology,
 )
 
-from trio_sidecar.dynamo import local
+from trio_sidecar._devtools import local
 
 pytestmark = pytest.mark.dynamo
 

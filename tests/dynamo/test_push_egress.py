@@ -18,7 +18,7 @@ import pytest
 
 from dynamo_harness import FAST_ENGINE_ARGS
 
-from trio_sidecar.dynamo import local
+from trio_sidecar._devtools import local
 
 pytestmark = pytest.mark.dynamo
 

@@ -16,7 +16,7 @@ import time
 import pytest
 from dynamo_harness import FAST_ENGINE_ARGS, MockThread, free_system_port
 
-from trio_sidecar.dynamo import local
+from trio_sidecar._devtools import local
 
 pytestmark = pytest.mark.dynamo
 

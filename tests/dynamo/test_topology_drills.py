@@ -39,7 +39,7 @@ from topology import (
     start_native_sidecar,
 )
 
-from trio_sidecar.dynamo import local
+from trio_sidecar._devtools import local
 
 pytestmark = [pytest.mark.dynamo, pytest.mark.slow]
 

@@ -12,7 +12,7 @@ import time
 import pytest
 from dynamo_harness import FAST_ENGINE_ARGS, MockThread, require_dynamo
 
-from trio_sidecar.dynamo import local
+from trio_sidecar._devtools import local
 
 pytestmark = pytest.mark.dynamo
 

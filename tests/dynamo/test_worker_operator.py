@@ -18,7 +18,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from dynamo_harness import FAST_ENGINE_ARGS, MockThread, require_dynamo
 
-from trio_sidecar.dynamo import local
+from trio_sidecar._devtools import local
 
 pytestmark = pytest.mark.dynamo
 

@@ -12,7 +12,7 @@ import attrs
 import pytest
 
 from trio_sidecar.config import DisaggregationMode, SidecarConfig, WorkerOptions
-from trio_sidecar.dynamo.worker import health_check_payload, plan_registration, worker_namespace
+from trio_sidecar.dynamo.plan import health_check_payload, plan_registration, worker_namespace
 from trio_sidecar.errors import InvalidArgument
 from trio_sidecar.model import EngineConfig
 from trio_sidecar.routing import KvEventSource

@@ -32,8 +32,9 @@ yaml = pytest.importorskip(
 @pytest.fixture(scope="module")
 def run_flags() -> set[str]:
     """Every long option `trio-sidecar run --help` documents."""
-    out = subprocess.run([sys.executable, "-m", "trio_sidecar", "run", "--help"], capture_output=True, text=True,
-                         timeout=60, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "trio_sidecar", "run", "--help"], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
     flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", out))
     assert "--grpc-endpoint" in flags and "--disaggregation-mode" in flags
     return flags
@@ -67,8 +68,9 @@ def _argv(container: dict) -> list[str]:
 
 
 def _vllm(component: dict) -> dict:
-    natives = [c for c in component["podTemplate"]["spec"].get("initContainers", [])
-               if c.get("restartPolicy") == "Always"]
+    natives = [
+        c for c in component["podTemplate"]["spec"].get("initContainers", []) if c.get("restartPolicy") == "Always"
+    ]
     assert len(natives) == 1, f"{component['name']}: expected one native sidecar (init, restartPolicy Always)"
     return natives[0]
 
@@ -134,11 +136,9 @@ def _check_probe_command(command: list[str], port: int, where: str) -> None:
         listener.bind((LOOPBACK, 0))
         listener.listen()
         free = listener.getsockname()[1]
-        ok = subprocess.run([sys.executable, "-c", code.replace(str(port), str(free))], capture_output=True,
-                            timeout=30)
+        ok = subprocess.run([sys.executable, "-c", code.replace(str(port), str(free))], capture_output=True, timeout=30)
         assert ok.returncode == 0, (where, ok.stderr)
-    closed = subprocess.run([sys.executable, "-c", code.replace(str(port), str(free))], capture_output=True,
-                            timeout=30)
+    closed = subprocess.run([sys.executable, "-c", code.replace(str(port), str(free))], capture_output=True, timeout=30)
     assert closed.returncode != 0, f"{where}: the probe passes against a closed port"
 
 
@@ -171,19 +171,26 @@ def test_deploy_main_container_arguments_pass_the_cli_and_pre_network_checks():
             where = f"{name}:{component['name']}"
             config, options = parse_run_args(_argv(_main(component))[2:], environ={})
             endpoint = prepare(config, options, dynamo_required=False)
-            assert (endpoint.host, str(endpoint.port)) == (
-                LOOPBACK, _option(_argv(_vllm(component)), "--grpc-port")), where
+            assert (endpoint.host, str(endpoint.port)) == (LOOPBACK, _option(_argv(_vllm(component)), "--grpc-port")), (
+                where
+            )
             expected = component["type"] if component["type"] in ("prefill", "decode") else "agg"
             assert config.disaggregation_mode.value == expected, where
-            assert config.health_prober, where  # out of rotation while vLLM is not serving (docs/reference/worker.md#out-of-rotation-while-vllm-is-not-serving)
+            assert config.health_prober, (
+                where
+            )  # out of rotation while vLLM is not serving (docs/reference/worker.md#out-of-rotation-while-vllm-is-not-serving)
 
 
 def test_deploy_disagg_pairs_a_prefill_and_a_decode_worker():
     (graph,) = _documents(DEPLOY / "disagg.yaml")
     modes = sorted(_option(_argv(_main(c)), "--disaggregation-mode") for c in _workers(graph))
     assert modes == ["decode", "prefill"]
-    roles = {_option(_argv(_main(c)), "--disaggregation-mode"): json.loads(
-        _option(_argv(_vllm(c)), "--kv-transfer-config"))["kv_role"] for c in _workers(graph)}
+    roles = {
+        _option(_argv(_main(c)), "--disaggregation-mode"): json.loads(_option(_argv(_vllm(c)), "--kv-transfer-config"))[
+            "kv_role"
+        ]
+        for c in _workers(graph)
+    }
     assert roles == {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 

@@ -26,8 +26,14 @@ def bare_python(tmp_path_factory) -> Path:
 def test_a_python_without_the_packages_is_named_with_what_is_missing(script, bare_python, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PYTHON=str(bare_python), TMPDIR=str(tmp_path))
-    result = subprocess.run(["bash", str(REPO / "launch" / script), "--mock"], env=env, capture_output=True,
-                            text=True, timeout=60, stdin=subprocess.DEVNULL)
+    result = subprocess.run(
+        ["bash", str(REPO / "launch" / script), "--mock"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
     assert result.returncode == 1, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         f"[launch] error: PYTHON={bare_python} lacks trio-sidecar, ai-dynamo-runtime 1.6.1, ai-dynamo 1.6.1 "
@@ -46,8 +52,15 @@ def test_without_python_and_without_a_venv_python3_is_checked_and_the_message_sa
     (bin_dir / "python3").symlink_to(bare_python)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "PYTHONPATH")}
     env.update(PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", TMPDIR=str(tmp_path))
-    result = subprocess.run(["bash", str(checkout / "launch" / "agg.sh"), "--mock"], env=env, cwd=tmp_path,
-                            capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    result = subprocess.run(
+        ["bash", str(checkout / "launch" / "agg.sh"), "--mock"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
     assert result.returncode == 1, result.stderr
     assert result.stderr.strip().splitlines()[-1] == (
         f"[launch] error: python3 (there is no {checkout}/.venv) lacks trio-sidecar, ai-dynamo-runtime 1.6.1, "

@@ -19,10 +19,9 @@ import time
 from pathlib import Path
 
 import pytest
-
-from trio_sidecar.dynamo import local
-
 from topology import etcd_get_prefix
+
+from trio_sidecar._devtools import local
 
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH = REPO / "launch"
@@ -133,10 +132,12 @@ def _env(**ports: int) -> dict[str, str]:
 CASES = [
     # script, per-script environment (gRPC ports 0: the mocks choose), signal, expected exit status
     pytest.param("agg.sh", {"GRPC_PORT": 0}, signal.SIGINT, 130, id="agg-sigint"),
-    pytest.param("disagg.sh", {"DECODE_GRPC_PORT": 0, "PREFILL_GRPC_PORT": 0}, signal.SIGTERM, 143,
-                 id="disagg-sigterm"),
-    pytest.param("agg_kv_router.sh", {"WORKER0_GRPC_PORT": 0, "WORKER1_GRPC_PORT": 0}, signal.SIGINT, 130,
-                 id="kv-router-sigint"),
+    pytest.param(
+        "disagg.sh", {"DECODE_GRPC_PORT": 0, "PREFILL_GRPC_PORT": 0}, signal.SIGTERM, 143, id="disagg-sigterm"
+    ),
+    pytest.param(
+        "agg_kv_router.sh", {"WORKER0_GRPC_PORT": 0, "WORKER1_GRPC_PORT": 0}, signal.SIGINT, 130, id="kv-router-sigint"
+    ),
 ]
 EXPECTED_CHILDREN = {"agg.sh": 3, "disagg.sh": 5, "agg_kv_router.sh": 5}
 WORKERS = {"agg.sh": 1, "disagg.sh": 2, "agg_kv_router.sh": 2}  # sidecars, each one Dynamo instance
@@ -157,9 +158,11 @@ def test_launch_script_serves_a_completion_and_stops_every_child(name, ports, si
         for proc in script.children:
             assert proc.cmdline()[0] == sys.executable
 
-        status_code, body = local.post_json(http_port, "/v1/completions",
-                                            {"model": "tiny", "prompt": "hello world", "max_tokens": 4,
-                                             "ignore_eos": True})
+        status_code, body = local.post_json(
+            http_port,
+            "/v1/completions",
+            {"model": "tiny", "prompt": "hello world", "max_tokens": 4, "ignore_eos": True},
+        )
         assert status_code == 200, body
         choice = body["choices"][0]
         assert choice["finish_reason"] == "length"
@@ -207,7 +210,7 @@ def test_launch_scripts_default_to_loopback_and_document_their_variables():
     """Static checks: every listener the scripts start is given 127.0.0.1 (only HTTP_HOST is overridable)."""
     text = (LAUNCH / "agg.sh").read_text()
     assert "LOOPBACK=127.0.0.1" in text
-    assert 'HTTP_HOST=${HTTP_HOST:-$LOOPBACK}' in text
+    assert "HTTP_HOST=${HTTP_HOST:-$LOOPBACK}" in text
     assert '--listen "$LOOPBACK:$port"' in text
     assert 'serve "$MODEL" --host "$LOOPBACK"' in text
     for var in ("DYN_TCP_RPC_HOST", "DYN_TCP_RESPONSE_STREAM_HOST", "DYN_EVENT_PLANE_HOST", "DYN_SYSTEM_HOST"):
@@ -224,13 +227,11 @@ def test_launch_scripts_default_to_loopback_and_document_their_variables():
 @pytest.mark.parametrize("name", ["agg.sh", "disagg.sh", "agg_kv_router.sh"])
 def test_launch_script_help_and_unknown_arguments(name, tmp_path):
     env = {**_env(), "TMPDIR": str(tmp_path)}
-    shown = subprocess.run(["bash", str(LAUNCH / name), "--help"], env=env, capture_output=True, text=True,
-                           timeout=30)
+    shown = subprocess.run(["bash", str(LAUNCH / name), "--help"], env=env, capture_output=True, text=True, timeout=30)
     assert shown.returncode == 0
     assert "Usage:" in shown.stderr and "--mock" in shown.stderr
     assert "--etcd-nats" in shown.stderr
-    bad = subprocess.run(["bash", str(LAUNCH / name), "--bogus"], env=env, capture_output=True, text=True,
-                         timeout=30)
+    bad = subprocess.run(["bash", str(LAUNCH / name), "--bogus"], env=env, capture_output=True, text=True, timeout=30)
     assert bad.returncode == 1
     assert "unknown argument: --bogus" in bad.stderr
     assert list(tmp_path.iterdir()) == []  # nothing was created
@@ -251,25 +252,33 @@ def test_launch_script_etcd_nats_mode_serves_through_etcd_and_nats_and_stops_the
     (not in a discovery directory) and the request goes over NATS; on SIGINT both services stop with the rest."""
     _require_dynamo()
     psutil = pytest.importorskip("psutil")
-    ports = {k: local.free_port() for k in ("HTTP_PORT", "ETCD_PORT", "ETCD_PEER_PORT", "NATS_PORT",
-                                            "NATS_MONITOR_PORT")}
-    grpc = {"agg.sh": {"GRPC_PORT": 0}, "disagg.sh": {"DECODE_GRPC_PORT": 0, "PREFILL_GRPC_PORT": 0},
-            "agg_kv_router.sh": {"WORKER0_GRPC_PORT": 0, "WORKER1_GRPC_PORT": 0}}[name]
-    script = Script(name, tmp_path, {**_env(**ports, **grpc), "MODEL": str(tiny_model)},
-                    args=("--mock", "--etcd-nats"))
+    ports = {
+        k: local.free_port() for k in ("HTTP_PORT", "ETCD_PORT", "ETCD_PEER_PORT", "NATS_PORT", "NATS_MONITOR_PORT")
+    }
+    grpc = {
+        "agg.sh": {"GRPC_PORT": 0},
+        "disagg.sh": {"DECODE_GRPC_PORT": 0, "PREFILL_GRPC_PORT": 0},
+        "agg_kv_router.sh": {"WORKER0_GRPC_PORT": 0, "WORKER1_GRPC_PORT": 0},
+    }[name]
+    script = Script(name, tmp_path, {**_env(**ports, **grpc), "MODEL": str(tiny_model)}, args=("--mock", "--etcd-nats"))
     try:
         script.wait_ready()
-        services = {Path(_cmdline(p)[0]).name: p for p in psutil.Process(script.popen.pid).children()
-                    if _cmdline(p) and Path(_cmdline(p)[0]).name in ("etcd", "nats-server")}
+        services = {
+            Path(_cmdline(p)[0]).name: p
+            for p in psutil.Process(script.popen.pid).children()
+            if _cmdline(p) and Path(_cmdline(p)[0]).name in ("etcd", "nats-server")
+        }
         assert sorted(services) == ["etcd", "nats-server"], script.output()
         for proc in services.values():
             listening = [c.laddr for c in proc.net_connections("inet") if c.status == psutil.CONN_LISTEN]
             assert listening and {addr.ip for addr in listening} == {"127.0.0.1"}, listening
         assert len(script.children) == EXPECTED_CHILDREN[name]
 
-        status_code, body = local.post_json(ports["HTTP_PORT"], "/v1/completions",
-                                            {"model": "tiny", "prompt": "hello world", "max_tokens": 4,
-                                             "ignore_eos": True})
+        status_code, body = local.post_json(
+            ports["HTTP_PORT"],
+            "/v1/completions",
+            {"model": "tiny", "prompt": "hello world", "max_tokens": 4, "ignore_eos": True},
+        )
         assert status_code == 200, body
         assert body["usage"]["completion_tokens"] == 4
         # Every worker registered in this etcd, with a lease (and nothing went to a discovery directory).

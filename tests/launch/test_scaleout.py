@@ -27,23 +27,39 @@ from pathlib import Path
 import attrs
 import pytest
 import trio
-
-from trio_sidecar.dynamo import local
-
 from dynamo_harness import MockThread, make_tiny_model, require_dynamo
-from topology import TOPOLOGIES, Topology, make_topology
-from topology import etcd_nats_fixture  # noqa: F401 - the etcd_nats fixture
+from topology import (
+    TOPOLOGIES,
+    Topology,
+    etcd_nats_fixture,  # noqa: F401 - the etcd_nats fixture
+    make_topology,
+)
+
+from trio_sidecar._devtools import local
 
 pytestmark = pytest.mark.dynamo
 
-ENGINE_ARGS = {"block_size": 16, "num_gpu_blocks": 4096, "max_num_seqs": 64, "max_num_batched_tokens": 2048,
-               "speedup_ratio": 0.0}
+ENGINE_ARGS = {
+    "block_size": 16,
+    "num_gpu_blocks": 4096,
+    "max_num_seqs": 64,
+    "max_num_batched_tokens": 2048,
+    "speedup_ratio": 0.0,
+}
 WORKERS = 3
 GRACE_SECS = 1
-SIDECAR_FLAGS = ("--unserving-grace-secs", str(GRACE_SECS), "--grpc-retry-interval-secs", "1",
-                 "--grpc-connect-attempt-timeout-secs", "5")
-WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
-         "upsilon phi chi psi omega").split()
+SIDECAR_FLAGS = (
+    "--unserving-grace-secs",
+    str(GRACE_SECS),
+    "--grpc-retry-interval-secs",
+    "1",
+    "--grpc-connect-attempt-timeout-secs",
+    "5",
+)
+WORDS = (
+    "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
+    "upsilon phi chi psi omega"
+).split()
 
 
 class PinnedMock(MockThread):
@@ -81,21 +97,29 @@ class Cluster:
         self.frontends: dict[str, tuple[local.Process, int]] = {}
 
     def start_mock(self, listen: str = "127.0.0.1:0") -> PinnedMock:
-        return PinnedMock(listen, model=str(self.model), served_model_name="tiny",
-                          engine_args=ENGINE_ARGS).start()
+        return PinnedMock(listen, model=str(self.model), served_model_name="tiny", engine_args=ENGINE_ARGS).start()
 
     def start(self) -> None:
         self.mocks = [self.start_mock() for _ in range(WORKERS)]
-        for name, extra in (("rr", ["--router-mode", "round-robin", "--migration-limit", "3"]),
-                            ("kv", ["--router-mode", "kv"])):
-            proc, port = local.start_frontend(self.workdir, self.env, namespace=self.namespace,
-                                              extra=[*self.topology.flags, *extra])
+        for name, extra in (
+            ("rr", ["--router-mode", "round-robin", "--migration-limit", "3"]),
+            ("kv", ["--router-mode", "kv"]),
+        ):
+            proc, port = local.start_frontend(
+                self.workdir, self.env, namespace=self.namespace, extra=[*self.topology.flags, *extra]
+            )
             self.frontends[name] = (proc, port)
         for i, mock in enumerate(self.mocks):
-            self.sidecars.append(local.start_trio_sidecar(self.workdir, self.env, mock.address,
-                                                          namespace=self.namespace,
-                                                          extra=[*self.topology.flags, *SIDECAR_FLAGS],
-                                                          name=f"sidecar-{i}"))
+            self.sidecars.append(
+                local.start_trio_sidecar(
+                    self.workdir,
+                    self.env,
+                    mock.address,
+                    namespace=self.namespace,
+                    extra=[*self.topology.flags, *SIDECAR_FLAGS],
+                    name=f"sidecar-{i}",
+                )
+            )
         for _, port in self.frontends.values():
             local.wait_for_models(port, ["tiny"], timeout=120, watch=self.processes)
             self.wait_instances(port, WORKERS, timeout=60)
@@ -115,8 +139,13 @@ class Cluster:
             return []
         if status != 200 or not isinstance(body, dict):
             return []
-        return sorted({i["instance_id"] for i in body.get("instances", [])
-                       if i.get("namespace") == self.namespace and i.get("endpoint") == "generate"})
+        return sorted(
+            {
+                i["instance_id"]
+                for i in body.get("instances", [])
+                if i.get("namespace") == self.namespace and i.get("endpoint") == "generate"
+            }
+        )
 
     def wait_instances(self, port: int, n: int, *, timeout: float) -> list[int]:
         deadline = time.monotonic() + timeout
@@ -152,8 +181,9 @@ def cluster(request, tmp_path_factory):
         cluster.close()
 
 
-def complete(port: int, prompt: str, *, max_tokens: int = 1, nvext: dict | None = None,
-             timeout: float = 60.0) -> tuple[int, dict | str]:
+def complete(
+    port: int, prompt: str, *, max_tokens: int = 1, nvext: dict | None = None, timeout: float = 60.0
+) -> tuple[int, dict | str]:
     payload = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
     if nvext:
         payload["nvext"] = nvext
@@ -182,7 +212,7 @@ def test_scaleout_round_robin_spreads_300_requests_over_three_workers(cluster):
     with concurrent.futures.ThreadPoolExecutor(6) as pool:
         results = list(pool.map(lambda k: complete(port, f"hello world {k}"), range(300)))
     assert [status for status, _ in results] == [200] * 300, [b for s, b in results if s != 200][:3]
-    counts = [len(m.generate_ids()) - b for m, b in zip(mocks, before)]
+    counts = [len(m.generate_ids()) - b for m, b in zip(mocks, before, strict=True)]
     assert sum(counts) == 300, counts
     for count in counts:
         assert count >= 60, counts  # >= 20% each
@@ -201,7 +231,7 @@ def test_scaleout_kv_router_sends_a_repeated_prefix_to_the_worker_holding_it(clu
     assert len(instances) == WORKERS
     holders = {}
     for k, pin in enumerate(instances):
-        prefix = " ".join(WORDS[k * 5:] + WORDS[: k * 5]) * 8  # ~190 tokens: about 12 blocks of 16
+        prefix = " ".join(WORDS[k * 5 :] + WORDS[: k * 5]) * 8  # ~190 tokens: about 12 blocks of 16
         status, body = complete(port, prefix, nvext={"backend_instance_id": pin, "extra_fields": ["worker_id"]})
         assert status == 200, body
         assert body["nvext"]["worker_id"]["decode_worker_id"] == pin
@@ -301,10 +331,17 @@ def kill_run(cluster) -> KillRun:
     before = len(restarted.generate_ids())
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         after_statuses = [s for s, _ in pool.map(lambda k: complete(port, f"after {k}"), range(60))]
-    return KillRun(killed_at=killed_at, out_at=out_at, back_at=back_at, results=results,
-                   sidecar_log=plain(sidecar.log()), sidecar_alive=sidecar.alive(),
-                   restarted_share=len(restarted.generate_ids()) - before, after_statuses=after_statuses,
-                   first_routed_s=first_routed_s)
+    return KillRun(
+        killed_at=killed_at,
+        out_at=out_at,
+        back_at=back_at,
+        results=results,
+        sidecar_log=plain(sidecar.log()),
+        sidecar_alive=sidecar.alive(),
+        restarted_share=len(restarted.generate_ids()) - before,
+        after_statuses=after_statuses,
+        first_routed_s=first_routed_s,
+    )
 
 
 def test_scaleout_killed_mock_leaves_rotation_and_rejoins_after_restart(kill_run):

@@ -6,12 +6,11 @@ Over real sockets on 127.0.0.1 port 0.
 from __future__ import annotations
 
 import pytest
+from mock_helpers import GENERATE, FinishReason, collect, gen, running_mock
 
 from trio_sidecar._proto.vllm import inference_pb2 as pb
 from trio_sidecar.mock.engine_args import EngineArgsError, TextMode, parse_engine_args
 from trio_sidecar.mock.generation import ByteDetokenizer, prompt_token_seed, token_at, token_bytes
-
-from mock_helpers import GENERATE, FinishReason, collect, gen, running_mock
 
 BYTES = {"text_mode": "bytes", "token_seed_source": "prompt"}
 
@@ -67,8 +66,11 @@ async def test_streamed_texts_are_the_detokenizers_and_concatenate_to_the_bytes_
         assert any(ord(c) > 0x7F and c != "\ufffd" for c in whole)
         assert messages[-1].outputs.finish_info.finish_reason == FinishReason.LENGTH
         # Deterministic: the same prompt under another request id gives the same texts.
-        again = [m.outputs.text for m in await collect(ch, gen("c", prompt=prompt, max_new_tokens=16))
-                 if m.HasField("outputs")]
+        again = [
+            m.outputs.text
+            for m in await collect(ch, gen("c", prompt=prompt, max_new_tokens=16))
+            if m.HasField("outputs")
+        ]
         assert again == texts
         unary = await ch.unary_unary(GENERATE, gen("u", prompt=prompt, max_new_tokens=16), pb.GenerateResponse)
         assert unary.outputs.text == whole

@@ -58,7 +58,10 @@ def test_help_documents_every_flag(capsys):
         (["--extra-engine-args", '{"engine_type": "sglang"}'], "engine_type"),
         (["--extra-engine-args", '{"worker_type": "decode"}'], "worker_type"),
         (["--extra-engine-args", '{"num_gpu_blocks": 0}'], "num_gpu_blocks"),
-        (["--max-concurrent-requests", "0"], "max_concurrent_requests (--max-concurrent-requests) must be greater than 0"),
+        (
+            ["--max-concurrent-requests", "0"],
+            "max_concurrent_requests (--max-concurrent-requests) must be greater than 0",
+        ),
         (["--extra-engine-args", "/nonexistent/engine.json"], "cannot read engine args file"),
         (["--listen", "localhost:50051"], "invalid listen address"),
         (["--listen", "127.0.0.1:70000"], "port"),
@@ -85,7 +88,9 @@ def test_limit_flags_reach_the_server_limits():
     ns = build_parser().parse_args(["--handshake-timeout", "2.5", "--idle-timeout", "0", "--max-connections", "7"])
     assert (ns.handshake_timeout, ns.idle_timeout, ns.max_connections) == (2.5, None, 7)
     limits = prepare_config(
-        MockConfig(handshake_timeout=ns.handshake_timeout, idle_timeout=ns.idle_timeout, max_connections=ns.max_connections)
+        MockConfig(
+            handshake_timeout=ns.handshake_timeout, idle_timeout=ns.idle_timeout, max_connections=ns.max_connections
+        )
     ).limits
     assert (limits.handshake_timeout, limits.idle_timeout, limits.max_connections) == (2.5, None, 7)
     defaults = build_parser().parse_args([])
@@ -245,7 +250,9 @@ async def _open_unread_stream(port: int) -> trio.SocketStream:
 
 
 async def test_a_second_signal_during_shutdown_exits_1_at_once():
-    process = await trio.lowlevel.open_process(_command(speedup_ratio=0.0), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    process = await trio.lowlevel.open_process(
+        _command(speedup_ratio=0.0), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     try:
         with trio.fail_after(30):
             port = int(LISTENING.match(await _read_line(process.stdout)).group(2))

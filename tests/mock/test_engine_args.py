@@ -179,7 +179,12 @@ def test_mapping_form_uses_the_same_rules():
     [
         ({"engine_type": "sglang"}, 256, "engine arg 'engine_type' must be \"vllm\"", "engine_type"),
         ({"dp_size": 0}, 256, "engine arg 'dp_size' must be at least 1", "dp_size"),
-        ({}, 0, "max_concurrent_requests (--max-concurrent-requests) must be greater than 0", "max_concurrent_requests"),
+        (
+            {},
+            0,
+            "max_concurrent_requests (--max-concurrent-requests) must be greater than 0",
+            "max_concurrent_requests",
+        ),
         (
             {"worker_type": "prefill"},
             256,
@@ -192,8 +197,18 @@ def test_mapping_form_uses_the_same_rules():
         ({"num_gpu_blocks": 0}, 256, "engine arg 'num_gpu_blocks' must be greater than 0", "num_gpu_blocks"),
         ({"max_model_len": 2**32}, 256, "engine arg 'max_model_len' must be at most 4294967295", "max_model_len"),
         ({"block_size": 2**32}, 256, "engine arg 'block_size' must be at most 4294967295", "block_size"),
-        ({"num_gpu_blocks": 2**63, "dp_size": 2}, 256, "engine arg 'num_gpu_blocks' must be at most 18446744073709551615", "num_gpu_blocks"),
-        ({"max_num_seqs": 2**64}, 256, "engine arg 'max_num_seqs' must be at most 18446744073709551615", "max_num_seqs"),
+        (
+            {"num_gpu_blocks": 2**63, "dp_size": 2},
+            256,
+            "engine arg 'num_gpu_blocks' must be at most 18446744073709551615",
+            "num_gpu_blocks",
+        ),
+        (
+            {"max_num_seqs": 2**64},
+            256,
+            "engine arg 'max_num_seqs' must be at most 18446744073709551615",
+            "max_num_seqs",
+        ),
         (
             {"max_num_batched_tokens": 2**64},
             256,
@@ -201,8 +216,18 @@ def test_mapping_form_uses_the_same_rules():
             "max_num_batched_tokens",
         ),
         ({"speedup_ratio": -1}, 256, "engine arg 'speedup_ratio' must not be negative", "speedup_ratio"),
-        ({"decode_speedup_ratio": 0}, 256, "engine arg 'decode_speedup_ratio' must be greater than 0", "decode_speedup_ratio"),
-        ({"zmq_kv_events_port": 65535, "dp_size": 2}, 256, "engine arg 'zmq_kv_events_port' must leave a port", "zmq_kv_events_port"),
+        (
+            {"decode_speedup_ratio": 0},
+            256,
+            "engine arg 'decode_speedup_ratio' must be greater than 0",
+            "decode_speedup_ratio",
+        ),
+        (
+            {"zmq_kv_events_port": 65535, "dp_size": 2},
+            256,
+            "engine arg 'zmq_kv_events_port' must leave a port",
+            "zmq_kv_events_port",
+        ),
         ({"tokens_per_image": 0}, 256, "engine arg 'tokens_per_image' must be greater than 0", "tokens_per_image"),
     ],
 )

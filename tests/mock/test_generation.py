@@ -14,6 +14,7 @@ from trio_sidecar._proto.vllm import inference_pb2 as pb
 from trio_sidecar.mock.generation import (
     CandidateSpec,
     OutputOptions,
+    TokenPlan,
     build_prompt_info,
     build_sequence_output,
     candidates_for,
@@ -25,7 +26,6 @@ from trio_sidecar.mock.generation import (
     token_logprob,
     token_response_encoder,
     token_seed,
-    TokenPlan,
 )
 
 FinishReason = pb.FinishInfo.FinishReason

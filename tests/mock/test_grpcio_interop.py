@@ -22,7 +22,9 @@ from trio_sidecar._proto.vllm import inference_pb2 as pb  # noqa: E402
 
 
 def _unary(channel, path, response_type):
-    return channel.unary_unary(path, request_serializer=lambda m: m.SerializeToString(), response_deserializer=response_type.FromString)
+    return channel.unary_unary(
+        path, request_serializer=lambda m: m.SerializeToString(), response_deserializer=response_type.FromString
+    )
 
 
 def _stream(channel):
@@ -46,22 +48,34 @@ def run_grpcio(address: str, scenario):
 async def test_grpcio_health_and_control_values():
     async def scenario(channel):
         check = _unary(channel, "/grpc.health.v1.Health/Check", health_pb2.HealthCheckResponse)
-        statuses = [(await check(health_pb2.HealthCheckRequest(service=name))).status for name in ("", "vllm.Control", "vllm.Inference")]
+        statuses = [
+            (await check(health_pb2.HealthCheckRequest(service=name))).status
+            for name in ("", "vllm.Control", "vllm.Inference")
+        ]
         try:
             await check(health_pb2.HealthCheckRequest(service="nope"))
             unknown = None
         except aio.AioRpcError as err:
             unknown = (err.code(), err.details())
-        server = await _unary(channel, "/vllm.Control/GetServerInfo", control_pb2.ServerInfo)(control_pb2.GetServerInfoRequest())
-        model = await _unary(channel, "/vllm.Control/GetModelInfo", control_pb2.ModelInfo)(control_pb2.GetModelInfoRequest())
+        server = await _unary(channel, "/vllm.Control/GetServerInfo", control_pb2.ServerInfo)(
+            control_pb2.GetServerInfoRequest()
+        )
+        model = await _unary(channel, "/vllm.Control/GetModelInfo", control_pb2.ModelInfo)(
+            control_pb2.GetModelInfoRequest()
+        )
         return statuses, unknown, server, model
 
     async with running_mock(served_model_name="tiny") as (mock, _):
         statuses, unknown, server, model = await run_grpcio(mock.address, scenario)
     assert statuses == [health_pb2.HealthCheckResponse.SERVING] * 3
     assert unknown == (grpc.StatusCode.NOT_FOUND, "service not registered")
-    assert (server.api_version, server.kv_block_size, server.total_kv_blocks, server.max_running_requests) == ("vllm", 4, 4096, 64)
-    assert server.parallelism.data_parallel_size == 1 and not server.HasField("rl_capabilities")
+    assert (server.api_version, server.kv_block_size, server.total_kv_blocks, server.max_running_requests) == (
+        "vllm",
+        4,
+        4096,
+        64,
+    )
+    assert server.parallelism.data_parallel_size == 1 and server.rl_capabilities == control_pb2.RlCapabilities()
     assert (model.model_id, model.served_model_name, model.supports_token_ids_input) == ("mocker-model", "tiny", True)
 
 
@@ -138,8 +152,8 @@ async def test_grpcio_error_codes():
             except aio.AioRpcError as err:
                 results.append((err.code(), err.details()))
         try:
-            await _unary(channel, "/vllm.Control/PauseGeneration", control_pb2.PauseGenerationResponse)(
-                control_pb2.PauseGenerationRequest()
+            await _unary(channel, "/vllm.Control/LoadLora", control_pb2.LoadLoraResponse)(
+                control_pb2.LoadLoraRequest(lora_name="a", source_path="/adapters/a")
             )
         except aio.AioRpcError as err:
             results.append((err.code(), err.details()))
@@ -149,7 +163,7 @@ async def test_grpcio_error_codes():
         results = await run_grpcio(mock.address, scenario)
     for (_, _, code, text), result in zip(cases, results, strict=False):
         assert result is not None and result[0] == code and text in result[1]
-    assert results[-1] == (grpc.StatusCode.UNIMPLEMENTED, "the vLLM mocker does not implement RL control RPCs")
+    assert results[-1] == (grpc.StatusCode.FAILED_PRECONDITION, "engine was not started with LoRA enabled")
 
 
 @pytest.mark.parametrize("compression", ["Gzip", "Deflate"])
@@ -169,9 +183,12 @@ async def test_grpcio_compressed_requests_are_served(compression, monkeypatch):
 
     async def scenario(channel):
         generate = _unary(channel, "/vllm.Inference/Generate", pb.GenerateResponse)
-        unary = await generate(gen("c-unary", prompt=prompt, max_new_tokens=3), compression=getattr(grpc.Compression, compression))
+        unary = await generate(
+            gen("c-unary", prompt=prompt, max_new_tokens=3), compression=getattr(grpc.Compression, compression)
+        )
         streamed = [
-            m async for m in _stream(channel)(
+            m
+            async for m in _stream(channel)(
                 gen("c-stream", prompt=prompt, max_new_tokens=3), compression=getattr(grpc.Compression, compression)
             )
         ]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -136,7 +137,7 @@ async def test_generated_blocks_chain_to_their_parent_and_seq_strictly_increases
             # 6 + 13 = 19 tokens, 18 computed: blocks 0 (prompt), 1 (prompt + 2 generated), 2, 3.
             messages = [await consumer.receive() for _ in range(4)]
     seqs = [m[1] for m in messages]
-    assert all(b == a + 1 for a, b in zip(seqs, seqs[1:]))
+    assert all(b == a + 1 for a, b in itertools.pairwise(seqs))
     events = [e for m in messages for e in m[2][1]]
     assert all(m[2][2] == 1 for m in messages)  # dp_rank of this publisher
     assert [e["type"] for e in events] == ["BlockStored"] * 4

@@ -243,7 +243,6 @@ def test_admit_rejects_a_sequence_that_already_holds_blocks():
 # --- randomized invariants ----------------------------------------------------------------------------
 
 
-
 def check_invariants(pool: KvPool, live: dict[int, SeqKv], cached: set[int]) -> None:
     held: dict[int, int] = {}
     for seq in live.values():
@@ -277,8 +276,11 @@ def test_property_random_operations_keep_the_pool_consistent(ops, caching):
     cached: set[int] = set()
     for op, slot, tokens, family, bypass in ops:
         if op == "admit" and slot not in live:
-            seq = SeqKv(tuple(family * 100 + i for i in range(tokens)), plan=tuple(range(5000, 5400)),
-                        bypass_prefix_cache=bypass)
+            seq = SeqKv(
+                tuple(family * 100 + i for i in range(tokens)),
+                plan=tuple(range(5000, 5400)),
+                bypass_prefix_cache=bypass,
+            )
             got = pool.admit(seq, tokens)
             if got is not None:
                 assert got % 4 == 0 and got < tokens

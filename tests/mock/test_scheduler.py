@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.lowlevel
 
 from trio_sidecar.mock.engine_args import engine_args_from_mapping, validate_engine_args
 from trio_sidecar.mock.kvcache import BlockRemoved, BlockStored, KvEvent
@@ -125,7 +126,9 @@ def test_budget_error_with_chunked_prefill_off():
     check_prompt(args, 8)
     # Chunked prefill on, or no budget: any length that fits the pool is fine.
     check_prompt(engine_args_from_mapping({**BASE, "max_num_batched_tokens": 8}), 100)
-    check_prompt(engine_args_from_mapping({**BASE, "enable_chunked_prefill": False, "max_num_batched_tokens": None}), 100)
+    check_prompt(
+        engine_args_from_mapping({**BASE, "enable_chunked_prefill": False, "max_num_batched_tokens": None}), 100
+    )
 
 
 async def test_submit_raises_budget_error():
@@ -299,7 +302,7 @@ async def test_preemption_evicts_newest_or_oldest(mode, first_done, autojump_clo
         with trio.fail_after(100):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(consume, "a", engine.submit(sim("a", prompt=(1, 2, 3, 4), n=12)))
-                await trio.sleep(0)
+                await trio.lowlevel.checkpoint()
                 nursery.start_soon(consume, "b", engine.submit(sim("b", prompt=(5, 6, 7, 8), n=12)))
             metrics = await wait_idle(engine)
     assert done[0] == first_done
@@ -521,7 +524,7 @@ async def test_random_workloads_deliver_every_plan_exactly_once(seed):
                     expected[request.uuid] = request.plan
                     nursery.start_soon(consume, request.uuid, engine.submit(request))
                     if rng.random() < 0.3:
-                        await trio.sleep(0)
+                        await trio.lowlevel.checkpoint()
                     if rng.random() < 0.15:
                         victim = f"r{rng.randint(0, i)}"
                         if engine.cancel(victim):

@@ -11,16 +11,6 @@ import socket
 import pytest
 import trio
 from google.protobuf import struct_pb2
-
-import trio_sidecar
-from trio_sidecar._proto.grpc.health.v1 import health_pb2
-from trio_sidecar._proto.vllm import control_pb2
-from trio_sidecar._proto.vllm import inference_pb2 as pb
-from trio_sidecar.mock import MockConfig, open_mock_server, planned_tokens, request_uuid
-from trio_sidecar.mock.server import CALL_HISTORY, CallRecord, MockConfigError, parse_listen
-from trio_sidecar.status import StatusCode as C
-from trio_sidecar.transport import RpcError, check_health, watch_health
-
 from mock_helpers import (
     GENERATE,
     GENERATE_STREAM,
@@ -33,6 +23,15 @@ from mock_helpers import (
     stream_tokens,
     wait_drained,
 )
+
+import trio_sidecar
+from trio_sidecar._proto.grpc.health.v1 import health_pb2
+from trio_sidecar._proto.vllm import control_pb2
+from trio_sidecar._proto.vllm import inference_pb2 as pb
+from trio_sidecar.mock import MockConfig, open_mock_server, planned_tokens, request_uuid
+from trio_sidecar.mock.server import CALL_HISTORY, CallRecord, MockConfigError, parse_listen
+from trio_sidecar.status import StatusCode as C
+from trio_sidecar.transport import RpcError, check_health, watch_health
 
 SLOW = {"speedup_ratio": 0.1}  # ~57 ms per decode pass: a 10,000-token request stays in flight for minutes
 
@@ -164,9 +163,16 @@ async def test_role_validation():
     async with running_mock(disaggregation_mode="prefill") as (_, ch):
         err = await rpc_error(collect(ch, gen()))
         assert (err.code, err.message) == (C.FAILED_PRECONDITION, "prefill mock server requires do_remote_decode=true")
-        both = gen(kv=pb.KVCacheParameters(kv_transfer_params=struct({"do_remote_decode": True, "do_remote_prefill": True})))
+        both = gen(
+            kv=pb.KVCacheParameters(kv_transfer_params=struct({"do_remote_decode": True, "do_remote_prefill": True}))
+        )
         assert (await rpc_error(collect(ch, both))).code == C.INVALID_ARGUMENT
-        for key, value in (("remote_engine_id", "e"), ("remote_host", "h"), ("remote_port", 1), ("remote_block_ids", [0])):
+        for key, value in (
+            ("remote_engine_id", "e"),
+            ("remote_host", "h"),
+            ("remote_port", 1),
+            ("remote_block_ids", [0]),
+        ):
             params = struct({"do_remote_decode": True, key: value})
             err = await rpc_error(collect(ch, gen(kv=pb.KVCacheParameters(kv_transfer_params=params))))
             assert err.code == C.INVALID_ARGUMENT and key in err.message
@@ -207,7 +213,10 @@ async def test_prefill_handoff_round_trips_through_a_decode_server_and_needs_the
         err = await rpc_error(collect(decode_ch, decode))
         assert err.code == C.INVALID_ARGUMENT and "mocker_request_id" in err.message
         err = await rpc_error(collect(decode_ch, gen()))
-        assert (err.code, err.message) == (C.FAILED_PRECONDITION, "decode mock server requires a prefill KV transfer payload")
+        assert (err.code, err.message) == (
+            C.FAILED_PRECONDITION,
+            "decode mock server requires a prefill KV transfer payload",
+        )
         assert mock.active_request_count() == 0
 
 
@@ -243,9 +252,14 @@ async def test_control_values():
         info = await control(ch, "GetServerInfo", control_pb2.GetServerInfoRequest(), control_pb2.ServerInfo)
         assert info.engine_version == trio_sidecar.__version__ and info.api_version == "vllm"
         assert info.instance_id == "trio-sidecar-mock-aggregated"
-        assert not info.HasField("rl_capabilities")
+        assert info.HasField("rl_capabilities") and info.rl_capabilities == control_pb2.RlCapabilities()  # as vLLM
         p = info.parallelism
-        assert (p.tensor_parallel_size, p.pipeline_parallel_size, p.data_parallel_size, p.data_parallel_rank) == (1, 1, 2, 0)
+        assert (p.tensor_parallel_size, p.pipeline_parallel_size, p.data_parallel_size, p.data_parallel_rank) == (
+            1,
+            1,
+            2,
+            0,
+        )
         assert (p.decode_context_parallel_size, p.world_size, p.data_parallel_size_local) == (1, 1, 2)
         assert (info.max_model_len, info.kv_block_size, info.total_kv_blocks) == (512, 4, 200)
         assert (info.max_running_requests, info.max_batched_tokens, info.max_loras) == (64, 1024, 0)
@@ -269,39 +283,10 @@ async def test_null_limits_are_reported_as_zero_and_mode_in_instance_id():
         assert info.instance_id == "trio-sidecar-mock-decode"
 
 
-UNIMPLEMENTED = [
-    ("LoadLora", "LoRA is not supported by the mock server"),
-    ("UnloadLora", "LoRA is not supported by the mock server"),
-    ("ListLoras", "LoRA is not supported by the mock server"),
-    ("Shutdown", "shutdown is not supported by the mocker"),
-    *[
-        (rpc, "the vLLM mocker does not implement RL control RPCs")
-        for rpc in (
-            "PauseGeneration",
-            "ResumeGeneration",
-            "IsPaused",
-            "Sleep",
-            "WakeUp",
-            "IsSleeping",
-            "InitWeightTransferEngine",
-            "StartWeightUpdate",
-            "StartDraftWeightUpdate",
-            "UpdateWeights",
-            "FinishWeightUpdate",
-            "UpdateWeightVersion",
-            "GetWeightVersion",
-        )
-    ],
-]
-
-
-async def test_every_other_control_rpc_is_unimplemented():
+async def test_shutdown_is_the_only_unimplemented_control_rpc():
     async with running_mock() as (_, ch):
-        for rpc, message in UNIMPLEMENTED:
-            request = getattr(control_pb2, f"{rpc}Request")()
-            response = getattr(control_pb2, f"{rpc}Response")
-            err = await rpc_error(control(ch, rpc, request, response))
-            assert (err.code, err.message) == (C.UNIMPLEMENTED, message), rpc
+        err = await rpc_error(control(ch, "Shutdown", control_pb2.ShutdownRequest(), control_pb2.ShutdownResponse))
+        assert (err.code, err.message) == (C.UNIMPLEMENTED, "shutdown is not supported by the mocker")
 
 
 # --- 8, 9, 12: capacity and concurrency --------------------------------------------------------------------
@@ -386,7 +371,13 @@ async def test_slow_consumer_survives():
 
 @pytest.mark.parametrize(
     ("mode", "caching", "dp_size", "count"),
-    [("aggregated", True, 1, 1), ("prefill", True, 1, 1), ("decode", True, 1, 0), ("aggregated", False, 1, 0), ("aggregated", True, 2, 2)],
+    [
+        ("aggregated", True, 1, 1),
+        ("prefill", True, 1, 1),
+        ("decode", True, 1, 0),
+        ("aggregated", False, 1, 0),
+        ("aggregated", True, 2, 2),
+    ],
 )
 async def test_kv_event_source_counts(mode, caching, dp_size, count):
     engine_args = {"enable_prefix_caching": caching, "dp_size": dp_size}
@@ -506,8 +497,10 @@ async def test_call_records_tell_how_each_request_ended_and_are_kept_after_it():
     async with running_mock() as (mock, ch):
         assert mock.call_record("never") is None
         done = await collect(ch, gen("done", max_new_tokens=3))
-        assert mock.call_record("done") == CallRecord("done", len(stream_tokens(done)), "finish") == CallRecord(
-            "done", 3, "finish"
+        assert (
+            mock.call_record("done")
+            == CallRecord("done", len(stream_tokens(done)), "finish")
+            == CallRecord("done", 3, "finish")
         )
         await collect(ch, gen("done", max_new_tokens=1))  # the same id again: the last call is kept
         assert mock.call_record("done") == CallRecord("done", 1, "finish")
@@ -537,7 +530,9 @@ async def test_dropped_stream_frees_its_slot_and_spares_the_others():
     async with running_mock(engine_args={"speedup_ratio": 0.1}) as (mock, ch):
         async with ch.unary_stream(GENERATE_STREAM, gen("keep", max_new_tokens=10_000), pb.GenerateResponse) as keep:
             await keep.__anext__()
-            async with ch.unary_stream(GENERATE_STREAM, gen("drop", max_new_tokens=10_000), pb.GenerateResponse) as drop:
+            async with ch.unary_stream(
+                GENERATE_STREAM, gen("drop", max_new_tokens=10_000), pb.GenerateResponse
+            ) as drop:
                 await drop.__anext__()
                 await drop.__anext__()  # the first token
             # Left the block: RST_STREAM. The dropped request leaves within 2 s...
@@ -620,8 +615,10 @@ async def test_kv_events_for_a_two_block_prompt_and_its_eviction():
             # A 16-token prompt needs the whole pool: the cached blocks are evicted.
             await collect(ch, gen("kv-2", prompt=tuple(range(500, 516)), max_new_tokens=1))
             later = await receive_events(
-                lambda evs: {h for _, b in evs for e in b if e["type"] == "BlockRemoved" for h in e["block_hashes"]}
-                >= set(hashes[:2])
+                lambda evs: (
+                    {h for _, b in evs for e in b if e["type"] == "BlockRemoved" for h in e["block_hashes"]}
+                    >= set(hashes[:2])
+                )
             )
             seqs = [s for s, _ in stored + later]
             assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
@@ -676,7 +673,9 @@ async def test_health_check_watch_and_graceful_shutdown():
 async def test_dp_rank_metadata_and_least_loaded_choice():
     async with running_mock(engine_args={"dp_size": 2, **SLOW}) as (mock, ch):
         rank1 = [("x-data-parallel-rank", "1")]
-        async with ch.unary_stream(GENERATE_STREAM, gen("on-1", max_new_tokens=10_000), pb.GenerateResponse, metadata=rank1) as s1:
+        async with ch.unary_stream(
+            GENERATE_STREAM, gen("on-1", max_new_tokens=10_000), pb.GenerateResponse, metadata=rank1
+        ) as s1:
             await s1.__anext__()
             with trio.fail_after(5):
                 await mock.metrics_value(1).wait_value(lambda m: m.running_requests == 1)
@@ -687,7 +686,9 @@ async def test_dp_rank_metadata_and_least_loaded_choice():
                 with trio.fail_after(5):
                     await mock.metrics_value(0).wait_value(lambda m: m.running_requests == 1)
                 # Tie (1, 1) → the lowest rank.
-                async with ch.unary_stream(GENERATE_STREAM, gen("tie", max_new_tokens=10_000), pb.GenerateResponse) as s3:
+                async with ch.unary_stream(
+                    GENERATE_STREAM, gen("tie", max_new_tokens=10_000), pb.GenerateResponse
+                ) as s3:
                     await s3.__anext__()
                     with trio.fail_after(5):
                         await mock.metrics_value(0).wait_value(lambda m: m.running_requests + m.waiting_requests == 2)
@@ -748,7 +749,9 @@ def test_parse_listen_accepts_literal_ips(text, expected):
     assert parse_listen(text) == expected
 
 
-@pytest.mark.parametrize("text", ["localhost:1", "127.0.0.1", "::1:80", "[127.0.0.1]:80", "127.0.0.1:x", "1.2.3.4:65536"])
+@pytest.mark.parametrize(
+    "text", ["localhost:1", "127.0.0.1", "::1:80", "[127.0.0.1]:80", "127.0.0.1:x", "1.2.3.4:65536"]
+)
 def test_parse_listen_rejects_everything_else(text):
     with pytest.raises(MockConfigError, match="invalid listen address"):
         parse_listen(text)

@@ -90,7 +90,11 @@ BAD_REQUESTS = [
         C.FAILED_PRECONDITION,
         "aggregated mock server received disaggregated KV transfer parameters",
     ),
-    (gen(stopping=pb.StoppingCriteria(max_new_tokens=32769)), C.INVALID_ARGUMENT, "max_new_tokens must not exceed 32768"),
+    (
+        gen(stopping=pb.StoppingCriteria(max_new_tokens=32769)),
+        C.INVALID_ARGUMENT,
+        "max_new_tokens must not exceed 32768",
+    ),
     (
         gen(stopping=pb.StoppingCriteria(max_new_tokens=1, min_new_tokens=2)),
         C.INVALID_ARGUMENT,
@@ -167,10 +171,14 @@ def test_chunked_prefill_off_budget():
 def test_stop_tokens_through_prepare():
     k = 3
     stop = planned_tokens(42, "s", 10)[k]
-    prepared = prepare_request(gen(request_id="s", stopping=pb.StoppingCriteria(max_new_tokens=10, stop_token_ids=[stop])), POLICY)
+    prepared = prepare_request(
+        gen(request_id="s", stopping=pb.StoppingCriteria(max_new_tokens=10, stop_token_ids=[stop])), POLICY
+    )
     assert len(prepared.plan.tokens) == k + 1 and prepared.plan.stop_token_id == stop
     masked = prepare_request(
-        gen(request_id="s", stopping=pb.StoppingCriteria(max_new_tokens=10, min_new_tokens=k + 1, stop_token_ids=[stop])),
+        gen(
+            request_id="s", stopping=pb.StoppingCriteria(max_new_tokens=10, min_new_tokens=k + 1, stop_token_ids=[stop])
+        ),
         POLICY,
     )
     tokens = planned_tokens(42, "s", 10)
@@ -183,7 +191,10 @@ def test_prompt_seed_source_makes_ids_irrelevant():
     a = prepare_request(gen(request_id="a"), policy)
     b = prepare_request(gen(request_id="b"), policy)
     assert a.plan.tokens == b.plan.tokens and a.uuid != b.uuid
-    assert prepare_request(gen(request_id="a"), POLICY).plan.tokens != prepare_request(gen(request_id="b"), POLICY).plan.tokens
+    assert (
+        prepare_request(gen(request_id="a"), POLICY).plan.tokens
+        != prepare_request(gen(request_id="b"), POLICY).plan.tokens
+    )
 
 
 def test_cache_options_are_accepted():
@@ -230,10 +241,16 @@ def test_handoff_classification(params, role):
             "KV transfer parameters cannot set both do_remote_decode and do_remote_prefill",
         ),
         *[
-            ({"do_remote_decode": True, key: DECODE_OK[key]}, f"prefill KV transfer parameters must not include '{key}'")
+            (
+                {"do_remote_decode": True, key: DECODE_OK[key]},
+                f"prefill KV transfer parameters must not include '{key}'",
+            )
             for key in ("remote_engine_id", "remote_host", "remote_port", "remote_block_ids")
         ],
-        ({**DECODE_OK, "remote_engine_id": 5}, "decode KV transfer field 'remote_engine_id' must be a non-empty string"),
+        (
+            {**DECODE_OK, "remote_engine_id": 5},
+            "decode KV transfer field 'remote_engine_id' must be a non-empty string",
+        ),
         ({**DECODE_OK, "remote_host": ""}, "decode KV transfer field 'remote_host' must be a non-empty string"),
         (
             {**DECODE_OK, "remote_port": 70000},
@@ -304,7 +321,9 @@ def test_media_checks():
     assert rejected(check_media, [pb.MediaItem(modality=pb.MODALITY_AUDIO, url="http://a")], True).message == (
         "only image media is supported by the mock server"
     )
-    assert rejected(check_media, [pb.MediaItem(modality=pb.MODALITY_IMAGE)], True).message == "media item 0 has no source"
+    assert (
+        rejected(check_media, [pb.MediaItem(modality=pb.MODALITY_IMAGE)], True).message == "media item 0 has no source"
+    )
     items = [pb.MediaItem(modality=pb.MODALITY_IMAGE, url="u"), pb.MediaItem(modality=pb.MODALITY_IMAGE, url="")]
     assert rejected(check_media, items, True).message == "media item 1 has no source"
 
@@ -318,7 +337,9 @@ def test_placeholder_expansion():
 
 def test_multimodal_request_prompt_is_expanded():
     policy = RequestPolicy(served_model_name="m", supports_multimodal=True)
-    req = gen(token_ids=pb.TokenIds(ids=[1, 31999, 2]), media=[pb.MediaItem(modality=pb.MODALITY_IMAGE, url="http://x")])
+    req = gen(
+        token_ids=pb.TokenIds(ids=[1, 31999, 2]), media=[pb.MediaItem(modality=pb.MODALITY_IMAGE, url="http://x")]
+    )
     assert prepare_request(req, policy).prompt == (1, *[31999] * 16, 2)
 
 

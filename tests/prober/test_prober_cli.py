@@ -39,7 +39,7 @@ async def wait_for_log(process, text: str, *, timeout: float) -> None:
 async def test_cli_exits_1_when_vllm_recovers_with_another_identity(nursery, tmp_path):
     pytest.importorskip("dynamo.llm", reason="ai-dynamo-runtime 1.6.1 is not installed")
     pytest.importorskip("tokenizers")
-    from trio_sidecar.dynamo import local
+    from trio_sidecar._devtools import local
 
     model = str(tiny_model(tmp_path / "tiny-model"))
     runner = MockRunner(nursery)

@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from real_vllm_server import (
     ENV_MODEL,
     ENV_PYTHON,

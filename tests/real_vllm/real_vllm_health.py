@@ -6,12 +6,11 @@ import time
 
 import pytest
 import trio
+from real_vllm_client import open_direct_channel, rpc_error_types
+from real_vllm_helpers import unique_id
 
 from trio_sidecar import CannotConnect, GenerateContext, HealthKind, SidecarConfig, open_sidecar
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
-
-from real_vllm_client import open_direct_channel, rpc_error_types
-from real_vllm_helpers import unique_id
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -23,7 +22,8 @@ async def watch(channel, service: str, record: list, serving: trio.Event) -> Non
     """Record every status of one Health.Watch stream, then how it ended ("OK" or the error code name)."""
     try:
         async with channel.unary_stream(
-            "/grpc.health.v1.Health/Watch", health_pb2.HealthCheckRequest(service=service),
+            "/grpc.health.v1.Health/Watch",
+            health_pb2.HealthCheckRequest(service=service),
             health_pb2.HealthCheckResponse,
         ) as stream:
             async for message in stream:
@@ -38,8 +38,11 @@ async def watch(channel, service: str, record: list, serving: trio.Event) -> Non
 async def observe_shutdown(server, trigger) -> dict:
     """Start a sidecar and direct watchers, run ``trigger()``, and collect what everyone saw."""
     config = SidecarConfig(
-        grpc_endpoint=server.endpoint, grpc_connections=1, startup_deadline=120.0,
-        connect_attempt_timeout=5.0, retry_interval=0.5,
+        grpc_endpoint=server.endpoint,
+        grpc_connections=1,
+        startup_deadline=120.0,
+        connect_attempt_timeout=5.0,
+        retry_interval=0.5,
     )
     watches: dict[str, list] = {service: [] for service in SERVICES}
     prober_states: list = []

@@ -8,10 +8,9 @@ import uuid
 
 import attrs
 import trio
+from real_vllm_client import rpc_error_types
 
 from trio_sidecar._proto.vllm import inference_pb2
-
-from real_vllm_client import rpc_error_types
 
 GENERATE_STREAM = "/vllm.Inference/GenerateStream"
 GENERATE = "/vllm.Inference/Generate"

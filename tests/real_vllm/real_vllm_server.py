@@ -60,7 +60,9 @@ class RealVllmEnv:
     def vllm_rs(self) -> Path:
         out = subprocess.run(
             [str(self.python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            check=True, capture_output=True, text=True,
+            check=True,
+            capture_output=True,
+            text=True,
         )
         return Path(out.stdout.strip()) / "vllm" / "vllm-rs"
 
@@ -115,9 +117,22 @@ class RealVllmServer:
         self.workdir = Path(tempfile.mkdtemp(prefix="real-vllm-"))
         self.log_path = self.workdir / "server.log"
         common = [
-            "--served-model-name", SERVED_MODEL_NAME, "--host", HOST, "--port", str(self.http_port),
-            "--grpc-port", str(self.grpc_port), "--max-model-len", str(MAX_MODEL_LEN),
-            "--dtype", "float32", "--enforce-eager", "--max-num-seqs", str(MAX_NUM_SEQS), *extra_args,
+            "--served-model-name",
+            SERVED_MODEL_NAME,
+            "--host",
+            HOST,
+            "--port",
+            str(self.http_port),
+            "--grpc-port",
+            str(self.grpc_port),
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-num-seqs",
+            str(MAX_NUM_SEQS),
+            *extra_args,
         ]
         if launch == "python":
             argv = [str(env.venv_bin / "vllm"), "serve", str(env.model), *common]
@@ -131,16 +146,26 @@ class RealVllmServer:
         child_env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME")}
         child_env.update(
             PATH=f"{env.venv_bin}{os.pathsep}{child_env.get('PATH', '')}",
-            HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", NO_COLOR="1", TMPDIR=str(tmp),
-            VLLM_USE_RUST_FRONTEND="1", VLLM_TARGET_DEVICE="cpu", VLLM_CPU_KVCACHE_SPACE="1",
+            HF_HUB_OFFLINE="1",
+            TRANSFORMERS_OFFLINE="1",
+            NO_COLOR="1",
+            TMPDIR=str(tmp),
+            VLLM_USE_RUST_FRONTEND="1",
+            VLLM_TARGET_DEVICE="cpu",
+            VLLM_CPU_KVCACHE_SPACE="1",
             # Keep vLLM's own caches next to the provisioned venv, not in the user's home.
             VLLM_CACHE_ROOT=str(env.python.parent.parent.parent / "vllm-cache"),
         )
         self._log = open(self.log_path, "wb")
         self.started_at = time.monotonic()
         self.popen = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, env=child_env,
-            cwd=self.workdir, start_new_session=True,
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=child_env,
+            cwd=self.workdir,
+            start_new_session=True,
         )
         self.pid = self.popen.pid
         self.ready_after_s: float | None = None
@@ -214,8 +239,7 @@ class RealVllmServer:
             while pending:
                 if self.exited():
                     raise RuntimeError(
-                        f"vLLM exited with {self.popen.returncode} before becoming ready; log tail:\n"
-                        f"{self.log_tail()}"
+                        f"vLLM exited with {self.popen.returncode} before becoming ready; log tail:\n{self.log_tail()}"
                     )
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"vLLM not SERVING after {timeout}s ({last}); log tail:\n{self.log_tail()}")
@@ -247,7 +271,9 @@ class RealVllmServer:
             temperature=0.0,
             stopping=inference_pb2.StoppingCriteria(max_new_tokens=4),
             response=inference_pb2.ResponseOptions(
-                output_token_ids=True, output_logprobs=True, prompt_logprobs=True,
+                output_token_ids=True,
+                output_logprobs=True,
+                prompt_logprobs=True,
                 output_candidates=inference_pb2.CandidateTokens(top_n=2),
                 prompt_candidates=inference_pb2.CandidateTokens(top_n=2),
             ),
@@ -329,7 +355,7 @@ class AttachedServer(RealVllmServer):
     OpenAI HTTP server) of a server started with this module's settings; it is never stopped.
     """
 
-    def __init__(self, env: RealVllmEnv, spec: str):  # noqa: super().__init__ would start a process
+    def __init__(self, env: RealVllmEnv, spec: str):  # not calling super().__init__: it would start a process
         ports, log = spec.split(":", 1)
         port, _, http_port = ports.partition(",")
         self.env, self.launch, self.host, self.grpc_port = env, "attached", HOST, int(port)
@@ -360,8 +386,9 @@ class AttachedServer(RealVllmServer):
         pass
 
 
-def start_ready_server(env: RealVllmEnv, *, launch: str = "python", warm_up: bool = True,
-                       extra_args: tuple[str, ...] = ()) -> RealVllmServer:
+def start_ready_server(
+    env: RealVllmEnv, *, launch: str = "python", warm_up: bool = True, extra_args: tuple[str, ...] = ()
+) -> RealVllmServer:
     """Start a server and wait for readiness (+ warm-up); on failure, stop it and re-raise."""
     check_env(env)
     server = RealVllmServer(env, launch=launch, extra_args=extra_args)

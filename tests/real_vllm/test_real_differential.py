@@ -27,10 +27,9 @@ from typing import Any
 
 import attrs
 import pytest
-
-from trio_sidecar.dynamo import local
-
 from real_vllm_server import MAX_MODEL_LEN, SERVED_MODEL_NAME
+
+from trio_sidecar._devtools import local
 
 HTTP_TIMEOUT_S = 60.0
 READY_TIMEOUT_S = 300.0
@@ -68,12 +67,27 @@ ROWS: list[Row] = [
     *both("greedy long", COMPLETIONS, {"prompt": "The quick brown fox", "max_tokens": 64, **GREEDY}),
     *both("greedy ignore_eos", COMPLETIONS, {"prompt": "abc", "max_tokens": 32, "ignore_eos": True, **GREEDY}),
     *both("seeded", COMPLETIONS, {"prompt": "once upon a time", "max_tokens": 24, **SEEDED}, "seeded"),
-    *both("seeded penalties", COMPLETIONS,
-          {"prompt": "once upon a time", "max_tokens": 24, "temperature": 1.0, "seed": 7, "min_p": 0.05,
-           "presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.2}, "seeded"),
+    *both(
+        "seeded penalties",
+        COMPLETIONS,
+        {
+            "prompt": "once upon a time",
+            "max_tokens": 24,
+            "temperature": 1.0,
+            "seed": 7,
+            "min_p": 0.05,
+            "presence_penalty": 0.5,
+            "frequency_penalty": 0.3,
+            "repetition_penalty": 1.2,
+        },
+        "seeded",
+    ),
     *both("stop string", COMPLETIONS, {"prompt": STOP_PROMPT, "max_tokens": 24, "stop": ["{STOP_STRING}"], **GREEDY}),
-    *both("stop token id", COMPLETIONS,
-          {"prompt": STOP_PROMPT, "max_tokens": 24, "stop_token_ids": ["{STOP_ID}"], **GREEDY}),
+    *both(
+        "stop token id",
+        COMPLETIONS,
+        {"prompt": STOP_PROMPT, "max_tokens": 24, "stop_token_ids": ["{STOP_ID}"], **GREEDY},
+    ),
     *both("logprobs", COMPLETIONS, {"prompt": STOP_PROMPT, "max_tokens": 8, "logprobs": 2, **GREEDY}),
     Row("max_tokens 1", COMPLETIONS, {"prompt": "x", "max_tokens": 1, **GREEDY}),
     Row("random", COMPLETIONS, {"prompt": "once upon a time", "max_tokens": 16, "temperature": 1.0}, kind="random"),
@@ -82,32 +96,57 @@ ROWS: list[Row] = [
     *both("chat seeded", CHAT, {"messages": HELLO, "max_tokens": 24, **SEEDED}, "seeded"),
     *both("chat logprobs", CHAT, {"messages": HELLO, "max_tokens": 8, "logprobs": True, "top_logprobs": 3, **GREEDY}),
     *both("chat stop string", CHAT, {"messages": HELLO, "max_tokens": 24, "stop": ["{CHAT_STOP_STRING}"], **GREEDY}),
-    *both("chat json_schema", CHAT,
-          {"messages": HELLO, "max_tokens": 32, **GREEDY,
-           "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": JSON_SCHEMA}}}),
-    Row("chat json_object", CHAT,
-        {"messages": HELLO, "max_tokens": 32, "response_format": {"type": "json_object"}, **GREEDY}),
+    *both(
+        "chat json_schema",
+        CHAT,
+        {
+            "messages": HELLO,
+            "max_tokens": 32,
+            **GREEDY,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": JSON_SCHEMA}},
+        },
+    ),
+    Row(
+        "chat json_object",
+        CHAT,
+        {"messages": HELLO, "max_tokens": 32, "response_format": {"type": "json_object"}, **GREEDY},
+    ),
     Row("chat random", CHAT, {"messages": HELLO, "max_tokens": 16, "temperature": 1.0}, kind="random"),
     # rejected before any output: the status must be native's, streamed or not
     *both("n=2", COMPLETIONS, {"prompt": "hi", "max_tokens": 4, "n": 2}, "error"),
     *both("best_of=2", COMPLETIONS, {"prompt": "hi", "max_tokens": 4, "best_of": 2}, "error"),
     *both("min_tokens > max_tokens", COMPLETIONS, {"prompt": "hi", "max_tokens": 4, "min_tokens": 10}, "error"),
-    *both("stop_token_ids outside the vocabulary", COMPLETIONS,
-          {"prompt": "hi", "max_tokens": 4, "stop_token_ids": [100000]}, "error"),
+    *both(
+        "stop_token_ids outside the vocabulary",
+        COMPLETIONS,
+        {"prompt": "hi", "max_tokens": 4, "stop_token_ids": [100000]},
+        "error",
+    ),
     *both("prompt longer than max_model_len", COMPLETIONS, {"prompt": TOO_LONG, "max_tokens": 4}, "error"),
-    *both("chat prompt longer than max_model_len", CHAT,
-          {"messages": [{"role": "user", "content": TOO_LONG}], "max_tokens": 4}, "error"),
+    *both(
+        "chat prompt longer than max_model_len",
+        CHAT,
+        {"messages": [{"role": "user", "content": TOO_LONG}], "max_tokens": 4},
+        "error",
+    ),
     *both("temperature 2.5", COMPLETIONS, {"prompt": "hi", "max_tokens": 4, "temperature": 2.5}, "error"),
     *both("temperature -1", COMPLETIONS, {"prompt": "hi", "max_tokens": 4, "temperature": -1}, "error"),
-    Row("temperature 1e39 (inf as f32)", COMPLETIONS, {"prompt": "hi", "max_tokens": 4, "temperature": 1e39},
-        kind="error"),
-    Row("temperature NaN (not JSON)", COMPLETIONS, {"prompt": "hi", "max_tokens": 4, "temperature": float("nan")},
-        kind="error"),
+    Row(
+        "temperature 1e39 (inf as f32)",
+        COMPLETIONS,
+        {"prompt": "hi", "max_tokens": 4, "temperature": 1e39},
+        kind="error",
+    ),
+    Row(
+        "temperature NaN (not JSON)",
+        COMPLETIONS,
+        {"prompt": "hi", "max_tokens": 4, "temperature": float("nan")},
+        kind="error",
+    ),
     *both("top_p 1.5", COMPLETIONS, {"prompt": "hi", "max_tokens": 4, "top_p": 1.5}, "error"),
     Row("min_p -1", COMPLETIONS, {"prompt": "hi", "max_tokens": 4, "min_p": -1}, kind="error"),
     Row("presence_penalty 3", COMPLETIONS, {"prompt": "hi", "max_tokens": 4, "presence_penalty": 3}, kind="error"),
-    Row("frequency_penalty -3", COMPLETIONS, {"prompt": "hi", "max_tokens": 4, "frequency_penalty": -3},
-        kind="error"),
+    Row("frequency_penalty -3", COMPLETIONS, {"prompt": "hi", "max_tokens": 4, "frequency_penalty": -3}, kind="error"),
     *both("repetition_penalty -1", CHAT, {"messages": HELLO, "max_tokens": 4, "repetition_penalty": -1}, "error"),
 ]
 
@@ -164,8 +203,14 @@ def _fold(events: list[Any]) -> dict[str, Any]:
             for key, value in (choice.get("logprobs") or {}).items():
                 if isinstance(value, list):
                     logprobs.setdefault(key, []).extend(value)
-    return {"text": "".join(text), "finish_reasons": finishes, "usage": usage, "logprobs": logprobs,
-            "errors": errors, "roles": roles}
+    return {
+        "text": "".join(text),
+        "finish_reasons": finishes,
+        "usage": usage,
+        "logprobs": logprobs,
+        "errors": errors,
+        "roles": roles,
+    }
 
 
 def ask(port: int, row: Row, body: dict[str, Any]) -> Answer:
@@ -224,8 +269,11 @@ def _vllm_greedy(http_port: int, path: str, body: dict[str, Any]) -> dict[str, A
 def _stop_material(http_port: int | None) -> dict[str, Any]:
     """A stop string and a stop token id that occur inside the greedy continuations, from vLLM's server."""
     assert http_port is not None, "vLLM's HTTP port is unknown (attach with PORT,HTTP_PORT:LOG_PATH)"
-    completion = _vllm_greedy(http_port, COMPLETIONS, {
-        "prompt": STOP_PROMPT, "max_tokens": 24, "logprobs": 0, "return_tokens_as_token_ids": True})
+    completion = _vllm_greedy(
+        http_port,
+        COMPLETIONS,
+        {"prompt": STOP_PROMPT, "max_tokens": 24, "logprobs": 0, "return_tokens_as_token_ids": True},
+    )
     choice = completion["choices"][0]
     ids = [int(token.removeprefix("token_id:")) for token in choice["logprobs"]["tokens"]]
     chat = _vllm_greedy(http_port, CHAT, {"messages": HELLO, "max_tokens": 24})

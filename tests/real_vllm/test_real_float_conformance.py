@@ -9,14 +9,13 @@ when vLLM answers differently.
 from __future__ import annotations
 
 import pytest
-
-from trio_sidecar.sampling_checks import sampling_error
-from trio_sidecar.status import StatusCode
-
 from real_vllm_client import open_direct_channel
 from real_vllm_helpers import collect, generate_request, unique_id
 from real_vllm_server import MAX_MODEL_LEN
 from vllm_float_table import BAD, LOGIT_BIASES, ORDER, TABLE
+
+from trio_sidecar.sampling_checks import sampling_error
+from trio_sidecar.status import StatusCode
 
 
 def set_field(message, field: str, value: float) -> None:

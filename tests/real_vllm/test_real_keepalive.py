@@ -14,16 +14,17 @@ measures.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import trio
+from real_vllm_server import SERVED_MODEL_NAME
 
 from trio_sidecar import SidecarConfig
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar._proto.vllm import control_pb2
 from trio_sidecar.pool import channel_options
 from trio_sidecar.transport import connect_channel
-
-from real_vllm_server import SERVED_MODEL_NAME
 
 WATCH = "/grpc.health.v1.Health/Watch"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -41,7 +42,9 @@ async def silent_connection(nursery, server, **options):
         return ping(data)
 
     conn.protocol.ping = counting_ping
-    watch = channel.unary_stream(WATCH, health_pb2.HealthCheckRequest(service="vllm.Control"), health_pb2.HealthCheckResponse)
+    watch = channel.unary_stream(
+        WATCH, health_pb2.HealthCheckRequest(service="vllm.Control"), health_pb2.HealthCheckResponse
+    )
     await watch.__aenter__()
     with trio.fail_after(30):
         first = await watch.__anext__()
@@ -74,7 +77,7 @@ async def test_default_keepalive_keeps_a_silent_connection_to_real_vllm_up_for_6
     assert len(sent) >= 5, sent
     for ping_at in sent:
         assert any(ping_at <= read_at <= ping_at + 4.0 for read_at in reads), (ping_at, reads)
-    gaps = [b - a for a, b in zip(sent, sent[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(sent)]
     print(f"\n{len(sent)} PINGs in {trio.current_time() - start:.1f} s, gaps {[round(g, 2) for g in gaps]}")
     assert all(9.9 <= gap <= 12.0 for gap in gaps), gaps
     # No GOAWAY: the same connection still serves a request, and the Watch is still open.
@@ -117,8 +120,11 @@ async def test_sigstopped_real_vllm_is_detected_within_15_s_with_the_defaults_an
         pytest.skip("an attached server is not ours to stop")
     assert os.getpgid(real_server.pid) == real_server.pid  # its own session: the signals reach only its tree
     config = SidecarConfig(
-        grpc_endpoint=real_server.endpoint, grpc_connections=2, startup_deadline=120.0,
-        connect_attempt_timeout=10.0, retry_interval=0.5,
+        grpc_endpoint=real_server.endpoint,
+        grpc_connections=2,
+        startup_deadline=120.0,
+        connect_attempt_timeout=10.0,
+        retry_interval=0.5,
     )
     request = {
         "token_ids": [5, 6, 7, 8],
@@ -162,8 +168,10 @@ async def test_sigstopped_real_vllm_is_detected_within_15_s_with_the_defaults_an
                     stopped = trio.current_time()
                 detected = max(ended) - stopped
                 keepalive = sum("keepalive" in exc.message for exc in errors)
-                print(f"\nreal vLLM stopped: {concurrent} requests failed (by the keepalive: {keepalive}) within "
-                      f"{detected:.2f} s after SIGSTOP")
+                print(
+                    f"\nreal vLLM stopped: {concurrent} requests failed (by the keepalive: {keepalive}) within "
+                    f"{detected:.2f} s after SIGSTOP"
+                )
                 assert len(errors) == concurrent and len(ended) == concurrent
                 # A stream in flight at the stop fails by the keepalive; a request that started just after it
                 # (its predecessor had just finished) too, or, once the prober saw it, at admission.
@@ -185,8 +193,10 @@ async def test_sigstopped_real_vllm_is_detected_within_15_s_with_the_defaults_an
                 with trio.fail_after(120):
                     await sidecar.health.wait_value(lambda s: s.kind is HealthKind.SERVING)
                 tokens = []
-                async with sidecar.generate({**request, "stop_conditions": {"max_tokens": 4, "ignore_eos": True}},
-                                            GenerateContext("after-sigcont")) as chunks:
+                async with sidecar.generate(
+                    {**request, "stop_conditions": {"max_tokens": 4, "ignore_eos": True}},
+                    GenerateContext("after-sigcont"),
+                ) as chunks:
                     async for chunk in chunks:
                         tokens.extend(chunk.token_ids)
                 assert len(tokens) == 4

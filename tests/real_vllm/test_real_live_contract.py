@@ -9,11 +9,6 @@ from __future__ import annotations
 
 import pytest
 import trio
-
-from trio_sidecar._proto.grpc.health.v1 import health_pb2
-from trio_sidecar._proto.vllm import control_pb2, inference_pb2
-from trio_sidecar.status import StatusCode
-
 from real_vllm_client import open_direct_channel, rpc_error_types
 from real_vllm_helpers import (
     ABORT,
@@ -26,6 +21,10 @@ from real_vllm_helpers import (
 )
 from real_vllm_server import MAX_MODEL_LEN, READY_LOG_LINE, SERVED_MODEL_NAME
 from real_vllm_wire import RawMessage, decode, scalar_fields
+
+from trio_sidecar._proto.grpc.health.v1 import health_pb2
+from trio_sidecar._proto.vllm import control_pb2, inference_pb2
+from trio_sidecar.status import StatusCode
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 LENGTH = inference_pb2.FinishInfo.LENGTH
@@ -42,8 +41,10 @@ async def direct(real_server):
 
 async def health_check(channel, service: str):
     return await channel.unary_unary(
-        "/grpc.health.v1.Health/Check", health_pb2.HealthCheckRequest(service=service),
-        health_pb2.HealthCheckResponse, timeout=30,
+        "/grpc.health.v1.Health/Check",
+        health_pb2.HealthCheckRequest(service=service),
+        health_pb2.HealthCheckResponse,
+        timeout=30,
     )
 
 
@@ -224,9 +225,7 @@ async def test_duplicate_active_request_id_is_accepted(direct):
 
 
 async def abort(channel, *ids: str):
-    return await channel.unary_unary(
-        ABORT, control_pb2.AbortRequest(request_ids=list(ids)), RawMessage, timeout=30
-    )
+    return await channel.unary_unary(ABORT, control_pb2.AbortRequest(request_ids=list(ids)), RawMessage, timeout=30)
 
 
 async def test_abort_without_ids_and_with_unknown_ids_is_a_no_op(direct):
@@ -237,14 +236,18 @@ async def test_abort_without_ids_and_with_unknown_ids_is_a_no_op(direct):
 
 
 async def test_abort_ends_an_open_stream_with_an_aborted_terminal_and_status_ok(direct):
-    for attempt in race_attempts():  # a 252-token stream can finish before the Abort lands (docs/reference/real-vllm.md#abort-and-cancellation)
+    for attempt in (
+        race_attempts()
+    ):  # a 252-token stream can finish before the Abort lands (docs/reference/real-vllm.md#abort-and-cancellation)
         await trio.sleep(0.2 if attempt else 0)
         request_id = unique_id("abort-me")
         out_messages = []
         with trio.fail_after(60):
             async with direct.unary_stream(
-                "/vllm.Inference/GenerateStream", generate_request(request_id, max_new_tokens=LONG),
-                inference_pb2.GenerateResponse, timeout=60,
+                "/vllm.Inference/GenerateStream",
+                generate_request(request_id, max_new_tokens=LONG),
+                inference_pb2.GenerateResponse,
+                timeout=60,
             ) as stream:
                 async for message in stream:
                     out_messages.append(message)
@@ -270,8 +273,10 @@ async def test_dropping_a_stream_auto_aborts_the_request(direct, real_server):
         offset = real_server.log_size()
         with trio.fail_after(60):
             async with direct.unary_stream(
-                "/vllm.Inference/GenerateStream", generate_request(request_id, max_new_tokens=LONG),
-                inference_pb2.GenerateResponse, timeout=60,
+                "/vllm.Inference/GenerateStream",
+                generate_request(request_id, max_new_tokens=LONG),
+                inference_pb2.GenerateResponse,
+                timeout=60,
             ) as stream:
                 async for message in stream:
                     assert message.HasField("prompt_info")
@@ -296,30 +301,88 @@ def _request(**kw):
 ERROR_CASES = [
     # id, request factory, metadata, code, exact message or None, substring
     ("wrong-model", lambda: _request(model="nope"), (), StatusCode.NOT_FOUND, "model `nope` not found", None),
-    ("missing-prompt", lambda: inference_pb2.GenerateRequest(request_id=unique_id("err")), (),
-     StatusCode.INVALID_ARGUMENT, "prompt is required", None),
-    ("min-over-max", lambda: _with_stopping(_request(max_new_tokens=2), min_new_tokens=5), (),
-     StatusCode.INVALID_ARGUMENT,
-     "`min_tokens` must be less than or equal to `max_tokens`, got min_tokens=5, max_tokens=2", None),
-    ("top-p-2", lambda: _request(sampling=inference_pb2.RandomSampling(top_p=2.0)), (),
-     StatusCode.INVALID_ARGUMENT, "top_p must be in (0, 1], got 2", None),
+    (
+        "missing-prompt",
+        lambda: inference_pb2.GenerateRequest(request_id=unique_id("err")),
+        (),
+        StatusCode.INVALID_ARGUMENT,
+        "prompt is required",
+        None,
+    ),
+    (
+        "min-over-max",
+        lambda: _with_stopping(_request(max_new_tokens=2), min_new_tokens=5),
+        (),
+        StatusCode.INVALID_ARGUMENT,
+        "`min_tokens` must be less than or equal to `max_tokens`, got min_tokens=5, max_tokens=2",
+        None,
+    ),
+    (
+        "top-p-2",
+        lambda: _request(sampling=inference_pb2.RandomSampling(top_p=2.0)),
+        (),
+        StatusCode.INVALID_ARGUMENT,
+        "top_p must be in (0, 1], got 2",
+        None,
+    ),
     # Says "text request" although the prompt is token ids; the external request id is quoted.
-    ("empty-stop-string", lambda: _with_stopping(_request(), stop_strings=[""]), (),
-     StatusCode.INVALID_ARGUMENT, "text request `{request_id}` stop strings cannot be empty", None),
-    ("prompt-300", lambda: _request(prompt=[5] * 300), (), StatusCode.INVALID_ARGUMENT,
-     "this model's maximum context length is 256 tokens, but the prompt contains 300 input tokens", None),
-    ("prompt-256", lambda: _request(prompt=[5] * 256), (), StatusCode.INVALID_ARGUMENT,
-     None, "this model's maximum context length is 256 tokens"),
-    ("lora-name", lambda: _request(lora_name="adapter"), (), StatusCode.FAILED_PRECONDITION,
-     "engine was not started with LoRA enabled", None),
-    ("dp-rank-3", lambda: _request(), (("x-data-parallel-rank", "3"),), StatusCode.INVALID_ARGUMENT,
-     "engine-core error: data parallel rank 3 is not connected to this frontend; connected ranks: [0]", None),
-    ("dp-rank-abc", lambda: _request(), (("x-data-parallel-rank", "abc"),), StatusCode.INVALID_ARGUMENT,
-     "x-data-parallel-rank metadata must be an unsigned 32-bit integer", None),
-    ("fork-field-15", lambda: RawMessage(_request().SerializeToString() + LORA_VARINT), (),
-     StatusCode.INTERNAL,
-     "failed to decode Protobuf message: GenerateRequest.lora_name: invalid wire type: Varint "
-     "(expected LengthDelimited)", None),
+    (
+        "empty-stop-string",
+        lambda: _with_stopping(_request(), stop_strings=[""]),
+        (),
+        StatusCode.INVALID_ARGUMENT,
+        "text request `{request_id}` stop strings cannot be empty",
+        None,
+    ),
+    (
+        "prompt-300",
+        lambda: _request(prompt=[5] * 300),
+        (),
+        StatusCode.INVALID_ARGUMENT,
+        "this model's maximum context length is 256 tokens, but the prompt contains 300 input tokens",
+        None,
+    ),
+    (
+        "prompt-256",
+        lambda: _request(prompt=[5] * 256),
+        (),
+        StatusCode.INVALID_ARGUMENT,
+        None,
+        "this model's maximum context length is 256 tokens",
+    ),
+    (
+        "lora-name",
+        lambda: _request(lora_name="adapter"),
+        (),
+        StatusCode.FAILED_PRECONDITION,
+        "engine was not started with LoRA enabled",
+        None,
+    ),
+    (
+        "dp-rank-3",
+        lambda: _request(),
+        (("x-data-parallel-rank", "3"),),
+        StatusCode.INVALID_ARGUMENT,
+        "engine-core error: data parallel rank 3 is not connected to this frontend; connected ranks: [0]",
+        None,
+    ),
+    (
+        "dp-rank-abc",
+        lambda: _request(),
+        (("x-data-parallel-rank", "abc"),),
+        StatusCode.INVALID_ARGUMENT,
+        "x-data-parallel-rank metadata must be an unsigned 32-bit integer",
+        None,
+    ),
+    (
+        "fork-field-15",
+        lambda: RawMessage(_request().SerializeToString() + LORA_VARINT),
+        (),
+        StatusCode.INTERNAL,
+        "failed to decode Protobuf message: GenerateRequest.lora_name: invalid wire type: Varint "
+        "(expected LengthDelimited)",
+        None,
+    ),
 ]
 
 

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import pytest
 import trio
+from real_vllm_client import open_direct_channel, rpc_error_types
+from real_vllm_helpers import collect, generate_request, race_attempts, unique_id
+from real_vllm_server import MAX_MODEL_LEN, MAX_NUM_SEQS, SERVED_MODEL_NAME
 
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar._proto.vllm import control_pb2, inference_pb2
 from trio_sidecar.mock import MockConfig, open_mock_server
 from trio_sidecar.status import StatusCode
-
-from real_vllm_client import open_direct_channel, rpc_error_types
-from real_vllm_helpers import collect, generate_request, race_attempts, unique_id
-from real_vllm_server import MAX_MODEL_LEN, MAX_NUM_SEQS, SERVED_MODEL_NAME
 
 FINISH = inference_pb2.FinishInfo
 
@@ -38,9 +37,14 @@ async def mock(real_server):
         model=str(real_server.env.model),
         served_model_name=SERVED_MODEL_NAME,
         engine_args={
-            "block_size": 128, "num_gpu_blocks": 4096, "max_num_seqs": MAX_NUM_SEQS,
-            "max_num_batched_tokens": 2048, "max_model_len": MAX_MODEL_LEN, "speedup_ratio": 1.0,
-            "enable_prefix_caching": False, "token_seed_source": "prompt",
+            "block_size": 128,
+            "num_gpu_blocks": 4096,
+            "max_num_seqs": MAX_NUM_SEQS,
+            "max_num_batched_tokens": 2048,
+            "max_model_len": MAX_MODEL_LEN,
+            "speedup_ratio": 1.0,
+            "enable_prefix_caching": False,
+            "token_seed_source": "prompt",
         },
     )
     async with open_mock_server(config) as server:
@@ -63,16 +67,31 @@ def shape(outcome) -> list[dict]:
         entry: dict = {"prompt_info": m.HasField("prompt_info"), "outputs": m.HasField("outputs")}
         if m.HasField("prompt_info"):
             p = m.prompt_info
-            entry["prompt"] = (p.num_prompt_tokens, len(p.token_ids), len(p.logprobs), len(p.ranks),
-                               len(p.candidate_tokens))
+            entry["prompt"] = (
+                p.num_prompt_tokens,
+                len(p.token_ids),
+                len(p.logprobs),
+                len(p.ranks),
+                len(p.candidate_tokens),
+            )
         if m.HasField("outputs"):
             o = m.outputs
-            entry["tokens"] = (o.index, o.num_tokens, len(o.token_ids), len(o.logprobs), len(o.ranks),
-                               tuple(len(c.tokens) for c in o.candidate_tokens))
+            entry["tokens"] = (
+                o.index,
+                o.num_tokens,
+                len(o.token_ids),
+                len(o.logprobs),
+                len(o.ranks),
+                tuple(len(c.tokens) for c in o.candidate_tokens),
+            )
             if o.HasField("finish_info"):
                 f = o.finish_info
-                entry["finish"] = (FINISH.FinishReason.Name(f.finish_reason), f.num_output_tokens,
-                                   f.WhichOneof("stop_reason"), f.HasField("kv_transfer_params"))
+                entry["finish"] = (
+                    FINISH.FinishReason.Name(f.finish_reason),
+                    f.num_output_tokens,
+                    f.WhichOneof("stop_reason"),
+                    f.HasField("kv_transfer_params"),
+                )
         out.append(entry)
     return out
 
@@ -139,7 +158,10 @@ async def test_same_stop_token_behaviour(channels):
         terminal = out.terminal()
         assert out.tokens() == plan[: k + 1], side
         assert (terminal.finish_reason, terminal.WhichOneof("stop_reason"), terminal.stop_token_id) == (
-            FINISH.STOP, "stop_token_id", stop), side
+            FINISH.STOP,
+            "stop_token_id",
+            stop,
+        ), side
 
 
 # -- shared error cases --------------------------------------------------------------------------------------
@@ -184,9 +206,13 @@ def build_error_request(changes) -> inference_pb2.GenerateRequest:
     return request
 
 
-@pytest.mark.parametrize(("changes", "metadata", "code", "same_text"), [e[1:] for e in ERRORS], ids=[e[0] for e in ERRORS])
+@pytest.mark.parametrize(
+    ("changes", "metadata", "code", "same_text"), [e[1:] for e in ERRORS], ids=[e[0] for e in ERRORS]
+)
 async def test_same_status_for_shared_error_cases(channels, changes, metadata, code, same_text):
-    outcomes = {side: await collect(ch, build_error_request(changes), metadata=metadata) for side, ch in channels.items()}
+    outcomes = {
+        side: await collect(ch, build_error_request(changes), metadata=metadata) for side, ch in channels.items()
+    }
     for side, out in outcomes.items():
         assert out.code == code, (side, out.error)
         # Both reject before the stream starts (trailers-only), so the sidecar's generate() raises.
@@ -208,32 +234,110 @@ async def test_same_control_and_health_answers(channels):
             "/vllm.Control/GetModelInfo", control_pb2.GetModelInfoRequest(), control_pb2.ModelInfo, timeout=30
         )
         sources = await channel.unary_unary(
-            "/vllm.Control/GetKvEventSources", control_pb2.GetKvEventSourcesRequest(),
-            control_pb2.GetKvEventSourcesResponse, timeout=30,
+            "/vllm.Control/GetKvEventSources",
+            control_pb2.GetKvEventSourcesRequest(),
+            control_pb2.GetKvEventSourcesResponse,
+            timeout=30,
         )
         health = {}
         for service in ("", "vllm.Control", "vllm.Inference"):
-            health[service] = (await channel.unary_unary(
-                "/grpc.health.v1.Health/Check", health_pb2.HealthCheckRequest(service=service),
-                health_pb2.HealthCheckResponse, timeout=30)).status
+            health[service] = (
+                await channel.unary_unary(
+                    "/grpc.health.v1.Health/Check",
+                    health_pb2.HealthCheckRequest(service=service),
+                    health_pb2.HealthCheckResponse,
+                    timeout=30,
+                )
+            ).status
         with pytest.raises(rpc_error_types()) as info:
             await channel.unary_unary(
-                "/grpc.health.v1.Health/Check", health_pb2.HealthCheckRequest(service="vllm.Nope"),
-                health_pb2.HealthCheckResponse, timeout=30)
+                "/grpc.health.v1.Health/Check",
+                health_pb2.HealthCheckRequest(service="vllm.Nope"),
+                health_pb2.HealthCheckResponse,
+                timeout=30,
+            )
         p = server.parallelism
         answers[side] = {
             "api_version": server.api_version,
-            "parallelism": (p.tensor_parallel_size, p.pipeline_parallel_size, p.data_parallel_size,
-                            p.data_parallel_rank, p.data_parallel_size_local),
-            "limits": (server.max_model_len, server.kv_block_size, server.total_kv_blocks,
-                       server.max_running_requests, server.max_batched_tokens, server.max_loras),
-            "model": (model.model_id, model.served_model_name, tuple(model.served_model_aliases),
-                      model.supports_token_ids_input, model.supports_lora,
-                      model.supports_multimodal, model.reasoning_parser, model.tool_call_parser),
+            "parallelism": (
+                p.tensor_parallel_size,
+                p.pipeline_parallel_size,
+                p.data_parallel_size,
+                p.data_parallel_rank,
+                p.data_parallel_size_local,
+            ),
+            "limits": (
+                server.max_model_len,
+                server.kv_block_size,
+                server.total_kv_blocks,
+                server.max_running_requests,
+                server.max_batched_tokens,
+                server.max_loras,
+            ),
+            "model": (
+                model.model_id,
+                model.served_model_name,
+                tuple(model.served_model_aliases),
+                model.supports_token_ids_input,
+                model.supports_lora,
+                model.supports_multimodal,
+                model.reasoning_parser,
+                model.tool_call_parser,
+            ),
             "kv_sources": len(sources.sources),
             "health": health,
             "unknown_service": (info.value.code, info.value.message),
         }
+    assert answers["mock"] == answers["real"]
+
+
+async def _control(channel, rpc: str, **fields):
+    """``("OK", response)`` or ``(code, message)`` for one Control call."""
+    request = getattr(control_pb2, f"{rpc}Request")(**fields)
+    try:
+        return "OK", await channel.unary_unary(
+            f"/vllm.Control/{rpc}", request, getattr(control_pb2, f"{rpc}Response"), timeout=30
+        )
+    except rpc_error_types() as e:
+        return e.code, e.message
+
+
+async def test_same_lora_and_rl_control_answers_without_lora_or_rl(channels):
+    """Neither server has LoRA, sleep mode or weight transfer: the same refusals and answers
+    (docs/reference/mock.md#lora-adapters, docs/reference/mock.md#rl-controls). Pausing the shared real
+    server is undone before the test ends."""
+    cases = [
+        ("ListLoras", {}),
+        ("LoadLora", {"lora_name": "a", "source_path": "/adapters/a"}),
+        ("UnloadLora", {"lora_name": "a"}),
+        ("UnloadLora", {}),
+        ("IsPaused", {}),
+        ("IsSleeping", {}),
+        ("Sleep", {"level": 1}),
+        ("WakeUp", {}),
+        ("InitWeightTransferEngine", {"init_info_json": b"{}"}),
+        ("StartWeightUpdate", {}),
+        ("StartDraftWeightUpdate", {}),
+        ("UpdateWeights", {"update_info_json": b"{}"}),
+        ("FinishWeightUpdate", {"weight_version": "v"}),
+        ("UpdateWeightVersion", {}),
+        ("GetWeightVersion", {}),
+    ]
+    answers = {}
+    for side, channel in channels.items():
+        got = [await _control(channel, rpc, **fields) for rpc, fields in cases]
+        lora_request = generate_request(unique_id("lora"), lora_name="a")
+        got.append((await collect(channel, lora_request)).code)
+        try:
+            got.append(await _control(channel, "PauseGeneration", mode=control_pb2.PAUSE_MODE_KEEP))
+            got.append(await _control(channel, "IsPaused"))
+            got.append(await _control(channel, "IsSleeping"))  # vLLM: a paused engine reports sleeping
+        finally:
+            got.append(await _control(channel, "ResumeGeneration"))
+        got.append(await _control(channel, "IsPaused"))
+        answers[side] = got
+    assert answers["real"][0] == (StatusCode.FAILED_PRECONDITION, "engine was not started with LoRA enabled")
+    assert answers["real"][-4][1].paused and answers["real"][-3][1].sleeping
     assert answers["mock"] == answers["real"]
 
 
@@ -246,15 +350,19 @@ async def test_same_abort_semantics(channels):
             with trio.fail_after(60):
                 async with channel.unary_stream(
                     "/vllm.Inference/GenerateStream",
-                    generate_request(request_id, max_new_tokens=MAX_MODEL_LEN - 4), inference_pb2.GenerateResponse,
+                    generate_request(request_id, max_new_tokens=MAX_MODEL_LEN - 4),
+                    inference_pb2.GenerateResponse,
                     timeout=60,
                 ) as stream:
                     async for message in stream:
                         messages.append(message)
                         if len(messages) == 1:
                             await channel.unary_unary(
-                                "/vllm.Control/Abort", control_pb2.AbortRequest(request_ids=[request_id]),
-                                control_pb2.AbortResponse, timeout=30)
+                                "/vllm.Control/Abort",
+                                control_pb2.AbortRequest(request_ids=[request_id]),
+                                control_pb2.AbortResponse,
+                                timeout=30,
+                            )
             terminal = messages[-1].outputs.finish_info
             if terminal.finish_reason == FINISH.ABORTED:
                 break
@@ -265,8 +373,9 @@ async def test_same_abort_semantics(channels):
         assert terminal.num_output_tokens == sum(m.outputs.num_tokens for m in messages), side
         # Abort with no ids and unknown ids: no-ops on both.
         for ids in ([], ["never-seen", "never-seen"]):
-            await channel.unary_unary("/vllm.Control/Abort", control_pb2.AbortRequest(request_ids=ids),
-                                      control_pb2.AbortResponse, timeout=30)
+            await channel.unary_unary(
+                "/vllm.Control/Abort", control_pb2.AbortRequest(request_ids=ids), control_pb2.AbortResponse, timeout=30
+            )
 
 
 # -- by-design differences -----------------------------------------------------------------------------------
@@ -281,15 +390,21 @@ async def test_by_design_differences(channels, real_server):
 
     # 2. A text prompt: vLLM tokenizes it; the mock has no tokenizer and answers UNIMPLEMENTED.
     text = inference_pb2.GenerateRequest(
-        request_id=unique_id("text"), text="hello world", temperature=0.0,
+        request_id=unique_id("text"),
+        text="hello world",
+        temperature=0.0,
         stopping=inference_pb2.StoppingCriteria(max_new_tokens=4, ignore_eos=True),
     )
     real_text = await collect(channels["real"], text)
     assert real_text.error is None and real_text.terminal().num_output_tokens == 4
     mock_text = await collect(channels["mock"], text)
     assert mock_text.code == StatusCode.UNIMPLEMENTED and "token_ids" in mock_text.message
-    models = {s: await ch.unary_unary("/vllm.Control/GetModelInfo", control_pb2.GetModelInfoRequest(),
-                                      control_pb2.ModelInfo, timeout=30) for s, ch in channels.items()}
+    models = {
+        s: await ch.unary_unary(
+            "/vllm.Control/GetModelInfo", control_pb2.GetModelInfoRequest(), control_pb2.ModelInfo, timeout=30
+        )
+        for s, ch in channels.items()
+    }
     assert (models["real"].supports_text_input, models["mock"].supports_text_input) == (True, False)
 
     # 3. A duplicate in-flight request id: vLLM accepts it, the mock answers ALREADY_EXISTS.
@@ -298,8 +413,10 @@ async def test_by_design_differences(channels, real_server):
         second = None
         with trio.fail_after(60):
             async with channels[side].unary_stream(
-                "/vllm.Inference/GenerateStream", generate_request(request_id, max_new_tokens=MAX_MODEL_LEN - 4),
-                inference_pb2.GenerateResponse, timeout=60,
+                "/vllm.Inference/GenerateStream",
+                generate_request(request_id, max_new_tokens=MAX_MODEL_LEN - 4),
+                inference_pb2.GenerateResponse,
+                timeout=60,
             ) as stream:
                 async for _first in stream:
                     second = await collect(channels[side], generate_request(request_id, max_new_tokens=2))
@@ -316,9 +433,14 @@ async def test_by_design_differences(channels, real_server):
     assert mock_kv.code == StatusCode.FAILED_PRECONDITION
 
     # 5. ServerInfo extras: vLLM reports rl_capabilities (empty) and effective_attention_block_size.
-    infos = {s: await ch.unary_unary("/vllm.Control/GetServerInfo", control_pb2.GetServerInfoRequest(),
-                                     control_pb2.ServerInfo, timeout=30) for s, ch in channels.items()}
-    assert infos["real"].HasField("rl_capabilities") and not infos["mock"].HasField("rl_capabilities")
+    infos = {
+        s: await ch.unary_unary(
+            "/vllm.Control/GetServerInfo", control_pb2.GetServerInfoRequest(), control_pb2.ServerInfo, timeout=30
+        )
+        for s, ch in channels.items()
+    }
+    assert infos["real"].HasField("rl_capabilities") and infos["mock"].HasField("rl_capabilities")
+    assert infos["real"].rl_capabilities == infos["mock"].rl_capabilities  # both empty: no RL configured
     assert infos["real"].engine_version == "0.32.0" and infos["mock"].engine_version != "0.32.0"
 
 
@@ -348,7 +470,8 @@ def chunk_shape(chunks) -> list[dict]:
 
 
 @pytest.mark.parametrize(
-    "options", [{}, {"logprobs": 2}, {"logprobs": 0}, {"logprobs": 1, "prompt_logprobs": 1}],
+    "options",
+    [{}, {"logprobs": 2}, {"logprobs": 0}, {"logprobs": 1, "prompt_logprobs": 1}],
     ids=["plain", "logprobs-2", "logprobs-0", "both"],
 )
 async def test_same_sidecar_output_shape(real_server, mock, options):
@@ -362,8 +485,13 @@ async def test_same_sidecar_output_shape(real_server, mock, options):
     }
     shapes = {}
     for side, endpoint in (("real", real_server.endpoint), ("mock", mock.address)):
-        config = SidecarConfig(grpc_endpoint=endpoint, grpc_connections=1, startup_deadline=60.0,
-                               connect_attempt_timeout=10.0, retry_interval=0.5)
+        config = SidecarConfig(
+            grpc_endpoint=endpoint,
+            grpc_connections=1,
+            startup_deadline=60.0,
+            connect_attempt_timeout=10.0,
+            retry_interval=0.5,
+        )
         chunks = []
         with trio.fail_after(120):
             async with open_sidecar(config) as sidecar:

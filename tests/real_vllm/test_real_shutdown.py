@@ -18,6 +18,8 @@ async def test_sigterm_takes_every_service_out_of_serving_and_the_prober_reacts(
     seen = await observe_shutdown(server, server.terminate)
     assert_left_serving(seen)
     assert seen["prober_left_serving_s"] < 10
-    assert seen["process_exited_s"] < 30  # 2.0-2.5 s measured on an idle machine (docs/reference/real-vllm.md#shutdown-and-engine-death)
+    assert (
+        seen["process_exited_s"] < 30
+    )  # 2.0-2.5 s measured on an idle machine (docs/reference/real-vllm.md#shutdown-and-engine-death)
     TIMINGS.append(("SIGTERM -> vllm serve exited", seen["process_exited_s"]))
     print(f"\nSIGTERM: {seen}")

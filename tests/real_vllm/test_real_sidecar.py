@@ -12,6 +12,9 @@ import re
 
 import pytest
 import trio
+from real_vllm_client import open_direct_channel
+from real_vllm_helpers import collect, drop_outcome, race_attempts, unique_id
+from real_vllm_server import MAX_MODEL_LEN, SERVED_MODEL_NAME
 
 from trio_sidecar import (
     GenerateContext,
@@ -27,10 +30,6 @@ from trio_sidecar import (
 from trio_sidecar._proto.vllm import control_pb2, inference_pb2
 from trio_sidecar.errors import ErrorKind, status_to_error
 from trio_sidecar.model import EngineConfig
-
-from real_vllm_client import open_direct_channel
-from real_vllm_helpers import collect, drop_outcome, race_attempts, unique_id
-from real_vllm_server import MAX_MODEL_LEN, SERVED_MODEL_NAME
 
 PROMPT = [5, 6, 7, 8]
 LONG = MAX_MODEL_LEN - len(PROMPT)
@@ -73,8 +72,14 @@ def greedy(max_tokens: int = 8, **extra) -> dict:
     return request
 
 
-def direct_request(request_id: str, *, max_tokens: int = 8, logprobs: int | None = None,
-                   prompt_logprobs: int | None = None, stop_token_ids=()) -> inference_pb2.GenerateRequest:
+def direct_request(
+    request_id: str,
+    *,
+    max_tokens: int = 8,
+    logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    stop_token_ids=(),
+) -> inference_pb2.GenerateRequest:
     """What the sidecar sends for ``greedy(...)`` (docs/reference/sidecar.md#field-mapping), written out by hand."""
     response = inference_pb2.ResponseOptions(output_text=True, output_token_ids=True)
     if logprobs is not None:
@@ -118,8 +123,15 @@ async def test_discovery_reports_the_real_identity_limits_and_parallelism(real_s
     assert (info.engine_version, info.api_version) == ("0.32.0", "vllm")
     assert info.instance_id.isdecimal()
     p = info.parallelism
-    assert (p.tensor_parallel_size, p.pipeline_parallel_size, p.data_parallel_size, p.data_parallel_rank,
-            p.decode_context_parallel_size, p.world_size, p.data_parallel_size_local) == (1, 1, 1, 0, 1, 1, 1)
+    assert (
+        p.tensor_parallel_size,
+        p.pipeline_parallel_size,
+        p.data_parallel_size,
+        p.data_parallel_rank,
+        p.decode_context_parallel_size,
+        p.world_size,
+        p.data_parallel_size_local,
+    ) == (1, 1, 1, 0, 1, 1, 1)
     assert (info.max_loras, info.effective_attention_block_size) == (0, 128)
     assert info.HasField("rl_capabilities")
 
@@ -143,19 +155,38 @@ async def test_discovery_reports_the_real_identity_limits_and_parallelism(real_s
             )
             engine_config, sources = sidecar.engine_config, sidecar.kv_event_sources
 
-    from trio_sidecar.dynamo.worker import plan_registration
+    from trio_sidecar.dynamo.plan import plan_registration
 
     plan = plan_registration(config, WorkerOptions(), engine_config, sources, environ={})
     assert plan.endpoint_path == "dynamo.backend.generate"
     assert (plan.model_path, plan.served_model_name, plan.aliases) == (
-        str(real_server.env.model), SERVED_MODEL_NAME, ()
+        str(real_server.env.model),
+        SERVED_MODEL_NAME,
+        (),
     )
-    assert (plan.worker_type, plan.model_types, plan.kv_cache_block_size) == ("Aggregated", ("Chat", "Completions"), 128)
+    assert (plan.worker_type, plan.model_types, plan.kv_cache_block_size) == (
+        "Aggregated",
+        ("Chat", "Completions"),
+        128,
+    )
     runtime = plan.runtime_config
-    assert {k: runtime[k] for k in ("context_length", "total_kv_blocks", "max_num_seqs", "max_num_batched_tokens",
-                                    "data_parallel_size", "data_parallel_start_rank")} == {
-        "context_length": 256, "total_kv_blocks": 4096, "max_num_seqs": 8, "max_num_batched_tokens": 2048,
-        "data_parallel_size": 1, "data_parallel_start_rank": 0,
+    assert {
+        k: runtime[k]
+        for k in (
+            "context_length",
+            "total_kv_blocks",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "data_parallel_size",
+            "data_parallel_start_rank",
+        )
+    } == {
+        "context_length": 256,
+        "total_kv_blocks": 4096,
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 2048,
+        "data_parallel_size": 1,
+        "data_parallel_start_rank": 0,
     }
     assert runtime["kv_event_publishing_enabled"] is False
 
@@ -167,8 +198,10 @@ def expected_top_logprobs(o) -> list[list[dict]]:
     """docs/reference/sidecar.md#per-message-checks: the server's candidates in order, the sampled token first only if missing."""
     out = []
     for i, token in enumerate(o.token_ids):
-        position = [{"rank": c.rank, "token_id": c.id, "token": None, "logprob": c.logprob}
-                    for c in o.candidate_tokens[i].tokens]
+        position = [
+            {"rank": c.rank, "token_id": c.id, "token": None, "logprob": c.logprob}
+            for c in o.candidate_tokens[i].tokens
+        ]
         if token not in [c.id for c in o.candidate_tokens[i].tokens]:
             position.insert(0, {"rank": o.ranks[i], "token_id": token, "token": None, "logprob": o.logprobs[i]})
         out.append(position)
@@ -186,7 +219,9 @@ def expected_prompt_logprobs(info) -> list:
 
 
 @pytest.mark.parametrize(
-    ("logprobs", "prompt_logprobs"), [(None, None), (2, None), (0, None), (1, 1)], ids=["plain", "logprobs-2", "logprobs-0", "both"]
+    ("logprobs", "prompt_logprobs"),
+    [(None, None), (2, None), (0, None), (1, 1)],
+    ids=["plain", "logprobs-2", "logprobs-0", "both"],
 )
 async def test_generation_through_the_sidecar_matches_a_direct_call(sidecar, direct, logprobs, prompt_logprobs):
     options = {}
@@ -195,8 +230,9 @@ async def test_generation_through_the_sidecar_matches_a_direct_call(sidecar, dir
     if prompt_logprobs is not None:
         options["prompt_logprobs"] = prompt_logprobs
     chunks = await run(sidecar, greedy(output_options=options), unique_id("via-sidecar"))
-    reference = await collect(direct, direct_request(unique_id("direct"), logprobs=logprobs,
-                                                     prompt_logprobs=prompt_logprobs))
+    reference = await collect(
+        direct, direct_request(unique_id("direct"), logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+    )
     assert reference.error is None, reference.error
     outputs = [m.outputs for m in reference.messages if m.HasField("outputs") and m.outputs.num_tokens]
 
@@ -225,8 +261,16 @@ async def test_generation_through_the_sidecar_matches_a_direct_call(sidecar, dir
 
 async def test_seeded_sampling_through_the_sidecar_matches_a_direct_call(sidecar, direct):
     # Every sampling and penalty field of docs/reference/sidecar.md#field-mapping set; a mis-mapped one changes the tokens.
-    sampling = {"temperature": 0.8, "top_k": 20, "top_p": 0.9, "min_p": 0.05, "seed": 123,
-                "presence_penalty": 0.3, "frequency_penalty": 0.2, "repetition_penalty": 1.1}
+    sampling = {
+        "temperature": 0.8,
+        "top_k": 20,
+        "top_p": 0.9,
+        "min_p": 0.05,
+        "seed": 123,
+        "presence_penalty": 0.3,
+        "frequency_penalty": 0.2,
+        "repetition_penalty": 1.1,
+    }
     chunks = await run(sidecar, greedy(24, sampling_options=sampling), unique_id("seeded"))
     request = direct_request(unique_id("seeded-direct"), max_tokens=24)
     request.temperature = 0.8
@@ -377,7 +421,9 @@ async def test_stopping_a_request_aborts_it_on_the_server_and_spares_a_concurren
         text = last.pop("text")
         assert isinstance(text, str) and set(text) <= {"\ufffd"}, text
         assert last == {
-            "token_ids": [], "index": 0, "finish_reason": "cancelled",
+            "token_ids": [],
+            "index": 0,
+            "finish_reason": "cancelled",
             "completion_usage": {"prompt_tokens": 4, "completion_tokens": streamed, "total_tokens": 4 + streamed},
         }
         assert streamed < LONG
@@ -441,8 +487,10 @@ async def test_control_abort_ends_a_sidecar_stream_with_a_cancelled_chunk(sideca
                     chunks.append(chunk)
                     if len(chunks) == 1:
                         await direct.unary_unary(
-                            "/vllm.Control/Abort", control_pb2.AbortRequest(request_ids=[request_id]),
-                            control_pb2.AbortResponse, timeout=30,
+                            "/vllm.Control/Abort",
+                            control_pb2.AbortRequest(request_ids=[request_id]),
+                            control_pb2.AbortResponse,
+                            timeout=30,
                         )
         if chunks[-1].finish_reason == "cancelled":
             break
@@ -455,7 +503,9 @@ async def test_control_abort_ends_a_sidecar_stream_with_a_cancelled_chunk(sideca
     final = chunks[-1].to_dict()
     final.pop("text", None)
     assert final == {
-        "token_ids": [], "index": 0, "finish_reason": "cancelled",
+        "token_ids": [],
+        "index": 0,
+        "finish_reason": "cancelled",
         "completion_usage": {"prompt_tokens": 4, "completion_tokens": streamed, "total_tokens": 4 + streamed},
     }
 
@@ -466,15 +516,21 @@ async def test_control_abort_ends_a_sidecar_stream_with_a_cancelled_chunk(sideca
 @pytest.mark.parametrize(
     ("request_", "message"),
     [
-        (dict(greedy(), routing={"dp_rank": 3}),
-         "GenerateStream: engine-core error: data parallel rank 3 is not connected to this frontend; "
-         "connected ranks: [0] (InvalidArgument)"),
-        (dict(greedy(), token_ids=[5] * 300),
-         "GenerateStream: this model's maximum context length is 256 tokens, but the prompt contains 300 "
-         "input tokens (InvalidArgument)"),
-        (dict(greedy(), token_ids=[5] * 256),
-         "GenerateStream: this model's maximum context length is 256 tokens, but the prompt contains 256 "
-         "input tokens (InvalidArgument)"),
+        (
+            dict(greedy(), routing={"dp_rank": 3}),
+            "GenerateStream: engine-core error: data parallel rank 3 is not connected to this frontend; "
+            "connected ranks: [0] (InvalidArgument)",
+        ),
+        (
+            dict(greedy(), token_ids=[5] * 300),
+            "GenerateStream: this model's maximum context length is 256 tokens, but the prompt contains 300 "
+            "input tokens (InvalidArgument)",
+        ),
+        (
+            dict(greedy(), token_ids=[5] * 256),
+            "GenerateStream: this model's maximum context length is 256 tokens, but the prompt contains 256 "
+            "input tokens (InvalidArgument)",
+        ),
     ],
     ids=["dp-rank-3", "prompt-300", "prompt-256"],
 )
@@ -491,8 +547,12 @@ async def test_server_rejections_become_typed_errors_with_the_server_text(sideca
 
 async def test_wrong_model_from_a_direct_client_maps_to_invalid_argument(direct):
     # The sidecar always sends the discovered name (docs/reference/real-vllm.md#abort-and-cancellation), so a direct client provokes it.
-    out = await collect(direct, direct_request(unique_id("wrong")).__class__(
-        request_id=unique_id("wrong"), model="not-tiny", token_ids=inference_pb2.TokenIds(ids=PROMPT)))
+    out = await collect(
+        direct,
+        direct_request(unique_id("wrong")).__class__(
+            request_id=unique_id("wrong"), model="not-tiny", token_ids=inference_pb2.TokenIds(ids=PROMPT)
+        ),
+    )
     assert out.error is not None
     error = status_to_error("GenerateStream", out.error.code, out.error.message)
     assert isinstance(error, InvalidArgument)

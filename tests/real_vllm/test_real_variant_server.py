@@ -13,8 +13,10 @@ and a wildcard would listen on every interface. The replay ROUTER binds 127.0.0.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
+import struct
 import sys
 import tempfile
 import time
@@ -22,11 +24,6 @@ from pathlib import Path
 
 import pytest
 import trio
-
-from trio_sidecar import HealthKind, KvEventSource, SidecarConfig, WorkerOptions, discover, open_sidecar
-from trio_sidecar._proto.grpc.health.v1 import health_pb2
-from trio_sidecar.status import StatusCode
-
 from real_vllm_client import open_direct_channel, rpc_error_types
 from real_vllm_health import assert_left_serving, observe_shutdown
 from real_vllm_helpers import collect, generate_request, unique_id
@@ -41,7 +38,14 @@ from real_vllm_server import (
 )
 from real_vllm_wire import RawMessage, decode, scalar_fields
 
+from trio_sidecar import HealthKind, KvEventSource, SidecarConfig, WorkerOptions, discover, open_sidecar
+from trio_sidecar._proto.grpc.health.v1 import health_pb2
+from trio_sidecar._proto.vllm import control_pb2
+from trio_sidecar.mock import MockConfig, open_mock_server
+from trio_sidecar.status import StatusCode
+
 MAX_LORAS = 2
+ALLOWED_PREFIXES = "VLLM_RUNTIME_LORA_ALLOWED_PATH_PREFIXES"
 
 
 @pytest.fixture(scope="module")
@@ -54,14 +58,29 @@ def variant_process():
     # ipc: vLLM binds a Unix socket (no TCP listener); a concrete tcp address would make its PUB *connect*.
     ipc_dir = Path(tempfile.mkdtemp(prefix="real-vllm-kv-"))
     kv_config = {
-        "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv",
-        "endpoint": f"ipc://{ipc_dir}/kv-events.ipc", "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "topic": "kv",
+        "endpoint": f"ipc://{ipc_dir}/kv-events.ipc",
+        "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
     }
-    server = RealVllmServer(
-        env, launch="rust",
-        extra_args=("--enable-lora", "--max-loras", str(MAX_LORAS), "--kv-events-config", json.dumps(kv_config)),
-    )
+    # Local adapters are allowed from one private directory only (vLLM refuses local paths otherwise).
+    adapter_dir = Path(tempfile.mkdtemp(prefix="real-vllm-lora-"))
+    saved = os.environ.get(ALLOWED_PREFIXES)
+    os.environ[ALLOWED_PREFIXES] = str(adapter_dir)
+    try:
+        server = RealVllmServer(
+            env,
+            launch="rust",
+            extra_args=("--enable-lora", "--max-loras", str(MAX_LORAS), "--kv-events-config", json.dumps(kv_config)),
+        )
+    finally:
+        if saved is None:
+            del os.environ[ALLOWED_PREFIXES]
+        else:
+            os.environ[ALLOWED_PREFIXES] = saved
     server.kv_endpoints = (kv_config["endpoint"], kv_config["replay_endpoint"])
+    server.adapter_dir = adapter_dir
     try:
         yield server
     finally:
@@ -71,6 +90,7 @@ def variant_process():
         finally:
             server.cleanup_files()
             shutil.rmtree(ipc_dir, ignore_errors=True)
+            shutil.rmtree(adapter_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -98,9 +118,14 @@ async def observe_startup(server) -> list[str]:
         try:
             with trio.fail_after(10):
                 async with open_direct_channel(server.host, server.grpc_port) as channel:
-                    status = (await channel.unary_unary(
-                        "/grpc.health.v1.Health/Check", health_pb2.HealthCheckRequest(service="vllm.Inference"),
-                        health_pb2.HealthCheckResponse, timeout=5)).status
+                    status = (
+                        await channel.unary_unary(
+                            "/grpc.health.v1.Health/Check",
+                            health_pb2.HealthCheckRequest(service="vllm.Inference"),
+                            health_pb2.HealthCheckResponse,
+                            timeout=5,
+                        )
+                    ).status
                     outcome = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
         except OSError:
             outcome = "connection refused"
@@ -123,8 +148,13 @@ async def test_the_sidecar_waits_for_a_starting_server(variant_process):
     Under ``vllm-rs serve`` the gRPC port is refused until the engine is ready (the Python-supervised launch
     binds it early and answers UNAVAILABLE, docs/reference/real-vllm.md#readiness); either way the sidecar's retries cover it.
     """
-    config = SidecarConfig(grpc_endpoint=variant_process.endpoint, grpc_connections=2, startup_deadline=300.0,
-                           connect_attempt_timeout=5.0, retry_interval=0.5)
+    config = SidecarConfig(
+        grpc_endpoint=variant_process.endpoint,
+        grpc_connections=2,
+        startup_deadline=300.0,
+        connect_attempt_timeout=5.0,
+        retry_interval=0.5,
+    )
     if variant_process.ready_after_s is not None:
         pytest.skip("the server is already ready (this test must run first in the module)")
     observed: list[str] = []
@@ -150,7 +180,9 @@ async def test_lora_and_kv_event_variants_of_control(direct, variant_server):
     server_info = scalar_fields(
         (await direct.unary_unary("/vllm.Control/GetServerInfo", RawMessage(), RawMessage, timeout=30)).data
     )
-    assert server_info[10] == MAX_LORAS  # max_loras, field 10 (the fork's bool collided here, docs/reference/real-vllm.md#field-collisions)
+    assert (
+        server_info[10] == MAX_LORAS
+    )  # max_loras, field 10 (the fork's bool collided here, docs/reference/real-vllm.md#field-collisions)
     assert (server_info[11], server_info[14]) == (b"", 128)
     model_info = scalar_fields(
         (await direct.unary_unary("/vllm.Control/GetModelInfo", RawMessage(), RawMessage, timeout=30)).data
@@ -160,11 +192,20 @@ async def test_lora_and_kv_event_variants_of_control(direct, variant_server):
         (await direct.unary_unary("/vllm.Control/GetKvEventSources", RawMessage(), RawMessage, timeout=30)).data
     )
     endpoint, replay = variant_server.kv_endpoints
-    assert [decode(s) for s in sources[1]] == [{
-        1: [b"zmq"], 2: [endpoint.encode()], 3: [b"kv"], 4: [replay.encode()],
-        5: [0],  # data_parallel_rank is `optional`: rank 0 is on the wire
-        6: [b"msgpack"], 7: [1], 8: [10000], 9: [100000], 10: [100000],
-    }]
+    assert [decode(s) for s in sources[1]] == [
+        {
+            1: [b"zmq"],
+            2: [endpoint.encode()],
+            3: [b"kv"],
+            4: [replay.encode()],
+            5: [0],  # data_parallel_rank is `optional`: rank 0 is on the wire
+            6: [b"msgpack"],
+            7: [1],
+            8: [10000],
+            9: [100000],
+            10: [100000],
+        }
+    ]
 
 
 async def test_unknown_lora_adapter_on_a_lora_engine_is_not_found(direct):
@@ -172,8 +213,104 @@ async def test_unknown_lora_adapter_on_a_lora_engine_is_not_found(direct):
     assert (out.phase, out.code, out.message) == ("open", StatusCode.NOT_FOUND, "LoRA adapter `adapter` is not loaded")
 
 
+def write_tiny_adapter(directory: Path, rank: int = 4, hidden: int = 128, layers: int = 2) -> Path:
+    """A PEFT LoRA adapter for the tiny Llama (q_proj and v_proj, zero weights), written without torch:
+    ``adapter_config.json`` and a safetensors file (8-byte header length, JSON header, raw little-endian F32)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "task_type": "CAUSAL_LM",
+                "r": rank,
+                "lora_alpha": 2 * rank,
+                "lora_dropout": 0.0,
+                "target_modules": ["q_proj", "v_proj"],
+                "bias": "none",
+                "fan_in_fan_out": False,
+                "inference_mode": True,
+            }
+        )
+    )
+    header, offset = {}, 0
+    for layer in range(layers):
+        for module in ("q_proj", "v_proj"):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            for name, shape in (
+                (f"{prefix}.lora_A.weight", [rank, hidden]),
+                (f"{prefix}.lora_B.weight", [hidden, rank]),
+            ):
+                size = shape[0] * shape[1] * 4
+                header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
+                offset += size
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    (directory / "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(encoded)) + encoded + bytes(offset))
+    return directory
+
+
+async def _control_outcome(channel, rpc: str, request):
+    response_type = getattr(control_pb2, f"{rpc}Response")
+    try:
+        return "OK", await channel.unary_unary(f"/vllm.Control/{rpc}", request, response_type, timeout=60)
+    except rpc_error_types() as e:
+        return e.code, e.message
+
+
+async def test_lora_lifecycle_refusals_match_the_mock(direct, variant_server):
+    """The LoRA errors the mock copies (docs/reference/mock.md#lora-adapters), on a LoRA engine and on the mock.
+    vLLM checks a local path (allowed prefix, existence) before the base-model conflict, so that case uses a
+    real adapter directory; the mock does not check paths."""
+    adapter = str(write_tiny_adapter(variant_server.adapter_dir / "tiny-adapter"))
+    cases = [
+        ("LoadLora", control_pb2.LoadLoraRequest(source_path=adapter)),
+        ("LoadLora", control_pb2.LoadLoraRequest(lora_name="a")),
+        ("LoadLora", control_pb2.LoadLoraRequest(lora_name=SERVED_MODEL_NAME, source_path=adapter)),
+        ("UnloadLora", control_pb2.UnloadLoraRequest()),
+        ("UnloadLora", control_pb2.UnloadLoraRequest(lora_name="zz")),
+        ("ListLoras", control_pb2.ListLorasRequest()),
+    ]
+    config = MockConfig(listen="127.0.0.1:0", served_model_name=SERVED_MODEL_NAME, engine_args={"max_loras": MAX_LORAS})
+    async with open_mock_server(config) as mock:
+        async with open_direct_channel("127.0.0.1", mock.port) as mocked:
+            answers = {
+                side: [await _control_outcome(channel, rpc, request) for rpc, request in cases]
+                for side, channel in (("real", direct), ("mock", mocked))
+            }
+    assert answers["real"][2] == (
+        StatusCode.ALREADY_EXISTS,
+        "LoRA adapter `tiny-llama` conflicts with a served base model",
+    )
+    assert answers["mock"] == answers["real"]
+
+
+async def test_the_cpu_build_cannot_load_a_local_adapter(direct, variant_server):
+    """Recorded in docs/conformance.md: the path checks pass, then the engine's ``add_lora`` refuses the call."""
+    adapter = write_tiny_adapter(variant_server.adapter_dir / "tiny-adapter")
+    missing = await _control_outcome(
+        direct,
+        "LoadLora",
+        control_pb2.LoadLoraRequest(lora_name="m", source_path=str(variant_server.adapter_dir / "missing")),
+    )
+    assert missing == (StatusCode.INVALID_ARGUMENT, "Local LoRA adapter path must exist and be accessible.")
+    outside = await _control_outcome(direct, "LoadLora", control_pb2.LoadLoraRequest(lora_name="o", source_path="/"))
+    assert outside == (
+        StatusCode.INVALID_ARGUMENT,
+        "Local LoRA adapter path is outside the configured allowed prefixes.",
+    )
+    code, message = await _control_outcome(
+        direct, "LoadLora", control_pb2.LoadLoraRequest(lora_name="a", source_path=str(adapter))
+    )
+    assert code == StatusCode.INTERNAL, message
+    assert message.startswith("failed to load LoRA adapter `a`: utility call `add_lora` failed"), message
+    assert message.endswith("Call to add_lora method failed: Expected `bool`, got `null` - at `$[4]`"), message
+    assert (await _control_outcome(direct, "ListLoras", control_pb2.ListLorasRequest())) == (
+        "OK",
+        control_pb2.ListLorasResponse(),
+    )
+
+
 async def test_rl_and_lora_rpcs_answer_on_the_real_server(direct):
-    # The mock answers UNIMPLEMENTED for these by design (docs/reference/mock.md#control-and-health-answers).
     assert (await direct.unary_unary("/vllm.Control/ListLoras", RawMessage(), RawMessage, timeout=30)).data == b""
     assert (await direct.unary_unary("/vllm.Control/IsPaused", RawMessage(), RawMessage, timeout=30)).data == b""
     version = await direct.unary_unary("/vllm.Control/GetWeightVersion", RawMessage(), RawMessage, timeout=30)
@@ -181,10 +318,15 @@ async def test_rl_and_lora_rpcs_answer_on_the_real_server(direct):
 
 
 async def test_sidecar_discovers_the_kv_event_source_and_registers_kv_publishing(variant_server):
-    from trio_sidecar.dynamo.worker import plan_registration
+    from trio_sidecar.dynamo.plan import plan_registration
 
-    config = SidecarConfig(grpc_endpoint=variant_server.endpoint, grpc_connections=1, startup_deadline=60.0,
-                           connect_attempt_timeout=10.0, retry_interval=0.5)
+    config = SidecarConfig(
+        grpc_endpoint=variant_server.endpoint,
+        grpc_connections=1,
+        startup_deadline=60.0,
+        connect_attempt_timeout=10.0,
+        retry_interval=0.5,
+    )
     with trio.fail_after(60):
         model = await discover(config)
         async with open_sidecar(config, expected=model) as sidecar:
@@ -235,9 +377,16 @@ async def test_kv_events_wire_format_matches_the_mock(direct, variant_server):
     ctx = zmq.Context()
     summaries = {}
     try:
-        async with open_mock_server(MockConfig(listen="127.0.0.1:0", engine_args={
-            "block_size": 128, "speedup_ratio": 0.0, "enable_prefix_caching": True,
-        })) as mock:
+        async with open_mock_server(
+            MockConfig(
+                listen="127.0.0.1:0",
+                engine_args={
+                    "block_size": 128,
+                    "speedup_ratio": 0.0,
+                    "enable_prefix_caching": True,
+                },
+            )
+        ) as mock:
             host, port = mock.address.rsplit(":", 1)
             for side, endpoint, channel_host, channel_port in (
                 ("real", variant_server.kv_endpoints[0], variant_server.host, variant_server.grpc_port),
@@ -261,9 +410,11 @@ async def test_kv_events_wire_format_matches_the_mock(direct, variant_server):
         ctx.term()
     real, mock_summary = summaries["real"], summaries["mock"]
     # Same framing: [topic, seq (u64 big-endian), payload]; payload [ts: float, [events], dp_rank 0].
-    assert {k: real[k] for k in ("frames", "seq_bytes", "payload")} == {
-        k: mock_summary[k] for k in ("frames", "seq_bytes", "payload")
-    } == {"frames": 3, "seq_bytes": 8, "payload": ["float", "list", 0]}
+    assert (
+        {k: real[k] for k in ("frames", "seq_bytes", "payload")}
+        == {k: mock_summary[k] for k in ("frames", "seq_bytes", "payload")}
+        == {"frames": 3, "seq_bytes": 8, "payload": ["float", "list", 0]}
+    )
     stored = {side: [e for e in summaries[side]["events"] if e["type"] == "BlockStored"] for side in summaries}
     for side, events in stored.items():
         assert events, side

@@ -43,12 +43,12 @@ def parse_frames(data: bytes) -> tuple[list[tuple[int, int, int, bytes]], bytes]
     frames = []
     position = 0
     while len(data) - position >= 9:
-        length = int.from_bytes(data[position:position + 3], "big")
+        length = int.from_bytes(data[position : position + 3], "big")
         if len(data) - position - 9 < length:
             break
         kind, flags = data[position + 3], data[position + 4]
-        stream_id = int.from_bytes(data[position + 5:position + 9], "big") & 0x7FFFFFFF
-        frames.append((kind, flags, stream_id, data[position + 9:position + 9 + length]))
+        stream_id = int.from_bytes(data[position + 5 : position + 9], "big") & 0x7FFFFFFF
+        frames.append((kind, flags, stream_id, data[position + 9 : position + 9 + length]))
         position += 9 + length
     return frames, data[position:]
 
@@ -136,8 +136,12 @@ class H2Peer:
         """Send a gRPC request (headers + one framed message, already compressed if ``encoding``)."""
         stream_id = self.h2.get_next_available_stream_id()
         headers = [
-            (":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "127.0.0.1"),
-            ("te", "trailers"), ("content-type", "application/grpc"),
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", path),
+            (":authority", "127.0.0.1"),
+            ("te", "trailers"),
+            ("content-type", "application/grpc"),
         ]
         if encoding is not None:
             headers.append(("grpc-encoding", encoding))
@@ -149,14 +153,17 @@ class H2Peer:
         while position < len(payload):
             size = min(frame_size, len(payload) - position)
             last = position + size >= len(payload)
-            self.h2.send_data(stream_id, payload[position:position + size], end_stream=end and last)
+            self.h2.send_data(stream_id, payload[position : position + size], end_stream=end and last)
             position += size
         return stream_id
 
     def status_of(self, stream_id: int) -> str | None:
         """The stream's grpc-status from its trailers (or a trailers-only response), if received."""
         for event in self.events:
-            if isinstance(event, (h2.events.TrailersReceived, h2.events.ResponseReceived)) and event.stream_id == stream_id:
+            if (
+                isinstance(event, (h2.events.TrailersReceived, h2.events.ResponseReceived))
+                and event.stream_id == stream_id
+            ):
                 for name, value in event.headers:
                     if name == "grpc-status":
                         return value

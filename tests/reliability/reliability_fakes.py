@@ -102,9 +102,7 @@ def check_all(outcomes: Sequence[Outcome], expected: int) -> None:
 
 
 def model_info() -> control_pb2.ModelInfo:
-    return control_pb2.ModelInfo(
-        model_id="org/fake", served_model_name="fake-model", supports_token_ids_input=True
-    )
+    return control_pb2.ModelInfo(model_id="org/fake", served_model_name="fake-model", supports_token_ids_input=True)
 
 
 def server_info() -> control_pb2.ServerInfo:
@@ -121,7 +119,9 @@ def server_info() -> control_pb2.ServerInfo:
     )
 
 
-def token(token_id: int = 42, *, finish: inference_pb2.FinishInfo | None = None, **fields) -> inference_pb2.GenerateResponse:
+def token(
+    token_id: int = 42, *, finish: inference_pb2.FinishInfo | None = None, **fields
+) -> inference_pb2.GenerateResponse:
     out = dict(index=0, text=" token", num_tokens=1, token_ids=[token_id])
     out.update(fields)
     if finish is not None:
@@ -209,7 +209,10 @@ def _prefill_terminal() -> inference_pb2.GenerateResponse:
 
 #: Multimodal prefill violations (docs/reference/sidecar.md#multimodal-requests): vLLM's expanded prompt ids are missing or inconsistent.
 PREFILL_MALFORMED: dict[str, tuple[list[inference_pb2.GenerateResponse], str]] = {
-    "mm-no-ids": ([prompt_info(20), _prefill_terminal()], "multimodal prefill did not return expanded prompt token IDs"),
+    "mm-no-ids": (
+        [prompt_info(20), _prefill_terminal()],
+        "multimodal prefill did not return expanded prompt token IDs",
+    ),
     "mm-bad-ids": (
         [prompt_info(20, token_ids=list(range(19))), _prefill_terminal()],
         "multimodal prefill returned 19 prompt token IDs for 20 prompt tokens",
@@ -340,7 +343,7 @@ class MockProcess:
     async def start(self, *, timeout: float = 60.0) -> int:
         assert self.process is None
         command = [sys.executable, "-m", "trio_sidecar", "mock", "--listen", f"127.0.0.1:{self.port}", *self.args]
-        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        log = open(self.log_path, "ab")  # noqa: SIM115, ASYNC230 - handed to the child; opening a local file does not block
         try:
             self.process = await trio.lowlevel.open_process(
                 command, stdout=subprocess.PIPE, stderr=log, stdin=subprocess.DEVNULL

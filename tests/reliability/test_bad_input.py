@@ -26,14 +26,22 @@ ENDPOINT = "127.0.0.1:9"  # never contacted: every case fails before any socket 
 RUN_CASES = [
     # (argv after "run", extra env, text expected on stderr)
     (["--grpc-endpoint", ENDPOINT, "--grpc-connections", "0"], {}, "`--grpc-connections` must be at least 1"),
-    (["--grpc-endpoint", ENDPOINT, "--grpc-connect-attempt-timeout-secs", "0"], {}, "--grpc-connect-attempt-timeout-secs"),
+    (
+        ["--grpc-endpoint", ENDPOINT, "--grpc-connect-attempt-timeout-secs", "0"],
+        {},
+        "--grpc-connect-attempt-timeout-secs",
+    ),
     (["--grpc-endpoint", ENDPOINT, "--grpc-retry-interval-secs", "abc"], {}, "--grpc-retry-interval-secs"),
     (["--grpc-endpoint", ENDPOINT, "--grpc-startup-deadline-secs", "-5"], {}, "--grpc-startup-deadline-secs"),
     (["--grpc-endpoint", "https://127.0.0.1:9"], {}, "TLS endpoints are not supported by `--grpc-endpoint`"),
     (["--grpc-endpoint", "http://user@127.0.0.1:9"], {}, "must not include user information"),
     ([], {}, "--grpc-endpoint"),
     (["--grpc-endpoint", ENDPOINT, "--disaggregation-mode", "sideways"], {}, "--disaggregation-mode"),
-    (["--grpc-endpoint", ENDPOINT, "--disaggregation-mode", "encode"], {}, "encode mode is not supported by the vLLM sidecar"),
+    (
+        ["--grpc-endpoint", ENDPOINT, "--disaggregation-mode", "encode"],
+        {},
+        "encode mode is not supported by the vLLM sidecar",
+    ),
     (["--grpc-endpoint", ENDPOINT, "--enable-rl"], {}, "RL controls are not supported by trio-sidecar"),
     (["--grpc-endpoint", ENDPOINT, "--no-such-flag"], {}, "--no-such-flag"),
     (["--grpc-endpoint", ENDPOINT], {"DYN_SIDECAR_GRPC_CONNECTIONS": "many"}, "DYN_SIDECAR_GRPC_CONNECTIONS"),
@@ -70,7 +78,9 @@ def clean_environ(env: dict[str, str] | None = None) -> dict[str, str]:
     return environ
 
 
-async def run_cli(args: list[str], env: dict[str, str] | None, limiter: trio.CapacityLimiter) -> subprocess.CompletedProcess:
+async def run_cli(
+    args: list[str], env: dict[str, str] | None, limiter: trio.CapacityLimiter
+) -> subprocess.CompletedProcess:
     async with limiter:
         with trio.fail_after(_PROCESS_TIMEOUT):
             return await trio.run_process(
@@ -105,7 +115,9 @@ async def _expect_usage_errors(cases: list[tuple[list[str], dict[str, str], str]
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize(("args", "env", "expected"), RUN_CASES, ids=[" ".join(c[0][2:]) or "no-args" for c in RUN_CASES])
+@pytest.mark.parametrize(
+    ("args", "env", "expected"), RUN_CASES, ids=[" ".join(c[0][2:]) or "no-args" for c in RUN_CASES]
+)
 def test_run_cli_rejects_malformed_values_in_process(args, env, expected, capsys):
     from trio_sidecar.cli import main
 

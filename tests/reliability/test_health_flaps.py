@@ -101,4 +101,6 @@ async def test_health_flaps_under_load_lose_nothing():
                 final.check_invariant()
                 assert final.error is None and len(final.tokens) == 3
                 await wait_until(lambda: mock_idle(mock) and sidecar_in_flight(sidecar) == 0)
-                print(f"\nflaps: {len(admitted)} admitted, {len(rejected)} rejected, states {sorted(k.name for k in kinds_seen)}")
+                print(
+                    f"\nflaps: {len(admitted)} admitted, {len(rejected)} rejected, states {sorted(k.name for k in kinds_seen)}"
+                )

@@ -14,12 +14,12 @@ import h2.events
 import pytest
 import trio
 from hostile_peers import (
+    DATA,
     EMPTY_SETTINGS,
     FRAME_SIZE_ERROR,
     PING_FRAME,
     PREFACE,
     SETTINGS_ACK,
-    DATA,
     H2Peer,
     frame_header,
     goaway_codes,
@@ -222,7 +222,7 @@ async def test_a_peer_that_reads_its_acks_may_ping_as_much_as_it_likes(tmp_path)
                     await peer.stream.send_all(PING_FRAME * 2000)
                     pings += 2000
                     await peer.wait_for(
-                        lambda: sum(isinstance(e, h2.events.PingAcknowledged) for e in peer.events) >= pings
+                        lambda pings=pings: sum(isinstance(e, h2.events.PingAcknowledged) for e in peer.events) >= pings
                     )
                     peer.events.clear()
                     pings = 0
@@ -336,8 +336,15 @@ def _request_header_block(extra: list[tuple[str, str]]) -> bytes:
     import hpack
 
     return hpack.Encoder().encode(
-        [(":method", "POST"), (":scheme", "http"), (":path", GENERATE), (":authority", "x"),
-         ("te", "trailers"), ("content-type", "application/grpc"), *extra],
+        [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", GENERATE),
+            (":authority", "x"),
+            ("te", "trailers"),
+            ("content-type", "application/grpc"),
+            *extra,
+        ],
         huffman=False,  # (pure-Python Huffman coding of ~1 MB would dominate the test's time)
     )
 
@@ -386,7 +393,7 @@ async def test_a_continuation_flood_is_cut_off_with_goaway(tmp_path):
 
 async def test_a_huge_header_block_is_refused_with_enhance_your_calm(tmp_path):
     block = _request_header_block([("x-huge", "h" * 900_000)])  # ~900 KB in one header value
-    fragments = [block[i:i + 16_384] for i in range(0, len(block), 16_384)]
+    fragments = [block[i : i + 16_384] for i in range(0, len(block), 16_384)]
     frames, growth = await _send_header_frames(tmp_path, fragments, end_headers=True)
     print(f"huge header block: GOAWAY codes {goaway_codes(frames)}; RSS growth {growth / MIB:.1f} MiB")
     statuses = [payload for kind, _, _, payload in frames if kind == 0x1]

@@ -15,7 +15,6 @@ import json
 import logging
 import signal
 
-import pytest
 import trio
 from reliability_fakes import MockProcess, check_all, drive, mock_request, sidecar_config, sidecar_in_flight, wait_until
 
@@ -161,7 +160,10 @@ async def test_default_keepalive_detects_a_sigstopped_engine_within_15_seconds(t
         with trio.fail_after(240):
             port = await mock.start()
             async with open_sidecar(sidecar_config(f"127.0.0.1:{port}", grpc_connections=2)) as sidecar:
-                assert (sidecar.engine._pool._config.keepalive_time, sidecar.engine._pool._config.keepalive_timeout) == (
+                assert (
+                    sidecar.engine._pool._config.keepalive_time,
+                    sidecar.engine._pool._config.keepalive_timeout,
+                ) == (
                     defaults.keepalive_time,
                     defaults.keepalive_timeout,
                 )

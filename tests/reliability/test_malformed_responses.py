@@ -8,7 +8,15 @@ ends with exactly one terminal chunk or exactly one typed error; nothing leaks o
 from __future__ import annotations
 
 import trio
-from reliability_fakes import MALFORMED, PREFILL_MALFORMED, ScriptedInference, check_all, drive, request_for, sidecar_in_flight
+from reliability_fakes import (
+    MALFORMED,
+    PREFILL_MALFORMED,
+    ScriptedInference,
+    check_all,
+    drive,
+    request_for,
+    sidecar_in_flight,
+)
 
 from trio_sidecar.config import DisaggregationMode, SidecarConfig
 from trio_sidecar.errors import PROTOCOL_ERROR_PREFIX, ProtocolError

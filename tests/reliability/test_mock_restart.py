@@ -38,7 +38,14 @@ def free_ports(n: int) -> list[int]:
 
 
 def mock_args(engine_args: dict) -> list[str]:
-    return ["--model", "mocker-model", "--max-concurrent-requests", "512", "--extra-engine-args", json.dumps(engine_args)]
+    return [
+        "--model",
+        "mocker-model",
+        "--max-concurrent-requests",
+        "512",
+        "--extra-engine-args",
+        json.dumps(engine_args),
+    ]
 
 
 async def test_mock_killed_mid_stream_and_restarted(tmp_path):

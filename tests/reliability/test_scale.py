@@ -8,7 +8,16 @@ from __future__ import annotations
 
 import psutil
 import trio
-from reliability_fakes import check_all, drive, mock_config, mock_idle, mock_request, sidecar_config, sidecar_in_flight, wait_until
+from reliability_fakes import (
+    check_all,
+    drive,
+    mock_config,
+    mock_idle,
+    mock_request,
+    sidecar_config,
+    sidecar_in_flight,
+    wait_until,
+)
 
 STREAMS = 1000
 TOKENS = 8

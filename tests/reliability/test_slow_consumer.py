@@ -8,7 +8,16 @@ and the stalled stream must still deliver every token afterwards.
 from __future__ import annotations
 
 import trio
-from reliability_fakes import check_all, drive, mock_config, mock_idle, mock_request, sidecar_config, sidecar_in_flight, wait_until
+from reliability_fakes import (
+    check_all,
+    drive,
+    mock_config,
+    mock_idle,
+    mock_request,
+    sidecar_config,
+    sidecar_in_flight,
+    wait_until,
+)
 
 STALL = 1.0
 SLOW_TOKENS = 3000  # with logprobs: several hundred KiB, well past a 64 KiB stream window

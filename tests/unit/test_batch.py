@@ -394,7 +394,7 @@ def test_deliver_items_hands_over_what_chunk_batch_would_return_in_order() -> No
 
 
 def test_deliver_items_merges_consecutive_plain_chunks_into_one_tokens_call() -> None:
-    # Ids in order (single ids and lists alike), texts concatenated exactly; what bridge.merge_run would make of
+    # Ids in order (single ids and lists alike), texts concatenated exactly; what the bridge's coalescing would make of
     # the deltas.
     assert deliver([1, "a", [2, 3], "", 4, "c"]) == [("tokens", [1, 2, 3, 4], "ac")]
     assert deliver([[1, 2], "", [3], ""]) == [("tokens", [1, 2, 3], "")]  # no text at all: the empty string
@@ -409,13 +409,15 @@ def test_deliver_items_never_merges_across_a_built_chunk() -> None:
     assert got == [("tokens", [1, 2], "ab"), ("chunk", built), ("tokens", [3, 4, 5], "c"), ("chunk", final)]
 
 
-def test_merged_tokens_equal_the_deltas_merged_by_the_bridge() -> None:
-    from trio_sidecar.dynamo.bridge import merge_run
+def test_merged_tokens_equal_the_deltas_coalesced_by_the_bridge() -> None:
+    from collections import deque
+
+    from trio_sidecar.dynamo.coalesce import take_merged
 
     items = [1, "a", [2, 3], "", 4, "c", [5], ""]
     [(_, ids, text)] = deliver(list(items))
     one_by_one = [token_chunk([i] if type(i) is int else i, t).to_dict() for i, t in zip(items[::2], items[1::2])]
-    assert token_chunk(ids, text).to_dict() == merge_run(one_by_one)
+    assert token_chunk(ids, text).to_dict() == take_merged(deque(one_by_one))
 
 
 def test_empty_open_batch_is_not_handed_over() -> None:

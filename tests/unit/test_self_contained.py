@@ -37,9 +37,7 @@ _SKIPPED_DIRS = {".git", ".venv", "__pycache__", ".pytest_cache", ".hypothesis",
 def tracked_files() -> tuple[Path, ...]:
     """The tracked files (``git ls-files``), or every file outside caches when this is not a git checkout."""
     try:
-        out = subprocess.run(
-            ["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True, timeout=60
-        ).stdout
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True, timeout=60).stdout
         paths = [ROOT / p for p in out.decode().split("\0") if p]
     except (OSError, subprocess.SubprocessError):
         paths = []
@@ -145,8 +143,14 @@ def test_the_github_slug_matches_githubs_anchors():
 
 def test_the_readme_and_docs_exist_and_have_links():
     docs = {rel(p) for p in markdown_docs()}
-    assert {"README.md", "docs/performance.md", "docs/reference/sidecar.md", "docs/reference/mock.md",
-            "docs/reference/wire.md", "docs/reference/worker.md"} <= docs
+    assert {
+        "README.md",
+        "docs/performance.md",
+        "docs/reference/sidecar.md",
+        "docs/reference/mock.md",
+        "docs/reference/wire.md",
+        "docs/reference/worker.md",
+    } <= docs
     readme = read_text(ROOT / "README.md") or ""
     assert len(_LINK.findall(readme)) >= 10  # the link checker below actually sees links
 

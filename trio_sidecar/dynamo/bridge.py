@@ -12,7 +12,7 @@ blocks on the other:
   Trio run is over, which the asyncio side catches.
 * Trio → asyncio: ``loop.call_soon_threadsafe(fn, *args)``, or for a coroutine
   ``asyncio.run_coroutine_threadsafe``; Trio waits for the resulting future through a done-callback that
-  sets a ``trio.Event`` via ``run_sync_soon`` (:meth:`AsyncioThread.run`).
+  sets a ``trio.Event`` via ``run_sync_soon`` (:meth:`.thread.AsyncioThread.run`).
 
 Per request (:meth:`RequestBridge.handler`, on the asyncio thread):
 
@@ -71,7 +71,7 @@ Egress: how output reaches Dynamo. Dynamo 1.6.1 has two paths, chosen per handle
 i.e. when its consumer stopped reading (a client that stops reading a long stream); on this loop that would
 stall every request. So a request's first :data:`PUSH_INLINE_FRAMES` frames (fewer than the channel holds,
 so they can never block) are sent inline on the loop, and later ones by daemon egress threads
-(:class:`_Egress`, started on demand), one frame of a request at a time: a full channel then only parks an
+(:class:`.egress.Egress`, started on demand), one frame of a request at a time: a full channel then only parks an
 egress thread, never the loop, and never another request's frames. Chunks queued meanwhile are merged (below), so a request that is past its window
 still pays one hand-off per batch, not per token.
 
@@ -81,7 +81,7 @@ handler only runs again for the end, an error, a failed send, or an output past 
 end: the asyncio thread's CPU per completion fell by about a quarter).
 
 Coalescing: when several plain token chunks of one request are already queued when the handler resumes,
-they are handed over as one multi-token delta (:func:`merge_deltas`), so a lagging consumer pays Dynamo's
+they are handed over as one multi-token delta (:func:`.coalesce.take_merged`), so a lagging consumer pays Dynamo's
 per-item cost once per batch instead of once per token. Without back-pressure every chunk goes as is.
 
 Back-pressure: the per-request outbox is unbounded (chunks are small and vLLM's output rate is bounded);
@@ -93,19 +93,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import attrs
 import trio
 
-from ..errors import EngineShutdown, ErrorKind, SidecarError
+from ..errors import EngineShutdown, SidecarError
+from .coalesce import take_merged
+from .egress import Egress
+from .error_map import dynamo_exception
+from .thread import AsyncioThread
 
 __all__ = [
-    "AsyncioThread",
     "CancelHandle",
     "RequestBridge",
     "RequestItem",
@@ -116,45 +117,12 @@ __all__ = [
 
 LOGGER = logging.getLogger("trio_sidecar.dynamo.bridge")
 
-# Dynamo 1.6.1's frontend decides from the exception *class* a worker raises what to do with a failed
-# request: CannotConnect, ConnectionTimeout and EngineShutdown are migrated to another worker (with
-# `--migration-limit`), InvalidArgument becomes HTTP 400, Cancelled 499, anything else HTTP 500. So a
-# SidecarError crosses into Dynamo as the class of its kind, with its message unchanged.
-_DYNAMO_CLASS_BY_KIND = {
-    ErrorKind.INVALID_ARGUMENT: "InvalidArgument",
-    ErrorKind.CANNOT_CONNECT: "CannotConnect",
-    ErrorKind.CONNECTION_TIMEOUT: "ConnectionTimeout",
-    ErrorKind.ENGINE_SHUTDOWN: "EngineShutdown",
-    ErrorKind.CANCELLED: "Cancelled",
-    ErrorKind.UNKNOWN: "Unknown",
-}
-
-
-def dynamo_exception(exc: BaseException) -> BaseException:
-    """The exception to raise into Dynamo for ``exc``: a SidecarError becomes Dynamo's typed exception of
-    the same kind and text (chained to the original); anything else, or no Dynamo installed, is unchanged.
-    """
-    if not isinstance(exc, SidecarError):
-        return exc
-    try:
-        from dynamo.llm import exceptions as dynamo_errors
-    except ImportError:
-        return exc
-    translated = getattr(dynamo_errors, _DYNAMO_CLASS_BY_KIND[exc.kind])(str(exc))
-    translated.__cause__ = exc
-    return translated
-
 QUEUE_WARN_THRESHOLD = 1024
 # Frames of one request pushed from the loop itself ("Egress" above). Dynamo 1.6.1 gives each push-egress
 # request a response channel of 128 frames (RESPONSE_CHANNEL_DEPTH; `mpsc::channel(0x80)` in
 # PythonPushEngine::generate) and ResponseSender.send blocks while it is full, so no send within a request's
-# first 128 can block; later frames go through the _Egress threads.
+# first 128 can block; later frames go through the egress threads (egress.py).
 PUSH_INLINE_FRAMES = 96
-# Egress threads (see _Egress): started on demand, so a stalled consumer parks one and never makes another
-# request's late frames wait; at most this many at once (then frames queue for the next free one) ...
-EGRESS_MAX_THREADS = 256
-# ... and a thread idle for this long exits (seconds).
-EGRESS_IDLE_EXIT = 30.0
 SHUTTING_DOWN = "trio-sidecar is shutting down"
 
 
@@ -276,202 +244,19 @@ class _Waker:
                 ready.append((outbox, waiter))
 
 
-class _Egress:
-    """Daemon threads that push a request's frames past its inline window (see "Egress" above).
-
-    ``send`` may block while the request's response channel is full (a consumer that stopped reading):
-    only an egress thread ever waits there, never the loop, until the consumer reads again or goes away
-    (then ``send`` raises ``RuntimeError``). Each request has at most one frame in here at a time (its
-    handler awaits the future), so its frames stay in order. Created on the first frame past a request's
-    window.
-
-    The pool is elastic: a frame queued while no thread is idle starts one more (up to ``max_threads``), so
-    consumers that stalled at once each park their own thread and the other requests' frames still go out;
-    a thread idle for ``idle_exit`` seconds exits. Daemon threads: one parked on a stalled consumer never
-    holds up the process's exit.
-    """
-
-    def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        max_threads: int = EGRESS_MAX_THREADS,
-        idle_exit: float = EGRESS_IDLE_EXIT,
-    ) -> None:
-        self._loop = loop
-        self._jobs: queue.SimpleQueue[tuple[Callable[[Any], None], Any, asyncio.Future]] = queue.SimpleQueue()
-        self._max_threads = max_threads
-        self._idle_exit = idle_exit
-        self._lock = threading.Lock()
-        self._threads = 0  # running
-        self._free = 0  # threads waiting for a job that no queued job is counted against
-        self._backlog = 0  # jobs queued at the cap with no thread counted for them
-        self._started = 0  # ever (thread names)
-
-    @property
-    def threads(self) -> int:
-        return self._threads
-
-    def send(self, send: Callable[[Any], None], out: Any) -> asyncio.Future:  # the loop's thread
-        future = self._loop.create_future()
-        self._jobs.put((send, out, future))
-        with self._lock:
-            if self._free:
-                self._free -= 1  # a waiting thread takes it
-                return future
-            if self._threads >= self._max_threads:
-                self._backlog += 1  # the next thread that is done takes it
-                return future
-            self._threads += 1
-            self._started += 1
-            name = f"dynamo-egress-{self._started}"
-        threading.Thread(target=self._run, name=name, daemon=True).start()
-        return future
-
-    def _run(self) -> None:
-        jobs = self._jobs
-        while True:
-            try:
-                send, out, future = jobs.get(timeout=self._idle_exit)
-            except queue.Empty:
-                with self._lock:
-                    if self._free and jobs.empty():  # (else a job came just now: take it)
-                        self._free -= 1
-                        self._threads -= 1
-                        return
-                continue
-            try:
-                send(out)
-            except BaseException as exc:  # noqa: BLE001 - handed to the awaiting handler
-                self._resolve(future, exc)
-            else:
-                self._resolve(future, None)
-            with self._lock:
-                if self._backlog:
-                    self._backlog -= 1  # this thread takes a job queued at the cap
-                else:
-                    self._free += 1
-
-    def _resolve(self, future: asyncio.Future, exc: BaseException | None) -> None:
-        try:
-            self._loop.call_soon_threadsafe(_settle, future, exc)
-        except RuntimeError:  # the loop is closed: nobody waits any more
-            pass
-
-
-def _settle(future: asyncio.Future, exc: BaseException | None) -> None:
-    if future.done():
-        return
-    if exc is None:
-        future.set_result(None)
-    else:
-        future.set_exception(exc)
-
-
-class AsyncioThread:
-    """A dedicated thread running an asyncio loop, driven from Trio.
-
-    Use :meth:`open` (an async context manager); :meth:`run` executes a coroutine function on the loop and
-    waits for it without blocking Trio; :meth:`call_soon` schedules a plain callable there.
-    ``loop_factory`` makes the loop (``asyncio.Runner``'s argument; None: asyncio's default loop).
-    """
-
-    def __init__(self, loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None) -> None:
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self._loop_factory = loop_factory
-        self._thread: threading.Thread | None = None
-        self._token: trio.lowlevel.TrioToken | None = None
-        self._stop: asyncio.Event | None = None
-        self._finished = trio.Event()
-        self._started = trio.Event()
-        self._error: BaseException | None = None
-
-    # -- lifetime --------------------------------------------------------------------------------------
-
-    async def start(self) -> None:
-        """Start the thread and wait until its loop runs."""
-        self._token = trio.lowlevel.current_trio_token()
-        self._thread = threading.Thread(target=self._thread_main, name="dynamo-asyncio", daemon=False)
-        self._thread.start()
-        await self._started.wait()
-        if self.loop is None:
-            raise RuntimeError("the asyncio thread failed to start") from self._error
-
-    async def stop(self) -> None:
-        """Stop the loop (cancelling whatever still runs on it) and join the thread."""
-        if self._thread is None:
-            return
-        if self.loop is not None and self._stop is not None and not self._finished.is_set():
-            try:
-                self.loop.call_soon_threadsafe(self._stop.set)
-            except RuntimeError:  # loop already closed
-                pass
-        with trio.CancelScope(shield=True):
-            await self._finished.wait()
-            await trio.to_thread.run_sync(self._thread.join)
-        self._thread = None
-
-    def _thread_main(self) -> None:
-        try:
-            with asyncio.Runner(loop_factory=self._loop_factory) as runner:
-                runner.run(self._aio_main())
-        except BaseException as exc:  # noqa: BLE001 - reported to Trio, never lost
-            self._error = exc
-            LOGGER.debug("asyncio thread ended with %r", exc)
-        finally:
-            self._notify_trio(self._started.set)
-            self._notify_trio(self._finished.set)
-
-    async def _aio_main(self) -> None:
-        self._stop = asyncio.Event()
-        self.loop = asyncio.get_running_loop()
-        self._notify_trio(self._started.set)
-        await self._stop.wait()
-
-    def _notify_trio(self, fn: Callable[..., Any], *args: Any) -> bool:
-        assert self._token is not None
-        try:
-            self._token.run_sync_soon(fn, *args)
-        except trio.RunFinishedError:
-            return False
-        return True
-
-    # -- calls -----------------------------------------------------------------------------------------
-
-    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Schedule ``fn(*args)`` on the loop (thread-safe, never blocks)."""
-        assert self.loop is not None
-        self.loop.call_soon_threadsafe(fn, *args)
-
-    async def run(self, async_fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
-        """Run ``await async_fn(*args)`` on the loop and return its result (or raise its exception).
-
-        ``async_fn`` may return a coroutine or any awaitable (Dynamo's bindings return futures).
-
-        Cancellation: cancelling the Trio caller cancels the asyncio task (best effort) and returns at once.
-        """
-        assert self.loop is not None
-
-        async def invoke() -> Any:
-            return await async_fn(*args)
-
-        done = trio.Event()
-        future = asyncio.run_coroutine_threadsafe(invoke(), self.loop)
-        future.add_done_callback(lambda _f: self._notify_trio(done.set))
-        try:
-            await done.wait()
-        except trio.Cancelled:
-            future.cancel()
-            raise
-        return future.result()
-
-
 class _Stream:
     """One request on the asyncio side: its outbox, stop request and cancellation watcher."""
 
     __slots__ = ("loop", "outbox", "request_id", "request_stop", "watcher", "ended", "warned")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, outbox: Outbox, request_id: str,
-                 request_stop: Callable[[], None], watcher: asyncio.Future) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        outbox: Outbox,
+        request_id: str,
+        request_stop: Callable[[], None],
+        watcher: asyncio.Future,
+    ) -> None:
         self.loop = loop
         self.outbox = outbox
         self.request_id = request_id
@@ -498,7 +283,7 @@ class _Stream:
     def take(self) -> Any:
         """The next output dict (queued plain token deltas merged into it), or END; raises a queued error."""
         items = self.outbox.items
-        out = items.popleft()
+        out = items[0]
         if not self.warned and len(items) > QUEUE_WARN_THRESHOLD:
             self.warned = True
             LOGGER.warning(
@@ -507,16 +292,14 @@ class _Stream:
                 len(items),
             )
         if out is END:
+            items.popleft()
             self.ended = True
             return out
         if isinstance(out, BaseException):
+            items.popleft()
             self.ended = True
             raise dynamo_exception(out)
-        if items and type(items[0]) is dict:
-            run = take_delta_run(out, items)
-            if run is not None:
-                return merge_run(run)
-        return out
+        return take_merged(items)
 
     def close(self) -> None:
         """Leave the request: stop the Trio side unless it already ended."""
@@ -595,13 +378,12 @@ class RequestBridge:
         self._sinks: dict[str, _Sink] = {}  # request id -> its sink, while in flight
         self._flusher: Any = None  # the dispatcher task, while parked waiting for a poke
         self._wake_due = False  # poked: the dispatcher wakes the loop
-        self.admitting = True
         self.in_flight: dict[str, CancelHandle] = {}  # request id -> handle (Trio thread)
         self._idle = trio.Event()
         self._idle.set()
         self.completed = 0
         self._waker: _Waker | None = None  # created on the loop by the first request
-        self._egress: _Egress | None = None  # created on the loop by the first push request past its window
+        self._egress: Egress | None = None  # created on the loop by the first push request past its window
         self.push_inline_frames = PUSH_INLINE_FRAMES
 
     # -- asyncio side ----------------------------------------------------------------------------------
@@ -711,7 +493,7 @@ class RequestBridge:
                     return
                 egress = self._egress
                 if egress is None:
-                    egress = self._egress = _Egress(stream.loop)
+                    egress = self._egress = Egress(stream.loop)
                 try:
                     await egress.send(send, out)
                 except RuntimeError as exc:  # the response stream is closed: nobody reads this request any more
@@ -730,7 +512,7 @@ class RequestBridge:
             self._pending.append(item)  # before run_dispatcher(): started when it runs
             return
         sink = _Sink(self, item)
-        if not self.admitting or self._submit is None:  # (or after run_dispatcher() ended)
+        if self._submit is None:  # after run_dispatcher() ended
             sink.end(None, EngineShutdown(SHUTTING_DOWN))
             return
         self.in_flight[item.request_id] = item.handle
@@ -810,98 +592,13 @@ class RequestBridge:
                     handle.request_stop()
                 sink.end(None, EngineShutdown(SHUTTING_DOWN))
 
-    def stop_admitting(self) -> None:
-        self.admitting = False
-
-    def stop_all(self) -> int:
-        """Request stop on every in-flight request (each ends with its cancelled chunk). Returns the count."""
-        handles = list(self.in_flight.values())
-        for handle in handles:
-            handle.request_stop()
-        return len(handles)
-
     async def wait_idle(self) -> None:
-        """Return once no request task is in flight."""
+        """Return once no handed-over request is open (the worker's drain waits for the engine instead)."""
         while self.in_flight:
             await self._idle.wait()
 
     def __repr__(self) -> str:
-        return (
-            f"<RequestBridge [{'admitting' if self.admitting else 'draining'} | "
-            f"{len(self.in_flight)} in flight, {self.completed} completed]>"
-        )
-
-
-# Keys a chunk may carry and still be merged with its successor (a plain token delta, docs/reference/sidecar.md#output-chunks).
-_DELTA_KEYS = frozenset({"token_ids", "index", "text", "log_probs", "top_logprobs"})
-_LIST_KEYS = ("token_ids", "log_probs", "top_logprobs")
-
-
-def merge_deltas(first: dict, second: dict) -> dict | None:
-    """Merge two consecutive output chunks of one request into one delta, or return None if they cannot be.
-
-    Coalescing under back-pressure: when Dynamo's consumer lags, the chunks already queued are yielded as
-    one multi-token delta, so Dynamo's per-item cost (the Python handler path) is paid once per batch. Only
-    a plain token delta (``token_ids``, ``text``, logprobs) can absorb its successor; the successor may be
-    the terminal chunk (its ``finish_reason``, usage and other keys are kept). Per-token arrays stay aligned:
-    both chunks must agree on which of ``log_probs``/``top_logprobs`` they carry.
-    """
-    if not first.keys() <= _DELTA_KEYS or first.get("index", 0) != second.get("index", 0):
-        return None
-    if not first.get("token_ids") or not second.get("token_ids"):
-        return None  # never fold into or across an empty delta (cancelled chunks, prefill terminals)
-    for key in ("log_probs", "top_logprobs"):
-        if (key in first) != (key in second):
-            return None
-    merged = dict(second)
-    for key in _LIST_KEYS:
-        if key in first:
-            merged[key] = [*first[key], *second[key]]
-    if "text" in first or "text" in second:  # (concatenated exactly; a chunk without text has none)
-        merged["text"] = first.get("text", "") + second.get("text", "")
-    return merged
-
-
-def take_delta_run(first: dict, items: deque) -> list[dict] | None:
-    """``first`` and the queued chunks that :func:`merge_deltas` would fold into it one by one, taken off
-    ``items``; ``None`` (nothing taken) when not even the next one merges."""
-    if not first.keys() <= _DELTA_KEYS or not first.get("token_ids"):
-        return None
-    index = first.get("index", 0)
-    log_probs = "log_probs" in first
-    top_logprobs = "top_logprobs" in first
-    run = [first]
-    previous = first
-    while items:
-        chunk = items[0]
-        if (
-            type(chunk) is not dict
-            or not previous.keys() <= _DELTA_KEYS  # (what merge_deltas checks of the merged so far)
-            or chunk.get("index", 0) != index
-            or not chunk.get("token_ids")
-            or ("log_probs" in chunk) != log_probs
-            or ("top_logprobs" in chunk) != top_logprobs
-        ):
-            break
-        run.append(items.popleft())
-        previous = chunk
-    return run if len(run) > 1 else None
-
-
-def merge_run(run: list[dict]) -> dict:
-    """:func:`merge_deltas` folded over ``run`` (every step merges: :func:`take_delta_run`), building each
-    list and the text once instead of once per step."""
-    merged = dict(run[-1])
-    first = run[0]
-    for key in _LIST_KEYS:
-        if key in first:
-            values: list = []
-            for chunk in run:
-                values += chunk[key]
-            merged[key] = values
-    if any("text" in chunk for chunk in run):  # (concatenated exactly, as merge_deltas)
-        merged["text"] = "".join([chunk.get("text", "") for chunk in run])
-    return merged
+        return f"<RequestBridge [{len(self.in_flight)} in flight, {self.completed} completed]>"
 
 
 def _notify_first_token(context: Any) -> None:

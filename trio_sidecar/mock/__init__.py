@@ -13,7 +13,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["MockConfig", "MockConfigError", "MockServer", "open_mock_server", "planned_tokens", "request_uuid", "serve_mock"]
+__all__ = [
+    "MockConfig",
+    "MockConfigError",
+    "MockServer",
+    "open_mock_server",
+    "planned_tokens",
+    "request_uuid",
+    "serve_mock",
+]
 
 if TYPE_CHECKING:
     from trio_sidecar.mock.generation import planned_tokens, request_uuid

@@ -115,8 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="mocker-model",
         help="ModelInfo.model_id, and the served name unless --served-model-name is given (default: %(default)s)",
     )
-    parser.add_argument("--served-model-name", default=None,
-                        help="ModelInfo.served_model_name (default: --model; 'tiny' with --tiny-model)")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="ModelInfo.served_model_name (default: --model; 'tiny' with --tiny-model)",
+    )
     parser.add_argument(
         "--tiny-model",
         default=None,
@@ -148,10 +151,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="flat JSON object of engine arguments (block_size, num_gpu_blocks, max_num_seqs, "
         "max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, speedup_ratio, "
         "decode_speedup_ratio, dp_size, max_model_len, preemption_mode, zmq_kv_events_port, "
-        "zmq_replay_port, token_seed_source, image_token_id, tokens_per_image, text_mode, ...): inline when "
+        "zmq_replay_port, token_seed_source, image_token_id, tokens_per_image, text_mode, max_loras, "
+        "enable_sleep_mode, weight_transfer_backend, enable_draft_weight_updates, ...): inline when "
         "the value starts with '{', otherwise a path to a JSON file. text_mode \"tags\" (default): each token's "
-        "text is <token:ID>; \"bytes\": each token is one to three UTF-8 bytes, detokenized incrementally "
-        "like vLLM (a message whose character is incomplete carries text \"\", a later one the completed "
+        'text is <token:ID>; "bytes": each token is one to three UTF-8 bytes, detokenized incrementally '
+        'like vLLM (a message whose character is incomplete carries text "", a later one the completed '
         "character; U+FFFD for invalid bytes and, on finish, for an incomplete tail)",
     )
     parser.add_argument(
@@ -251,8 +255,7 @@ def _tiny_model(directory: str) -> str:
         return str(make_tiny_model(directory))
     except ImportError:
         raise _TinyModelError(
-            "--tiny-model needs the `tokenizers` package (pip install tokenizers; `make install` brings it "
-            "with Dynamo)"
+            "--tiny-model needs the `tokenizers` package (pip install tokenizers; `make install` brings it with Dynamo)"
         ) from None
     except OSError as exc:
         raise _TinyModelError(f"cannot create the tiny model directory '{directory}': {exc}") from None
@@ -283,8 +286,10 @@ async def _serve(config: MockConfig) -> int:
 
 def _bind_error(listen: str, exc: OSError) -> str:
     if exc.errno == errno.EADDRINUSE:
-        return (f"cannot listen on {listen}: address already in use (another process holds the port; "
-                f"choose another with --listen IP:PORT, or port 0 for a free one)")
+        return (
+            f"cannot listen on {listen}: address already in use (another process holds the port; "
+            f"choose another with --listen IP:PORT, or port 0 for a free one)"
+        )
     if exc.errno == errno.EADDRNOTAVAIL:
         return f"cannot listen on {listen}: the address is not on this host"
     return f"cannot listen on {listen}: {exc.strerror or exc}"

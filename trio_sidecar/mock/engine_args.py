@@ -108,6 +108,11 @@ class EngineArgs:
     text_mode: TextMode = TextMode.TAGS
     image_token_id: int = 31999
     tokens_per_image: int = 16
+    # LoRA and RL controls (docs/reference/mock.md#lora-adapters, docs/reference/mock.md#rl-controls).
+    max_loras: int = 0
+    enable_sleep_mode: bool = False
+    weight_transfer_backend: str | None = None
+    enable_draft_weight_updates: bool = False
 
     @property
     def seq_limit(self) -> int | None:
@@ -156,6 +161,12 @@ def _name(key: str, value: Any) -> str:
     return value.lower()
 
 
+def _text(key: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise EngineArgsError(f"engine arg '{key}' must be a string")
+    return value
+
+
 def _enum(cls: type[enum.Enum]) -> Callable[[str, Any], enum.Enum]:
     def convert(key: str, value: Any) -> enum.Enum:
         if isinstance(value, str):
@@ -190,6 +201,10 @@ _KEYS: dict[str, tuple[Callable[[str, Any], Any], bool] | object] = {
     "startup_time": (_float, True),
     "zmq_kv_events_port": (_int, True),
     "zmq_replay_port": (_int, True),
+    "max_loras": (_int, False),
+    "enable_sleep_mode": (_bool, False),
+    "weight_transfer_backend": (_text, True),
+    "enable_draft_weight_updates": (_bool, False),
     "token_seed_source": (_enum(TokenSeedSource), False),
     "text_mode": (_enum(TextMode), False),
     "image_token_id": (_int, False),
@@ -210,7 +225,6 @@ def unknown_key_message(key: object) -> str:
     close = difflib.get_close_matches(str(key), valid, n=1)
     suggestion = f"; did you mean '{close[0]}'?" if close else ""
     return f"unknown engine arg '{key}'{suggestion} (valid keys: {', '.join(valid)})"
-
 
 
 def load_engine_args_text(value: str) -> str:
@@ -272,12 +286,9 @@ def parse_engine_args(value: str | None) -> EngineArgs:
     except json.JSONDecodeError as exc:
         if exc.msg == "Extra data":
             raise EngineArgsError(
-                f"invalid engine args JSON: trailing data after the JSON value "
-                f"at line {exc.lineno} column {exc.colno}"
+                f"invalid engine args JSON: trailing data after the JSON value at line {exc.lineno} column {exc.colno}"
             ) from None
-        raise EngineArgsError(
-            f"invalid engine args JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
-        ) from None
+        raise EngineArgsError(f"invalid engine args JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
     if not isinstance(obj, dict):
         raise EngineArgsError(
             f"engine args must be a JSON object such as '{{\"speedup_ratio\": 0}}', not a JSON {_json_kind(obj)}"
@@ -379,3 +390,7 @@ def validate_engine_args(args: EngineArgs, *, max_concurrent_requests: int = 256
         raise EngineArgsError("engine arg 'tokens_per_image' must be greater than 0")
     if args.image_token_id > U32_MAX:
         raise EngineArgsError(f"engine arg 'image_token_id' must be at most {U32_MAX}")
+    if args.max_loras > U32_MAX:
+        raise EngineArgsError(f"engine arg 'max_loras' must be at most {U32_MAX}")
+    if args.enable_draft_weight_updates and not args.weight_transfer_backend:
+        raise EngineArgsError("engine arg 'enable_draft_weight_updates' requires weight_transfer_backend")

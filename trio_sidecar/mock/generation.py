@@ -68,7 +68,9 @@ TOKEN_BASE = 1000
 TOKEN_SPAN = 31000
 DEFAULT_MAX_NEW_TOKENS = 20  # StoppingCriteria.max_new_tokens == 0 means this (docs/reference/wire.md#default-values)
 MAX_NEW_TOKENS_LIMIT = 32768  # the upstream stack's limit (docs/reference/mock.md#request-validation row 16)
-MAX_CANDIDATES = 20  # per position; more are truncated, not rejected (docs/reference/mock.md#text-logprobs-and-candidates)
+MAX_CANDIDATES = (
+    20  # per position; more are truncated, not rejected (docs/reference/mock.md#text-logprobs-and-candidates)
+)
 
 FinishReason = pb.FinishInfo.FinishReason
 
@@ -176,7 +178,7 @@ class TokenPlan(Sequence[int]):
         if isinstance(other, TokenPlan):
             return (self._seed, self._length) == (other._seed, other._length)
         if isinstance(other, Sequence) and not isinstance(other, str):
-            return len(other) == self._length and all(a == b for a, b in zip(self, other))
+            return len(other) == self._length and all(a == b for a, b in zip(self, other, strict=True))
         return NotImplemented
 
     __hash__ = None  # type: ignore[assignment]  # equal to tuples, so not hashable consistently
@@ -192,7 +194,7 @@ class OutputPlan:
     """What the scheduler will emit for one request, decided up front (docs/reference/mock.md#termination)."""
 
     tokens: Sequence[int]
-    finish_reason: int  # FinishReason.LENGTH or FinishReason.STOP
+    finish_reason: pb.FinishInfo.FinishReason  # FinishReason.LENGTH or FinishReason.STOP
     stop_token_id: int | None = None
 
 

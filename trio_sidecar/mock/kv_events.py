@@ -101,8 +101,9 @@ class KvEventPublisher:
         next_seq: the sequence number of the next message.
     """
 
-    def __init__(self, *, context: zmq.Context, pub: zmq.Socket, router: zmq.Socket | None,
-                 host: str, dp_rank: int) -> None:
+    def __init__(
+        self, *, context: zmq.Context, pub: zmq.Socket, router: zmq.Socket | None, host: str, dp_rank: int
+    ) -> None:
         self._context = context
         self._pub = pub
         self._router = router
@@ -113,14 +114,13 @@ class KvEventPublisher:
         self.replay_endpoint = _endpoint(host, self.replay_port) if self.replay_port is not None else None
         self.next_seq = 0
         self.dropped = 0  # messages the PUB socket refused (high-water mark)
-        self._ring: collections.deque[tuple[int, bytes]] = collections.deque(
-            maxlen=REPLAY_BUFFER_MESSAGES
-        )
+        self._ring: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=REPLAY_BUFFER_MESSAGES)
         self._closed = False
 
     @classmethod
-    def bind(cls, host: str, *, dp_rank: int = 0, port: int | None = None,
-             replay_port: int | None = None) -> KvEventPublisher:
+    def bind(
+        cls, host: str, *, dp_rank: int = 0, port: int | None = None, replay_port: int | None = None
+    ) -> KvEventPublisher:
         """Bind the PUB socket (and the replay ROUTER when ``replay_port`` is not None) on ``host``.
 
         ``port``/``replay_port`` of None or 0 mean an OS-chosen port. The caller adds the rank offset.
@@ -278,8 +278,9 @@ def _bind(sock: zmq.Socket, host: str, port: int | None) -> None:
         raise KvEventBindError(f"cannot bind KV event socket {endpoint}: {exc}") from None
 
 
-def bind_publishers(host: str, dp_size: int, *, port: int | None = None,
-                    replay_port: int | None = None) -> list[KvEventPublisher]:
+def bind_publishers(
+    host: str, dp_size: int, *, port: int | None = None, replay_port: int | None = None
+) -> list[KvEventPublisher]:
     """Bind one publisher per rank; rank ``r`` uses ``port + r`` / ``replay_port + r`` when those are
     set (non-zero), else OS-chosen ports.
 

@@ -24,9 +24,7 @@ __all__ = [
 
 DEFAULT_IMAGE_TOKEN_ID = 31999
 DEFAULT_TOKENS_PER_IMAGE = 16
-MULTIMODAL_DISABLED = (
-    "multimodal input is not supported by this mock server; start it with --supports-multimodal"
-)
+MULTIMODAL_DISABLED = "multimodal input is not supported by this mock server; start it with --supports-multimodal"
 
 
 def _invalid(message: str) -> RequestRejected:

@@ -121,8 +121,7 @@ def check_prompt(args: EngineArgs, prompt_len: int) -> None:
     budget = args.token_budget
     if not args.enable_chunked_prefill and budget is not None and prompt_len > budget:
         raise BudgetError(
-            f"prompt of {prompt_len} tokens exceeds max_num_batched_tokens {budget} "
-            "with chunked prefill disabled"
+            f"prompt of {prompt_len} tokens exceeds max_num_batched_tokens {budget} with chunked prefill disabled"
         )
     if -(-prompt_len // args.block_size) > args.num_gpu_blocks:
         raise CapacityError(CAPACITY_MESSAGE)
@@ -135,7 +134,7 @@ class SimRequest:
 
     uuid: str
     prompt: tuple[int, ...]
-    plan: tuple[int, ...]
+    plan: Sequence[int]  # a TokenPlan: computed on demand
     cache_salt: str = ""
     bypass_prefix_cache: bool = False
     priority: int = 0  # recorded, not used for ordering (as upstream)
@@ -324,9 +323,7 @@ class _Req:
         self.sim = sim
         self.send = send
         self.plan = sim.plan
-        self.kv = SeqKv(
-            sim.prompt, sim.plan, salt=sim.cache_salt, bypass_prefix_cache=sim.bypass_prefix_cache
-        )
+        self.kv = SeqKv(sim.prompt, sim.plan, salt=sim.cache_salt, bypass_prefix_cache=sim.bypass_prefix_cache)
         self.num_tokens = len(sim.prompt)  # current sequence: prompt + generated
         self.num_computed = 0  # tokens with KV
         self.generated = 0
@@ -348,9 +345,7 @@ class RankEngine:
         self.rank = rank
         self.args = args
         self._publisher = publisher
-        self.kv_pool = KvPool(
-            args.num_gpu_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching
-        )
+        self.kv_pool = KvPool(args.num_gpu_blocks, args.block_size, enable_prefix_caching=args.enable_prefix_caching)
         self._waiting: collections.deque[_Req] = collections.deque()
         self._running: list[_Req] = []
         self._requests: dict[str, _Req] = {}

@@ -43,6 +43,8 @@ from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar._proto.vllm import control_grpc, control_pb2, inference_grpc
 from trio_sidecar._proto.vllm import inference_pb2 as pb
 from trio_sidecar.mock import engine_args as _engine_args
+from trio_sidecar.mock import lora as _lora
+from trio_sidecar.mock import rl as _rl
 from trio_sidecar.mock.generation import (
     TOKEN_BASE,
     TOKEN_SPAN,
@@ -87,8 +89,6 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 FinishReason = pb.FinishInfo.FinishReason
 
-LORA_UNIMPLEMENTED = "LoRA is not supported by the mock server"
-RL_UNIMPLEMENTED = "the vLLM mocker does not implement RL control RPCs"
 SHUTDOWN_UNIMPLEMENTED = "shutdown is not supported by the mocker"
 SHUTTING_DOWN = "server shutting down"
 # Most buffered signals taken per wake-up: bounds the work between two checkpoints, and one run of
@@ -204,6 +204,7 @@ def prepare_config(config: MockConfig) -> _Prepared:
         token_seed_source=_enum_value(args.token_seed_source),
         image_token_id=args.image_token_id,
         tokens_per_image=args.tokens_per_image,
+        lora=_lora.LoraTable(args.max_loras, (served,)) if args.max_loras > 0 else None,
     )
     return _Prepared(host=host, port=port, mode=mode, args=args, policy=policy, config=config, limits=limits)
 
@@ -395,6 +396,12 @@ class MockServer:
         self.port = 0
         self.recorded_requests: list[tuple[str, pb.GenerateRequest, tuple[tuple[str, str], ...], Any]] = []
         self.abort_calls: list[list[str]] = []
+        #: Every Control call as ``(rpc name, request)``, in arrival order (a test hook, like
+        #: ``recorded_requests``; kept only with ``record_requests``).
+        self.control_calls: list[tuple[str, Any]] = []
+        #: The adapter table (``lora.enabled`` is false without ``max_loras``) and the RL state.
+        self.lora = prepared.policy.lora if prepared.policy.lora is not None else _lora.LoraTable(0, ())
+        self.rl = _rl.RlState(_rl_capabilities(prepared.args))
         self.server_info = _server_info(prepared)
         self.model_info = _model_info(prepared)
 
@@ -530,6 +537,18 @@ class MockServer:
             if call is not None:
                 call.abort()
 
+    async def _apply_pause(self, mode: _rl.PauseMode) -> None:
+        """What a pause (``PauseGeneration`` or ``Sleep``) does to in-flight requests, as vLLM's engine core:
+        abort ends them with an ``ABORTED`` terminal, wait returns once those in flight now have ended, keep
+        leaves them. The mock does not hold back new or kept requests while paused
+        (docs/reference/mock.md#rl-controls)."""
+        if mode is _rl.PauseMode.ABORT:
+            for call in list(self._routes.values()):
+                call.abort()
+        elif mode is _rl.PauseMode.WAIT:
+            pending = list(self._routes.values())
+            await self._active.wait_value(lambda _: not any(self._routes.get(c.prepared.uuid) is c for c in pending))
+
 
 # --- servicers -------------------------------------------------------------------------------------------
 
@@ -564,7 +583,9 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
         finally:
             call.release()
 
-    async def GenerateStream(self, request: pb.GenerateRequest, context: Any) -> AsyncIterator[pb.GenerateResponse | FramedMessages]:  # noqa: N802
+    async def GenerateStream(
+        self, request: pb.GenerateRequest, context: Any
+    ) -> AsyncIterator[pb.GenerateResponse | FramedMessages]:  # noqa: N802
         call = self._server._begin("GenerateStream", request, context)
         try:
             rejection = self._server._submit(call)
@@ -642,20 +663,47 @@ def _byte_text_encoder(options: OutputOptions, detokenizer: ByteDetokenizer) -> 
     return framed
 
 
+def _recorded(handler: Callable[..., Any]) -> Callable[..., Any]:
+    """A Control handler that first records ``(rpc name, request)`` in ``MockServer.control_calls`` and
+    turns the pure modules' ``RequestRejected`` into its RPC status."""
+    name = handler.__name__
+
+    async def wrapper(self: _ControlServicer, request: Any, context: Any) -> Any:
+        server = self._server
+        if server._record:
+            server.control_calls.append((name, request))
+        try:
+            return await handler(self, request, context)
+        except RequestRejected as err:
+            raise _rejected(err) from None
+
+    wrapper.__name__ = wrapper.__qualname__ = name
+    wrapper.__doc__ = handler.__doc__
+    return wrapper
+
+
 class _ControlServicer(control_grpc.ControlServicer):
+    """Control: fixed answers, ``Abort``, and the LoRA and RL RPCs on the server's adapter table and RL
+    state (docs/reference/mock.md#lora-adapters, docs/reference/mock.md#rl-controls). Every call is recorded
+    first, whatever its outcome."""
+
     def __init__(self, server: MockServer) -> None:
         self._server = server
 
+    @_recorded
     async def GetServerInfo(self, request: Any, context: Any) -> control_pb2.ServerInfo:  # noqa: N802
         return self._server.server_info
 
+    @_recorded
     async def GetModelInfo(self, request: Any, context: Any) -> control_pb2.ModelInfo:  # noqa: N802
         return self._server.model_info
 
+    @_recorded
     async def Abort(self, request: control_pb2.AbortRequest, context: Any) -> control_pb2.AbortResponse:  # noqa: N802
         self._server._abort(request.request_ids)
         return control_pb2.AbortResponse()
 
+    @_recorded
     async def GetKvEventSources(self, request: Any, context: Any) -> control_pb2.GetKvEventSourcesResponse:  # noqa: N802
         response = control_pb2.GetKvEventSourcesResponse()
         for rank, pub in enumerate(self._server._publishers):
@@ -671,34 +719,117 @@ class _ControlServicer(control_grpc.ControlServicer):
             )
         return response
 
+    # --- LoRA (docs/reference/mock.md#lora-adapters) ---------------------------------------------------
 
-def _unimplemented(message: str) -> Any:
-    async def handler(self: Any, request: Any, context: Any) -> Any:
-        raise RpcError(StatusCode.UNIMPLEMENTED, message)
+    @_recorded
+    async def LoadLora(self, request: control_pb2.LoadLoraRequest, context: Any) -> control_pb2.LoadLoraResponse:  # noqa: N802
+        adapter = self._server.lora.load(request.lora_name, request.source_path)
+        return control_pb2.LoadLoraResponse(adapter=_adapter_pb(adapter))
 
-    return handler
+    @_recorded
+    async def UnloadLora(self, request: control_pb2.UnloadLoraRequest, context: Any) -> control_pb2.UnloadLoraResponse:  # noqa: N802
+        adapter = self._server.lora.unload(request.lora_name)
+        return control_pb2.UnloadLoraResponse(adapter=_adapter_pb(adapter))
+
+    @_recorded
+    async def ListLoras(self, request: Any, context: Any) -> control_pb2.ListLorasResponse:  # noqa: N802
+        return control_pb2.ListLorasResponse(adapters=[_adapter_pb(a) for a in self._server.lora.list()])
+
+    # --- RL (docs/reference/mock.md#rl-controls) -------------------------------------------------------
+
+    @_recorded
+    async def PauseGeneration(
+        self, request: control_pb2.PauseGenerationRequest, context: Any
+    ) -> control_pb2.PauseGenerationResponse:  # noqa: N802
+        mode = self._server.rl.pause(_rl.PauseMode.from_proto(request.mode))
+        await self._server._apply_pause(mode)
+        return control_pb2.PauseGenerationResponse()
+
+    @_recorded
+    async def ResumeGeneration(self, request: Any, context: Any) -> control_pb2.ResumeGenerationResponse:  # noqa: N802
+        self._server.rl.resume()
+        return control_pb2.ResumeGenerationResponse()
+
+    @_recorded
+    async def IsPaused(self, request: Any, context: Any) -> control_pb2.IsPausedResponse:  # noqa: N802
+        return control_pb2.IsPausedResponse(paused=self._server.rl.paused)
+
+    @_recorded
+    async def Sleep(self, request: control_pb2.SleepRequest, context: Any) -> control_pb2.SleepResponse:  # noqa: N802
+        level = request.level if request.HasField("level") else None
+        mode = self._server.rl.sleep(level, _rl.PauseMode.from_proto(request.mode))
+        await self._server._apply_pause(mode)
+        return control_pb2.SleepResponse()
+
+    @_recorded
+    async def WakeUp(self, request: control_pb2.WakeUpRequest, context: Any) -> control_pb2.WakeUpResponse:  # noqa: N802
+        self._server.rl.wake_up(list(request.tags))
+        return control_pb2.WakeUpResponse()
+
+    @_recorded
+    async def IsSleeping(self, request: Any, context: Any) -> control_pb2.IsSleepingResponse:  # noqa: N802
+        return control_pb2.IsSleepingResponse(sleeping=self._server.rl.sleeping)
+
+    @_recorded
+    async def InitWeightTransferEngine(
+        self, request: control_pb2.InitWeightTransferEngineRequest, context: Any
+    ) -> control_pb2.InitWeightTransferEngineResponse:  # noqa: N802
+        self._server.rl.init_weight_transfer(request.init_info_json)
+        return control_pb2.InitWeightTransferEngineResponse()
+
+    @_recorded
+    async def StartWeightUpdate(self, request: Any, context: Any) -> control_pb2.StartWeightUpdateResponse:  # noqa: N802
+        self._server.rl.start_weight_update()
+        return control_pb2.StartWeightUpdateResponse()
+
+    @_recorded
+    async def StartDraftWeightUpdate(self, request: Any, context: Any) -> control_pb2.StartDraftWeightUpdateResponse:  # noqa: N802
+        self._server.rl.start_weight_update(draft=True)
+        return control_pb2.StartDraftWeightUpdateResponse()
+
+    @_recorded
+    async def UpdateWeights(
+        self, request: control_pb2.UpdateWeightsRequest, context: Any
+    ) -> control_pb2.UpdateWeightsResponse:  # noqa: N802
+        self._server.rl.update_weights(request.update_info_json)
+        return control_pb2.UpdateWeightsResponse()
+
+    @_recorded
+    async def FinishWeightUpdate(
+        self, request: control_pb2.FinishWeightUpdateRequest, context: Any
+    ) -> control_pb2.FinishWeightUpdateResponse:  # noqa: N802
+        version = request.weight_version if request.HasField("weight_version") else None
+        self._server.rl.finish_weight_update(version)
+        return control_pb2.FinishWeightUpdateResponse()
+
+    @_recorded
+    async def UpdateWeightVersion(
+        self, request: control_pb2.UpdateWeightVersionRequest, context: Any
+    ) -> control_pb2.UpdateWeightVersionResponse:  # noqa: N802
+        self._server.rl.set_weight_version(request.weight_version)
+        return control_pb2.UpdateWeightVersionResponse()
+
+    @_recorded
+    async def GetWeightVersion(self, request: Any, context: Any) -> control_pb2.GetWeightVersionResponse:  # noqa: N802
+        return control_pb2.GetWeightVersionResponse(weight_version=self._server.rl.weight_version)
+
+    @_recorded
+    async def Shutdown(self, request: Any, context: Any) -> Any:  # noqa: N802
+        raise RpcError(StatusCode.UNIMPLEMENTED, SHUTDOWN_UNIMPLEMENTED)
 
 
-for _name in ("LoadLora", "UnloadLora", "ListLoras"):
-    setattr(_ControlServicer, _name, _unimplemented(LORA_UNIMPLEMENTED))
-for _name in (
-    "PauseGeneration",
-    "ResumeGeneration",
-    "IsPaused",
-    "Sleep",
-    "WakeUp",
-    "IsSleeping",
-    "InitWeightTransferEngine",
-    "StartWeightUpdate",
-    "StartDraftWeightUpdate",
-    "UpdateWeights",
-    "FinishWeightUpdate",
-    "UpdateWeightVersion",
-    "GetWeightVersion",
-):
-    setattr(_ControlServicer, _name, _unimplemented(RL_UNIMPLEMENTED))
-_ControlServicer.Shutdown = _unimplemented(SHUTDOWN_UNIMPLEMENTED)  # type: ignore[method-assign]
-del _name
+def _adapter_pb(adapter: _lora.LoraAdapter) -> control_pb2.LoraAdapter:
+    return control_pb2.LoraAdapter(
+        lora_id=adapter.lora_id, lora_name=adapter.lora_name, source_path=adapter.source_path
+    )
+
+
+def _rl_capabilities(args: _engine_args.EngineArgs) -> _rl.RlCapabilities:
+    return _rl.RlCapabilities(
+        weight_transfer_backend=args.weight_transfer_backend or "",
+        sleep_mode_enabled=args.enable_sleep_mode,
+        draft_weight_updates_enabled=args.enable_draft_weight_updates,
+    )
 
 
 # --- fixed Control values (docs/reference/mock.md#control-and-health-answers) --------------------------------------------------------------------
@@ -724,7 +855,13 @@ def _server_info(prepared: _Prepared) -> control_pb2.ServerInfo:
         total_kv_blocks=args.num_gpu_blocks * args.dp_size,
         max_running_requests=args.max_num_seqs or 0,
         max_batched_tokens=args.max_num_batched_tokens or 0,
-        max_loras=0,
+        max_loras=args.max_loras,
+        rl_capabilities=control_pb2.RlCapabilities(
+            weight_transfer_enabled=bool(args.weight_transfer_backend),
+            weight_transfer_backend=args.weight_transfer_backend or "",
+            sleep_mode_enabled=args.enable_sleep_mode,
+            draft_weight_updates_enabled=args.enable_draft_weight_updates,
+        ),
         effective_attention_block_size=args.block_size,
     )
 
@@ -736,7 +873,7 @@ def _model_info(prepared: _Prepared) -> control_pb2.ModelInfo:
         served_model_name=prepared.policy.served_model_name,
         supports_text_input=False,
         supports_token_ids_input=True,
-        supports_lora=False,
+        supports_lora=prepared.args.max_loras > 0,
         supports_multimodal=config.supports_multimodal,
         reasoning_parser="",
         tool_call_parser="",
@@ -822,7 +959,9 @@ async def open_mock_server(config: MockConfig) -> AsyncIterator[MockServer]:
             pub.close()
 
 
-async def serve_mock(config: MockConfig, *, task_status: trio.TaskStatus[MockServer] = trio.TASK_STATUS_IGNORED) -> NoReturn:
+async def serve_mock(
+    config: MockConfig, *, task_status: trio.TaskStatus[MockServer] = trio.TASK_STATUS_IGNORED
+) -> NoReturn:
     """Run a mock server until cancelled: ``mock = await nursery.start(serve_mock, config)``.
 
     ``task_status.started`` receives the running :class:`MockServer`. Raises as :func:`open_mock_server`.

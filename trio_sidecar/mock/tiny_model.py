@@ -30,8 +30,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["VOCAB_SIZE", "FORMAT_VERSION", "MARKER", "FILES", "CHAT_TEMPLATE", "synthetic_word",
-           "build_tokenizer_json", "build_files", "is_complete", "make_tiny_model", "main"]
+__all__ = [
+    "VOCAB_SIZE",
+    "FORMAT_VERSION",
+    "MARKER",
+    "FILES",
+    "CHAT_TEMPLATE",
+    "synthetic_word",
+    "build_tokenizer_json",
+    "build_files",
+    "is_complete",
+    "make_tiny_model",
+    "main",
+]
 
 VOCAB_SIZE = 32_000
 FORMAT_VERSION = 1
@@ -64,11 +75,7 @@ def synthetic_word(token_id: int) -> str:
     """
     n = len(_SYLLABLES)
     token_id = (token_id * 7919) % (n * n * n)
-    return (
-        _SYLLABLES[(token_id // (n * n)) % n]
-        + _SYLLABLES[(token_id // n) % n]
-        + _SYLLABLES[token_id % n]
-    )
+    return _SYLLABLES[(token_id // (n * n)) % n] + _SYLLABLES[(token_id // n) % n] + _SYLLABLES[token_id % n]
 
 
 def _corpus() -> list[str]:

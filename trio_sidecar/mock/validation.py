@@ -9,7 +9,8 @@ server state stay in the server and bracket the pure part:
 * row 19 (duplicate in-flight id) and row 20 (KV capacity): the server's routes and the scheduler.
 
 Differences from the upstream mocker's order, adopted for parity with vLLM (docs/reference/mock.md#request-validation): a wrong model is
-``NOT_FOUND`` ``model `{name}` not found``; ``lora_name`` is ``FAILED_PRECONDITION``; an empty stop string
+``NOT_FOUND`` ``model `{name}` not found``; ``lora_name`` is ``FAILED_PRECONDITION`` without LoRA and
+``NOT_FOUND`` for an adapter that is not loaded (docs/reference/mock.md#lora-adapters); an empty stop string
 is rejected after row 11; vLLM's float sampling checks (``trio_sidecar.sampling_checks``: temperature,
 top_p, min_p and the penalties, with vLLM's texts) run after row 18 (context length and ``min_new_tokens``),
 where vLLM runs them (docs/conformance.md).
@@ -23,7 +24,7 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from trio_sidecar._proto.vllm import inference_pb2 as pb
-from trio_sidecar.mock import handoff, multimodal
+from trio_sidecar.mock import handoff, lora, multimodal
 from trio_sidecar.mock.generation import (
     DEFAULT_MAX_NEW_TOKENS,
     MAX_NEW_TOKENS_LIMIT,
@@ -101,6 +102,8 @@ class RequestPolicy:
     token_seed_source: str = "request_id"
     image_token_id: int = multimodal.DEFAULT_IMAGE_TOKEN_ID
     tokens_per_image: int = multimodal.DEFAULT_TOKENS_PER_IMAGE
+    #: The server's adapter table (mutable: Control.LoadLora changes it); ``None`` = LoRA disabled.
+    lora: lora.LoraTable | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -157,7 +160,9 @@ def prepare_request(
         prompt = prompt[-request.truncate_prompt_tokens :]
     # Row 8 (docs/reference/mock.md#request-validation).
     if request.lora_name:
-        raise RequestRejected(StatusCode.FAILED_PRECONDITION, "engine was not started with LoRA enabled")
+        if policy.lora is None:
+            raise lora.lora_disabled()
+        policy.lora.check_request(request.lora_name)
     # Rows 9–10, then the placeholder expansion of docs/reference/mock.md#multimodal.
     multimodal.check_media(request.media, policy.supports_multimodal)
     if request.media:

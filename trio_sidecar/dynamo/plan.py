@@ -1,0 +1,191 @@
+"""Worker planning (pure): what ``register_model`` and the KV publishers need, from the start-phase
+``EngineConfig`` and the options (docs/reference/worker.md#registration). No Dynamo, no Trio."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from ..config import DisaggregationMode, SidecarConfig, WorkerOptions
+from ..errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from ..model import EngineConfig
+    from ..routing import KvEventSource
+
+__all__ = [
+    "HEALTH_CHECK_KEY",
+    "WorkerPlan",
+    "endpoint_path",
+    "health_check_payload",
+    "plan_registration",
+    "worker_namespace",
+]
+
+LOGGER = logging.getLogger("trio_sidecar.dynamo.plan")
+
+_ENDPOINT_TYPES = {"chat": "Chat", "completions": "Completions"}
+_WORKER_TYPES = {
+    DisaggregationMode.AGG: "Aggregated",
+    DisaggregationMode.PREFILL: "Prefill",
+    DisaggregationMode.DECODE: "Decode",
+}
+_FIXED_COMPONENT = {DisaggregationMode.PREFILL: "prefill", DisaggregationMode.DECODE: "backend"}
+# register_model rejects Prefill/Decode without `needs`; the native sidecar declares the peer role.
+_NEEDS = {DisaggregationMode.PREFILL: (("Decode",),), DisaggregationMode.DECODE: (("Prefill",),)}
+
+
+def worker_namespace(namespace: str, environ: Mapping[str, str] = os.environ) -> str:
+    """Apply ``DYN_NAMESPACE_WORKER_SUFFIX`` like the native sidecar: ``-{suffix}`` unless empty or present."""
+    suffix = environ.get("DYN_NAMESPACE_WORKER_SUFFIX", "").strip()
+    if not suffix or namespace.endswith(f"-{suffix}"):
+        return namespace
+    return f"{namespace}-{suffix}"
+
+
+@attrs.frozen(kw_only=True)
+class WorkerPlan:
+    """Everything ``register_model`` and the publishers need, as plain values (docs/reference/worker.md#registration)."""
+
+    endpoint_path: str  # "ns.component.endpoint"
+    model_path: str
+    served_model_name: str
+    aliases: tuple[str, ...]
+    model_types: tuple[str, ...]  # dynamo.llm.ModelType member names, OR-ed together ("Prefill" for prefill)
+    worker_type: str  # dynamo.llm.WorkerType member name
+    needs: tuple[tuple[str, ...], ...]  # DNF of WorkerType names the role depends on (required for P/D)
+    kv_cache_block_size: int | None
+    runtime_config: dict[str, Any]  # ModelRuntimeConfig attributes to set (None values already dropped)
+    custom_template_path: str | None
+    # Dynamo's canary request, only when canaries are enabled (DYN_HEALTH_CHECK_ENABLED): with a payload the
+    # runtime derives /health from endpoint health and ignores set_health_status (docs/dynamo.md).
+    health_check_payload: dict[str, Any] | None
+    local_indexer: bool  # KvEventPublisher(enable_local_indexer=...): off for decode workers
+
+
+def plan_registration(
+    config: SidecarConfig,
+    options: WorkerOptions,
+    engine: EngineConfig,
+    sources: Sequence[KvEventSource],
+    *,
+    environ: Mapping[str, str] = os.environ,
+) -> WorkerPlan:
+    """Build the registration from the start-phase ``EngineConfig`` (docs/reference/sidecar.md#registration-data, docs/reference/worker.md#registration).
+
+    Raises:
+        InvalidArgument: an endpoint type other than ``chat``/``completions``, or an unsupported mode.
+    """
+    mode = DisaggregationMode.parse(config.disaggregation_mode)
+    if mode not in _WORKER_TYPES:
+        raise InvalidArgument("encode mode is not supported by the vLLM sidecar")
+    component = _FIXED_COMPONENT.get(mode, options.component)
+    path = f"{worker_namespace(options.namespace, environ)}.{component}.{options.endpoint}"
+    if mode is DisaggregationMode.PREFILL:
+        # Prefill workers have no OpenAI surface whatever --endpoint-types says; like the native sidecar
+        # they register the legacy ModelType.Prefill marker (so older frontends still see the role) and
+        # WorkerType.Prefill.
+        model_types: tuple[str, ...] = ("Prefill",)
+    else:
+        names = []
+        for kind in options.endpoint_types:
+            if kind not in _ENDPOINT_TYPES:
+                raise InvalidArgument(f"unsupported endpoint type `{kind}`; expected chat or completions")
+            names.append(_ENDPOINT_TYPES[kind])
+        if not names:
+            raise InvalidArgument("--endpoint-types must name at least one of chat, completions")
+        model_types = tuple(dict.fromkeys(names))
+    runtime = {
+        "context_length": engine.context_length,
+        "total_kv_blocks": engine.total_kv_blocks,
+        "max_num_seqs": engine.max_num_seqs,
+        "max_num_batched_tokens": engine.max_num_batched_tokens,
+        "data_parallel_size": engine.data_parallel_size,
+        "data_parallel_start_rank": engine.data_parallel_start_rank,
+    }
+    runtime = {k: v for k, v in runtime.items() if v is not None}
+    # Publishers need a block size (KvEventPublisher rejects 0); without one no events are relayed.
+    runtime["kv_event_publishing_enabled"] = bool(sources) and engine.kv_cache_block_size is not None
+    runtime["exclude_tools_when_tool_choice_none"] = bool(options.exclude_tools_when_tool_choice_none)
+    # The native 1.6.1 sidecar's model card says enable_local_indexer=true in every mode; decode workers
+    # get no KV publishers anyway (vLLM reports no KV-event sources in decode mode).
+    runtime["enable_local_indexer"] = True
+    local_indexer = mode is not DisaggregationMode.DECODE
+    return WorkerPlan(
+        endpoint_path=path,
+        model_path=engine.model,
+        served_model_name=engine.served_model_name,
+        aliases=tuple(engine.aliases),
+        model_types=model_types,
+        worker_type=_WORKER_TYPES[mode],
+        needs=_NEEDS.get(mode, ()),
+        kv_cache_block_size=engine.kv_cache_block_size,
+        runtime_config=runtime,
+        custom_template_path=options.custom_jinja_template,
+        health_check_payload=(
+            health_check_payload(engine.model, environ) if _truthy(environ.get("DYN_HEALTH_CHECK_ENABLED")) else None
+        ),
+        local_indexer=local_indexer,
+    )
+
+
+HEALTH_CHECK_KEY = "_HEALTH_CHECK"
+
+
+def _truthy(value: str | None) -> bool:
+    return (value or "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def health_check_payload(model_path: str, environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """The canary request Dynamo sends when its health checks are enabled (``DYN_HEALTH_CHECK_ENABLED``).
+
+    Dynamo's token-input backends use one BOS token, ``max_tokens`` 1, ``ignore_eos``, temperature 0, and
+    the ``_HEALTH_CHECK`` marker; ``DYN_HEALTH_CHECK_PAYLOAD`` (JSON, or ``@file``) overrides it. The BOS id
+    comes from the model directory's ``generation_config.json``/``config.json`` when readable, else 1.
+    Canaries are served like any other request (docs/reference/worker.md#health-canaries).
+    """
+    payload: dict[str, Any] = {
+        "token_ids": [_bos_token_id(model_path)],
+        "stop_conditions": {"max_tokens": 1, "ignore_eos": True},
+        "sampling_options": {"temperature": 0.0},
+    }
+    override = environ.get("DYN_HEALTH_CHECK_PAYLOAD", "").strip()
+    if override:
+        try:
+            if override.startswith("@"):
+                with open(override[1:], encoding="utf-8") as f:
+                    parsed = json.load(f)
+            else:
+                parsed = json.loads(override)
+        except (OSError, ValueError) as exc:
+            LOGGER.warning("ignoring DYN_HEALTH_CHECK_PAYLOAD: %s", exc)
+        else:
+            if isinstance(parsed, dict):
+                payload = parsed
+            else:
+                LOGGER.warning("ignoring DYN_HEALTH_CHECK_PAYLOAD: not a JSON object")
+    return {**payload, HEALTH_CHECK_KEY: True}
+
+
+def _bos_token_id(model_path: str) -> int:
+    for name in ("generation_config.json", "config.json"):
+        try:
+            with open(os.path.join(model_path, name), encoding="utf-8") as f:
+                value = json.load(f).get("bos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return 1
+
+
+def endpoint_path(config: SidecarConfig, options: WorkerOptions, environ: Mapping[str, str] = os.environ) -> str:
+    """``ns.component.endpoint`` for the worker's mode (prefill and decode have fixed components)."""
+    mode = DisaggregationMode.parse(config.disaggregation_mode)
+    component = _FIXED_COMPONENT.get(mode, options.component)
+    return f"{worker_namespace(options.namespace, environ)}.{component}.{options.endpoint}"
