@@ -103,7 +103,9 @@ async def _one_stream(port: int, body: bytes, stats: list[tuple[int, float, floa
         writer.write(
             b"POST /v1/completions HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             b"Accept: text/event-stream\r\nConnection: close\r\nContent-Length: "
-            + str(len(body)).encode() + b"\r\n\r\n" + body
+            + str(len(body)).encode()
+            + b"\r\n\r\n"
+            + body
         )
         await writer.drain()
         status = await reader.readline()
@@ -126,10 +128,19 @@ async def _one_stream(port: int, body: bytes, stats: list[tuple[int, float, floa
         writer.close()
 
 
-async def _load(port: int, requests: int, concurrency: int, max_tokens: int,
-                stats: list[tuple[int, float, float]] | None = None) -> tuple[float, int, int]:
-    body = json.dumps({"model": MODEL, "prompt": "benchmark prompt for the sidecar", "max_tokens": max_tokens,
-                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}).encode()
+async def _load(
+    port: int, requests: int, concurrency: int, max_tokens: int, stats: list[tuple[int, float, float]] | None = None
+) -> tuple[float, int, int]:
+    body = json.dumps(
+        {
+            "model": MODEL,
+            "prompt": "benchmark prompt for the sidecar",
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(requests):
         queue.put_nowait(i)
@@ -252,8 +263,8 @@ def _thread_cpu(pid: int) -> dict[str, float]:
                 stat = f.read()
         except OSError:
             continue
-        name = "main" if int(tid) == pid else stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
+        name = "main" if int(tid) == pid else stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
         out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / TICK
     return out
 
@@ -289,22 +300,49 @@ def _measure_pinned(kind: str, workdir: Path, env: dict, address: str, port: int
     if kind == "native":
         proc = local.start_native_sidecar(workdir, env, address, namespace=namespace, name=f"{kind}-sidecar")
     elif kind == "reference":
-        proc = local.Process(f"{kind}-worker", [sys.executable, str(REPO / "bench" / "reference_worker.py"),
-                                                args.model_dir, namespace, address, MODEL],
-                             env=env, log_path=workdir / f"{kind}-worker.log")
+        proc = local.Process(
+            f"{kind}-worker",
+            [sys.executable, str(REPO / "bench" / "reference_worker.py"), args.model_dir, namespace, address, MODEL],
+            env=env,
+            log_path=workdir / f"{kind}-worker.log",
+        )
     elif kind == "candidate":
-        code = (f"import sys; sys.path.insert(0, {str(args.candidate)!r}); "
-                "from trio_sidecar.__main__ import main; sys.exit(main())")
-        proc = local.Process(f"{kind}-sidecar", [sys.executable, "-c", code, "run", "--grpc-endpoint", address,
-                                                 "--discovery-backend", "file", "--request-plane", "tcp",
-                                                 "--namespace", namespace, "--log-level", "warning"],
-                             env=env, log_path=workdir / f"{kind}-sidecar.log")
+        code = (
+            f"import sys; sys.path.insert(0, {str(args.candidate)!r}); "
+            "from trio_sidecar.__main__ import main; sys.exit(main())"
+        )
+        proc = local.Process(
+            f"{kind}-sidecar",
+            [
+                sys.executable,
+                "-c",
+                code,
+                "run",
+                "--grpc-endpoint",
+                address,
+                "--discovery-backend",
+                "file",
+                "--request-plane",
+                "tcp",
+                "--namespace",
+                namespace,
+                "--log-level",
+                "warning",
+            ],
+            env=env,
+            log_path=workdir / f"{kind}-sidecar.log",
+        )
     elif kind in CEILINGS:
-        proc = local.Process(f"{kind}-worker", [sys.executable, "-c", ECHO_WORKER, args.model_dir, namespace,
-                                                *CEILINGS[kind]], env=env, log_path=workdir / f"{kind}-worker.log")
+        proc = local.Process(
+            f"{kind}-worker",
+            [sys.executable, "-c", ECHO_WORKER, args.model_dir, namespace, *CEILINGS[kind]],
+            env=env,
+            log_path=workdir / f"{kind}-worker.log",
+        )
     else:
-        proc = local.start_trio_sidecar(workdir, env, address, namespace=namespace, name=f"{kind}-sidecar",
-                                        extra=["--log-level", "warning"])
+        proc = local.start_trio_sidecar(
+            workdir, env, address, namespace=namespace, name=f"{kind}-sidecar", extra=["--log-level", "warning"]
+        )
     if args.worker_cpus is not None:
         os.sched_setaffinity(0, args.other_cpus)  # the load client: with the mock and the frontend
     try:
@@ -320,7 +358,8 @@ def _measure_pinned(kind: str, workdir: Path, env: dict, address: str, port: int
         stats: list[tuple[int, float, float]] = []
         with _RssSampler(proc.pid) as rss:
             elapsed, tokens, failures = asyncio.run(
-                _load(port, args.requests, args.concurrency, args.max_tokens, stats))
+                _load(port, args.requests, args.concurrency, args.max_tokens, stats)
+            )
         cpu_after = ps.cpu_times()
         threads_after = _thread_cpu(proc.pid)
         peers_cpu = {name: _cpu_s(p) - peers_before[name] for name, p in peers.items()}
@@ -371,23 +410,29 @@ def _percentile(values: list[float], pct: float) -> float:
 
 
 def _median_runs(runs: list[dict]) -> dict:
-    med = {key: statistics.median(r[key] for r in runs) for key, value in runs[0].items() if not isinstance(value, dict)}
+    med = {
+        key: statistics.median(r[key] for r in runs) for key, value in runs[0].items() if not isinstance(value, dict)
+    }
     names = {name for r in runs for name in r["thread_cpu_us_per_completion"]}
     med["thread_cpu_us_per_completion"] = {
-        name: statistics.median(r["thread_cpu_us_per_completion"].get(name, 0.0) for r in runs) for name in names}
+        name: statistics.median(r["thread_cpu_us_per_completion"].get(name, 0.0) for r in runs) for name in names
+    }
     if "peer_cpu_us_per_completion" in runs[0]:
         med["peer_cpu_us_per_completion"] = {
             name: statistics.median(r["peer_cpu_us_per_completion"][name] for r in runs)
-            for name in runs[0]["peer_cpu_us_per_completion"]}
+            for name in runs[0]["peer_cpu_us_per_completion"]
+        }
     return med
 
 
 def _report(results: dict[str, list[dict]], args) -> dict:
     med = {kind: _median_runs(runs) for kind, runs in results.items()}
     pinned = f", worker pinned to CPU {sorted(args.worker_cpus)[0]}" if args.worker_cpus else ""
-    print(f"\nE2E: {args.requests} streaming completions x {args.max_tokens} tokens at concurrency "
-          f"{args.concurrency}, mock speedup_ratio {args.speedup_ratio:g}, median of {args.rounds} round(s), "
-          f"same frontend and mock{pinned}\n")
+    print(
+        f"\nE2E: {args.requests} streaming completions x {args.max_tokens} tokens at concurrency "
+        f"{args.concurrency}, mock speedup_ratio {args.speedup_ratio:g}, median of {args.rounds} round(s), "
+        f"same frontend and mock{pinned}\n"
+    )
     print("| metric | native | trio-sidecar | ratio (trio/native) | target |")
     print("|---|---:|---:|---:|---|")
     ratios = {}
@@ -401,14 +446,19 @@ def _report(results: dict[str, list[dict]], args) -> dict:
     tokio = sum(v for name, v in threads.items() if name.startswith("tokio"))
     python = sum(v for name, v in threads.items() if name.startswith("python"))
     other = max(0.0, sum(threads.values()) - trio_thread - tokio - python)
-    print(f"\ntrio-sidecar CPU µs per completion by thread: Trio {trio_thread:.0f}, asyncio loop and egress "
-          f"{python:.0f}, Dynamo tokio {tokio:.0f}, other {other:.0f}")
+    print(
+        f"\ntrio-sidecar CPU µs per completion by thread: Trio {trio_thread:.0f}, asyncio loop and egress "
+        f"{python:.0f}, Dynamo tokio {tokio:.0f}, other {other:.0f}"
+    )
     for kind in ("native", "trio", "candidate", "reference"):
         peers = med.get(kind, {}).get("peer_cpu_us_per_completion")
         if peers:
             total = med[kind]["cpu_us_per_completion"] + sum(peers.values())
-            print(f"with {kind}: CPU µs per completion of the worker {med[kind]['cpu_us_per_completion']:.0f}, "
-                  + ", ".join(f"{name} {value:.0f}" for name, value in peers.items()) + f"; all {total:.0f}")
+            print(
+                f"with {kind}: CPU µs per completion of the worker {med[kind]['cpu_us_per_completion']:.0f}, "
+                + ", ".join(f"{name} {value:.0f}" for name, value in peers.items())
+                + f"; all {total:.0f}"
+            )
     reference = med.get("reference")
     if reference is not None:
         native = med["native"]
@@ -417,8 +467,10 @@ def _report(results: dict[str, list[dict]], args) -> dict:
         print("|---|---:|---:|---:|---:|")
         for label, key, fmt, _target in METRICS[:7]:
             n = native[key]
-            print(f"| {label} | {fmt.format(n)} | {fmt.format(med['trio'][key])} | {fmt.format(reference[key])} | "
-                  f"{reference[key] / n if n else float('nan'):.2f}x |")
+            print(
+                f"| {label} | {fmt.format(n)} | {fmt.format(med['trio'][key])} | {fmt.format(reference[key])} | "
+                f"{reference[key] / n if n else float('nan'):.2f}x |"
+            )
         ratios["reference_tokens_per_s"] = reference["tokens_per_s"] / native["tokens_per_s"]
         ratios["reference_cpu_s_per_1k_tokens"] = reference["cpu_s_per_1k_tokens"] / native["cpu_s_per_1k_tokens"]
     candidate = med.get("candidate")
@@ -429,8 +481,10 @@ def _report(results: dict[str, list[dict]], args) -> dict:
         print("|---|---:|---:|---:|")
         for label, key, fmt, _target in METRICS:
             t = trio_[key]
-            print(f"| {label} | {fmt.format(t)} | {fmt.format(candidate[key])} | "
-                  f"{candidate[key] / t if t else float('nan'):.3f}x |")
+            print(
+                f"| {label} | {fmt.format(t)} | {fmt.format(candidate[key])} | "
+                f"{candidate[key] / t if t else float('nan'):.3f}x |"
+            )
         ratios["candidate_tokens_per_s"] = candidate["tokens_per_s"] / trio_["tokens_per_s"]
         ratios["candidate_cpu_s_per_1k_tokens"] = candidate["cpu_s_per_1k_tokens"] / trio_["cpu_s_per_1k_tokens"]
     ceilings = [kind for kind in CEILINGS if kind in med]
@@ -442,17 +496,22 @@ def _report(results: dict[str, list[dict]], args) -> dict:
             m = med[kind]
             egress, items, loop = CEILINGS[kind]
             count = args.max_tokens if items == "token" else 1
-            print(f"| {kind} | {egress} | {loop} | {count} | {m['tokens_per_s']:.0f} | "
-                  f"{m['cpu_us_per_completion']:.0f} | {m['cpu_s_per_1k_tokens']:.3f} |")
+            print(
+                f"| {kind} | {egress} | {loop} | {count} | {m['tokens_per_s']:.0f} | "
+                f"{m['cpu_us_per_completion']:.0f} | {m['cpu_s_per_1k_tokens']:.3f} |"
+            )
         if args.max_tokens > 1:
             print()
             for egress in ("pull", "push"):
                 per_token, per_request = med.get(f"py-{egress}-token"), med.get(f"py-{egress}-request")
                 if per_token and per_request:
                     item = (per_token["cpu_us_per_completion"] - per_request["cpu_us_per_completion"]) / (
-                        args.max_tokens - 1)
-                    print(f"{egress} egress: ≈ {per_request['cpu_us_per_completion'] - item:.0f} µs CPU per request "
-                          f"+ {item:.1f} µs per item")
+                        args.max_tokens - 1
+                    )
+                    print(
+                        f"{egress} egress: ≈ {per_request['cpu_us_per_completion'] - item:.0f} µs CPU per request "
+                        f"+ {item:.1f} µs per item"
+                    )
     failures = {k: sum(r["failures"] for r in runs) for k, runs in results.items()}
     if any(failures.values()):
         print(f"\nfailed requests: {failures}")
@@ -470,24 +529,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=1, help="alternating native/trio rounds (median)")
-    parser.add_argument("--speedup-ratio", type=float, default=0.0,
-                        help="the mock's speedup_ratio: 0 (default) models no time, so tokens arrive in bursts "
-                             "and the sidecar path dominates; 1 paces decoding like an engine, token by token")
-    parser.add_argument("--pin", action="store_true",
-                        help="give the worker being measured a CPU of its own (the last one) and run the mock, "
-                             "the frontend and the load client on the others, as on a GPU node where the "
-                             "sidecar does not compete with them (default: all share every CPU)")
+    parser.add_argument(
+        "--speedup-ratio",
+        type=float,
+        default=0.0,
+        help="the mock's speedup_ratio: 0 (default) models no time, so tokens arrive in bursts "
+        "and the sidecar path dominates; 1 paces decoding like an engine, token by token",
+    )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="give the worker being measured a CPU of its own (the last one) and run the mock, "
+        "the frontend and the load client on the others, as on a GPU node where the "
+        "sidecar does not compete with them (default: all share every CPU)",
+    )
     parser.add_argument("--json", type=Path, help="also write the results as JSON")
     parser.add_argument("--keep-logs", action="store_true", help="keep the temporary directory with all logs")
-    parser.add_argument("--reference", action="store_true",
-                        help="also measure the reference Python worker (bench/reference_worker.py: Dynamo's loop, "
-                             "grpc.aio, the same conversion, no Trio) through the same mock")
-    parser.add_argument("--candidate", type=Path, metavar="DIR",
-                        help="also measure a trio-sidecar imported from DIR (which holds a changed trio_sidecar "
-                             "package) in the same rounds, and print its ratios to this checkout's")
-    parser.add_argument("--ceiling", action="store_true",
-                        help="also measure Python workers that do no work (pull/push egress, one item per "
-                             "token/request): per-request and per-item CPU of a Python handler on Dynamo")
+    parser.add_argument(
+        "--reference",
+        action="store_true",
+        help="also measure the reference Python worker (bench/reference_worker.py: Dynamo's loop, "
+        "grpc.aio, the same conversion, no Trio) through the same mock",
+    )
+    parser.add_argument(
+        "--candidate",
+        type=Path,
+        metavar="DIR",
+        help="also measure a trio-sidecar imported from DIR (which holds a changed trio_sidecar "
+        "package) in the same rounds, and print its ratios to this checkout's",
+    )
+    parser.add_argument(
+        "--ceiling",
+        action="store_true",
+        help="also measure Python workers that do no work (pull/push egress, one item per "
+        "token/request): per-request and per-item CPU of a Python handler on Dynamo",
+    )
     args = parser.parse_args(argv)
     args.worker_cpus = args.other_cpus = None
     if args.pin:
@@ -511,14 +587,24 @@ def main(argv: list[str] | None = None) -> int:
     args.model_dir = str(model)
     procs = []
     try:
-        mock, address = local.start_mock(workdir, env, model=str(model), served_model_name=MODEL,
-                                         engine_args={"speedup_ratio": args.speedup_ratio, "max_num_seqs": 256})
+        mock, address = local.start_mock(
+            workdir,
+            env,
+            model=str(model),
+            served_model_name=MODEL,
+            engine_args={"speedup_ratio": args.speedup_ratio, "max_num_seqs": 256},
+        )
         procs.append(mock)
         frontend, port = local.start_frontend(workdir, env)
         procs.append(frontend)
         args.peer_pids = {"mock": mock.pid, "frontend": frontend.pid}
-        kinds = ("native", "trio", *(("candidate",) if args.candidate else ()),
-                 *(("reference",) if args.reference else ()), *(CEILINGS if args.ceiling else ()))
+        kinds = (
+            "native",
+            "trio",
+            *(("candidate",) if args.candidate else ()),
+            *(("reference",) if args.reference else ()),
+            *(CEILINGS if args.ceiling else ()),
+        )
         results: dict[str, list[dict]] = {kind: [] for kind in kinds}
         for round_ in range(args.rounds):
             for kind in kinds:

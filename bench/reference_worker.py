@@ -79,8 +79,14 @@ async def serve(model_dir: str, namespace: str, address: str, served_model_name:
     runtime = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp")
     endpoint = runtime.endpoint(f"{namespace}.backend.generate")
     serving = asyncio.ensure_future(endpoint.serve_endpoint(worker.handler))
-    await register_model(ModelInput.Tokens, ModelType.Chat | ModelType.Completions, endpoint, model_dir,
-                         served_model_name, worker_type=WorkerType.Aggregated)
+    await register_model(
+        ModelInput.Tokens,
+        ModelType.Chat | ModelType.Completions,
+        endpoint,
+        model_dir,
+        served_model_name,
+        worker_type=WorkerType.Aggregated,
+    )
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, runtime.shutdown)
     await serving
 

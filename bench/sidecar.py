@@ -28,6 +28,7 @@ Nothing here asserts: the numbers are for the README table.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -86,9 +87,17 @@ def start_mock(max_streams: int) -> tuple[subprocess.Popen, str]:
     }
     process = subprocess.Popen(
         [
-            sys.executable, "-m", "trio_sidecar.mock", "--listen", "127.0.0.1:0",
-            "--max-concurrent-requests", str(max(2 * max_streams, 16)),
-            "--extra-engine-args", json.dumps(engine_args), "--log-level", "warning",
+            sys.executable,
+            "-m",
+            "trio_sidecar.mock",
+            "--listen",
+            "127.0.0.1:0",
+            "--max-concurrent-requests",
+            str(max(2 * max_streams, 16)),
+            "--extra-engine-args",
+            json.dumps(engine_args),
+            "--log-level",
+            "warning",
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -119,7 +128,7 @@ async def run_level(streams: int, per_stream: int, one_stream: Callable[[int, li
         stamps: list[float] = []
         tokens = await one_stream(i, stamps)  # (never `x += await ...`: the read happens before the await)
         result.tokens += tokens
-        result.gaps.extend(b - a for a, b in zip(stamps, stamps[1:]))
+        result.gaps.extend(b - a for a, b in itertools.pairwise(stamps))
 
     cpu0, wall0 = time.process_time(), time.perf_counter()
     async with trio.open_nursery() as nursery:
@@ -140,17 +149,34 @@ def dynamo_body(max_tokens: int) -> dict:
         "model": "mocker-model",
         "token_ids": list(PROMPT),
         "stop_conditions": {
-            "max_tokens": max_tokens, "stop": None, "stop_token_ids_hidden": [2], "min_tokens": None,
-            "ignore_eos": True, "max_thinking_tokens": None,
+            "max_tokens": max_tokens,
+            "stop": None,
+            "stop_token_ids_hidden": [2],
+            "min_tokens": None,
+            "ignore_eos": True,
+            "max_thinking_tokens": None,
         },
         "sampling_options": {
-            "n": None, "best_of": None, "presence_penalty": None, "frequency_penalty": None,
-            "repetition_penalty": None, "temperature": None, "top_p": None, "top_k": None, "min_p": None,
-            "use_beam_search": None, "length_penalty": None, "seed": None, "include_stop_str_in_output": None,
+            "n": None,
+            "best_of": None,
+            "presence_penalty": None,
+            "frequency_penalty": None,
+            "repetition_penalty": None,
+            "temperature": None,
+            "top_p": None,
+            "top_k": None,
+            "min_p": None,
+            "use_beam_search": None,
+            "length_penalty": None,
+            "seed": None,
+            "include_stop_str_in_output": None,
             "guided_decoding": None,
         },
         "output_options": {
-            "logprobs": None, "prompt_logprobs": None, "skip_special_tokens": True, "formatted_prompt": None,
+            "logprobs": None,
+            "prompt_logprobs": None,
+            "skip_special_tokens": True,
+            "formatted_prompt": None,
         },
         "eos_token_ids": [2],
         "mdc_sum": "0123456789abcdef",
@@ -196,9 +222,7 @@ async def per_request_mode(args: argparse.Namespace, console: Console) -> int:
             grpc_endpoint=address, grpc_connections=args.connections, startup_deadline=30.0, health_prober=False
         )
         async with open_sidecar(config) as sidecar, AsyncExitStack() as stack:
-            channels = [
-                await stack.enter_async_context(open_channel(host, int(port))) for _ in range(args.connections)
-            ]
+            channels = [await stack.enter_async_context(open_channel(host, int(port))) for _ in range(args.connections)]
 
             async def direct(i: int) -> int:
                 preprocessed = structure_request(body(per_request))
@@ -233,7 +257,7 @@ async def per_request_mode(args: argparse.Namespace, console: Console) -> int:
 
                 def tokens(self, token_ids, text) -> None:
                     self.tokens_seen += len(token_ids)
-                    {"token_ids": token_ids, "index": 0, "text": text}
+                    _ = {"token_ids": token_ids, "index": 0, "text": text}  # the dict the bridge builds
 
                 def end(self, final, error) -> None:
                     if final is not None:
@@ -250,8 +274,11 @@ async def per_request_mode(args: argparse.Namespace, console: Console) -> int:
             await run_requests(200, concurrency, direct)  # warm-up
             await run_requests(200, concurrency, through_sidecar)
             await run_requests(200, concurrency, submitted)
-            runs = [("direct", direct, direct_us), ("sidecar", through_sidecar, sidecar_us),
-                    ("submit", submitted, submit_us)]
+            runs = [
+                ("direct", direct, direct_us),
+                ("sidecar", through_sidecar, sidecar_us),
+                ("submit", submitted, submit_us),
+            ]
             for _ in range(args.repeat):
                 for label, fn, sink in runs:
                     wall, cpu, tokens = await run_requests(args.requests, concurrency, fn)
@@ -271,9 +298,9 @@ async def per_request_mode(args: argparse.Namespace, console: Console) -> int:
     console.print(f"CPU µs/request direct:  {summary(direct_us)}")
     console.print(f"CPU µs/request sidecar: {summary(sidecar_us)}")
     console.print(f"CPU µs/request submit:  {summary(submit_us)}")
-    added = [s - d for d, s in zip(direct_us, sidecar_us)]
+    added = [s - d for d, s in zip(direct_us, sidecar_us, strict=True)]
     console.print(f"CPU µs/request added by the sidecar: {summary(added)}")
-    added = [s - d for d, s in zip(direct_us, submit_us)]
+    added = [s - d for d, s in zip(direct_us, submit_us, strict=True)]
     console.print(f"CPU µs/request added by the sidecar through submit(): {summary(added)}")
     return 0
 
@@ -354,10 +381,22 @@ async def main(argv: list[str] | None = None) -> int:
     finally:
         stop_mock(process)
 
-    table = Table(title=f"open_sidecar vs direct client (mock on {address}, {args.connections} connections, "
-                        f"{os.cpu_count()} CPUs)")
-    for column in ("streams", "tokens/s direct", "tokens/s sidecar", "ratio", "CPU µs/tok direct",
-                   "CPU µs/tok sidecar", "ratio", "p50 ITL ms d/s", "p99 ITL ms d/s", "added p99 ms"):
+    table = Table(
+        title=f"open_sidecar vs direct client (mock on {address}, {args.connections} connections, "
+        f"{os.cpu_count()} CPUs)"
+    )
+    for column in (
+        "streams",
+        "tokens/s direct",
+        "tokens/s sidecar",
+        "ratio",
+        "CPU µs/tok direct",
+        "CPU µs/tok sidecar",
+        "ratio",
+        "p50 ITL ms d/s",
+        "p99 ITL ms d/s",
+        "added p99 ms",
+    ):
         table.add_column(column, justify="right")
     for streams, _per_stream, d, s in rows:
         table.add_row(

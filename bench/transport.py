@@ -58,14 +58,25 @@ def serve(impl: str) -> None:
 
         async def main() -> None:
             server = grpc.aio.server()
-            server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("vllm.Inference", {
-                "Generate": grpc.unary_unary_rpc_method_handler(
-                    generate, request_deserializer=pb.GenerateRequest.FromString,
-                    response_serializer=pb.GenerateResponse.SerializeToString),
-                "GenerateStream": grpc.unary_stream_rpc_method_handler(
-                    generate_stream, request_deserializer=pb.GenerateRequest.FromString,
-                    response_serializer=pb.GenerateResponse.SerializeToString),
-            }),))
+            server.add_generic_rpc_handlers(
+                (
+                    grpc.method_handlers_generic_handler(
+                        "vllm.Inference",
+                        {
+                            "Generate": grpc.unary_unary_rpc_method_handler(
+                                generate,
+                                request_deserializer=pb.GenerateRequest.FromString,
+                                response_serializer=pb.GenerateResponse.SerializeToString,
+                            ),
+                            "GenerateStream": grpc.unary_stream_rpc_method_handler(
+                                generate_stream,
+                                request_deserializer=pb.GenerateRequest.FromString,
+                                response_serializer=pb.GenerateResponse.SerializeToString,
+                            ),
+                        },
+                    ),
+                )
+            )
             port = server.add_insecure_port("127.0.0.1:0")
             await server.start()
             print(port, flush=True)
@@ -135,12 +146,16 @@ def client(impl: str, port: int, workload: str, amount: float) -> dict:
 
         async def main() -> tuple[int, float, float]:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                unary = channel.unary_unary("/vllm.Inference/Generate",
-                                            request_serializer=pb.GenerateRequest.SerializeToString,
-                                            response_deserializer=pb.GenerateResponse.FromString)
-                stream = channel.unary_stream("/vllm.Inference/GenerateStream",
-                                              request_serializer=pb.GenerateRequest.SerializeToString,
-                                              response_deserializer=pb.GenerateResponse.FromString)
+                unary = channel.unary_unary(
+                    "/vllm.Inference/Generate",
+                    request_serializer=pb.GenerateRequest.SerializeToString,
+                    response_deserializer=pb.GenerateResponse.FromString,
+                )
+                stream = channel.unary_stream(
+                    "/vllm.Inference/GenerateStream",
+                    request_serializer=pb.GenerateRequest.SerializeToString,
+                    response_deserializer=pb.GenerateResponse.FromString,
+                )
                 await unary(unary_request)
                 start, cpu0 = time.perf_counter(), _cpu_self()
                 if workload == "unary":
@@ -182,9 +197,11 @@ def client(impl: str, port: int, workload: str, amount: float) -> dict:
 
                 async def one(n: int) -> None:
                     nonlocal total
-                    async with channel.unary_stream("/vllm.Inference/GenerateStream",
-                                                    pb.GenerateRequest(truncate_prompt_tokens=n),
-                                                    pb.GenerateResponse) as stream:
+                    async with channel.unary_stream(
+                        "/vllm.Inference/GenerateStream",
+                        pb.GenerateRequest(truncate_prompt_tokens=n),
+                        pb.GenerateResponse,
+                    ) as stream:
                         async for _ in stream:
                             total += 1
 
@@ -241,9 +258,20 @@ def run_cell(client_impl: str, server_impl: str, workload: str, amount: float) -
         time.sleep(0.2)
         server_cpu = _cpu(server_proc)
         child = subprocess.Popen(
-            [sys.executable, __file__, "--client", client_impl, "--port", str(port), "--workload", workload,
-             "--amount", str(amount)],
-            stdout=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                __file__,
+                "--client",
+                client_impl,
+                "--port",
+                str(port),
+                "--workload",
+                workload,
+                "--amount",
+                str(amount),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
         )
         try:
             output, _ = child.communicate(timeout=600)
@@ -307,8 +335,11 @@ def main() -> None:
             runs = [run_cell(client_impl, server_impl, workload, amount) for _ in range(args.repeat)]
             cell = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
             results[client_impl, server_impl, workload] = cell
-            print(f"  {LABEL[client_impl]:>12} -> {LABEL[server_impl]:<12} {workload:<9} "
-                  f"{cell['rate']:>9,.0f}/s  {cell['client_us'] + cell['server_us']:6.0f} µs", file=sys.stderr)
+            print(
+                f"  {LABEL[client_impl]:>12} -> {LABEL[server_impl]:<12} {workload:<9} "
+                f"{cell['rate']:>9,.0f}/s  {cell['client_us'] + cell['server_us']:6.0f} µs",
+                file=sys.stderr,
+            )
     print_table(results)
 
 
@@ -316,8 +347,10 @@ def print_table(results: dict) -> None:
     base = {w: results["aio", "aio", w]["rate"] for w in ("unary", "stream1", "stream100")}
     raw = {w: results["purerpc", "purerpc", w]["rate"] for w in ("unary", "stream1", "stream100")}
     print()
-    print("| client → server | unary RPC/s (×grpc.aio) | CPU µs/RPC | 1 stream msg/s (×grpc.aio) | CPU µs/msg "
-          "| 100 streams msg/s (×grpc.aio) | CPU µs/msg |")
+    print(
+        "| client → server | unary RPC/s (×grpc.aio) | CPU µs/RPC | 1 stream msg/s (×grpc.aio) | CPU µs/msg "
+        "| 100 streams msg/s (×grpc.aio) | CPU µs/msg |"
+    )
     print("|---|---|---|---|---|---|---|")
     for client_impl, server_impl in PAIRS:
         cells = []
@@ -329,12 +362,16 @@ def print_table(results: dict) -> None:
         print(f"| {LABEL[client_impl]} → {LABEL[server_impl]} | " + " | ".join(cells) + " |")
     print()
     ours = {w: results["ours", "ours", w]["rate"] for w in ("unary", "stream1", "stream100")}
-    print("trio-sidecar → trio-sidecar vs raw purerpc → purerpc: " + ", ".join(
-        f"{w} {ours[w] / raw[w]:.2f}×" for w in ("unary", "stream1", "stream100")))
+    print(
+        "trio-sidecar → trio-sidecar vs raw purerpc → purerpc: "
+        + ", ".join(f"{w} {ours[w] / raw[w]:.2f}×" for w in ("unary", "stream1", "stream100"))
+    )
     base_cpu = {w: results["aio", "aio", w]["client_us"] + results["aio", "aio", w]["server_us"] for w in base}
     ours_cpu = {w: results["ours", "ours", w]["client_us"] + results["ours", "ours", w]["server_us"] for w in base}
-    print("CPU per message, trio-sidecar → trio-sidecar vs grpc.aio → grpc.aio (lower is better): " + ", ".join(
-        f"{w} {ours_cpu[w] / base_cpu[w]:.2f}×" for w in ("unary", "stream1", "stream100")))
+    print(
+        "CPU per message, trio-sidecar → trio-sidecar vs grpc.aio → grpc.aio (lower is better): "
+        + ", ".join(f"{w} {ours_cpu[w] / base_cpu[w]:.2f}×" for w in ("unary", "stream1", "stream100"))
+    )
     checks = [
         ("unary ≥ 0.75× grpc.aio", ours["unary"] / base["unary"] >= 0.75),
         ("1 stream ≥ 1.0× grpc.aio", ours["stream1"] / base["stream1"] >= 1.0),

@@ -146,17 +146,41 @@ class Deployment:
         self.processes.append(proc)
         return proc
 
-    def trio_sidecar(self, mock: MockThread, *extra: str, namespace: str | None = None,
-                     name: str = "trio-sidecar", env: dict[str, str] | None = None) -> local.Process:
-        proc = local.start_trio_sidecar(self.workdir, {**self.env, **(env or {})}, mock.address,
-                                        namespace=namespace or self.namespace, extra=extra, name=name)
+    def trio_sidecar(
+        self,
+        mock: MockThread,
+        *extra: str,
+        namespace: str | None = None,
+        name: str = "trio-sidecar",
+        env: dict[str, str] | None = None,
+    ) -> local.Process:
+        proc = local.start_trio_sidecar(
+            self.workdir,
+            {**self.env, **(env or {})},
+            mock.address,
+            namespace=namespace or self.namespace,
+            extra=extra,
+            name=name,
+        )
         self.processes.append(proc)
         return proc
 
-    def native_sidecar(self, mock: MockThread, *extra: str, namespace: str | None = None,
-                       name: str = "native-sidecar", env: dict[str, str] | None = None) -> local.Process:
-        proc = local.start_native_sidecar(self.workdir, {**self.env, **(env or {})}, mock.address,
-                                          namespace=namespace or self.namespace, extra=extra, name=name)
+    def native_sidecar(
+        self,
+        mock: MockThread,
+        *extra: str,
+        namespace: str | None = None,
+        name: str = "native-sidecar",
+        env: dict[str, str] | None = None,
+    ) -> local.Process:
+        proc = local.start_native_sidecar(
+            self.workdir,
+            {**self.env, **(env or {})},
+            mock.address,
+            namespace=namespace or self.namespace,
+            extra=extra,
+            name=name,
+        )
         self.processes.append(proc)
         return proc
 
@@ -216,8 +240,9 @@ def start_pair(dep, mode_args: dict[str, tuple[str, ...]], mocks) -> Pair:
             if side == "native":
                 dep.native_sidecar(mock, *args, namespace=namespace, name=f"native-{len(dep.processes)}")
             else:
-                dep.trio_sidecar(mock, "--no-abort-on-cancel", *args, namespace=namespace,
-                                 name=f"trio-{len(dep.processes)}")
+                dep.trio_sidecar(
+                    mock, "--no-abort-on-cancel", *args, namespace=namespace, name=f"trio-{len(dep.processes)}"
+                )
     for port in pair.ports.values():
         local.wait_for_models(port, ["tiny"], timeout=180, watch=dep.processes)
     return pair

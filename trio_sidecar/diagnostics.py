@@ -91,8 +91,10 @@ def startup_hint(message: str) -> str | None:
     """What an operator can do about a startup failure, or None when there is nothing general to say."""
     label = short_cause(message)
     if label == "connection refused":
-        return ("nothing accepts connections there; start vLLM with its gRPC server on that port "
-                "(or `trio-sidecar mock --listen HOST:PORT`), or fix --grpc-endpoint")
+        return (
+            "nothing accepts connections there; start vLLM with its gRPC server on that port "
+            "(or `trio-sidecar mock --listen HOST:PORT`), or fix --grpc-endpoint"
+        )
     if label == "DNS failure":
         return "the host name in --grpc-endpoint does not resolve"
     if label in ("NOT_SERVING", "SERVICE_UNKNOWN"):

@@ -114,8 +114,11 @@ async def _check_health(pool: ChannelPool, service: str) -> int:
     channel = await pool.channel("Health.Check")
     try:
         response = await pool.unary(
-            "Health.Check", HEALTH_CHECK, health_pb2.HealthCheckRequest(service=service),
-            health_pb2.HealthCheckResponse, channel=channel,
+            "Health.Check",
+            HEALTH_CHECK,
+            health_pb2.HealthCheckRequest(service=service),
+            health_pb2.HealthCheckResponse,
+            channel=channel,
         )
     except SidecarError as exc:
         if exc.grpc_code is None:
@@ -127,8 +130,16 @@ async def _check_health(pool: ChannelPool, service: str) -> int:
     return response.status
 
 
-async def _bounded_unary(pool: ChannelPool, channel: Any, rpc: str, method: str, request: Any,
-                         response_type: Any, deadline: float, timeout: float | None) -> Any:
+async def _bounded_unary(
+    pool: ChannelPool,
+    channel: Any,
+    rpc: str,
+    method: str,
+    request: Any,
+    response_type: Any,
+    deadline: float,
+    timeout: float | None,
+) -> Any:
     with trio.move_on_at(deadline):
         return await pool.unary(rpc, method, request, response_type, channel=channel, timeout=timeout)
     raise ConnectionTimeout(f"{rpc} exceeded the total vLLM startup deadline")
@@ -152,12 +163,24 @@ async def discover_model(
     if channel is None:
         channel = await pool.channel("GetModelInfo")
     model_info = await _bounded_unary(
-        pool, channel, "GetModelInfo", GET_MODEL_INFO, control_pb2.GetModelInfoRequest(), control_pb2.ModelInfo,
-        deadline, timeout,
+        pool,
+        channel,
+        "GetModelInfo",
+        GET_MODEL_INFO,
+        control_pb2.GetModelInfoRequest(),
+        control_pb2.ModelInfo,
+        deadline,
+        timeout,
     )
     server_info = await _bounded_unary(
-        pool, channel, "GetServerInfo", GET_SERVER_INFO, control_pb2.GetServerInfoRequest(),
-        control_pb2.ServerInfo, deadline, timeout,
+        pool,
+        channel,
+        "GetServerInfo",
+        GET_SERVER_INFO,
+        control_pb2.GetServerInfoRequest(),
+        control_pb2.ServerInfo,
+        deadline,
+        timeout,
     )
     return DiscoveredModel.from_proto(model_info, server_info)
 
@@ -184,12 +207,16 @@ async def fetch_kv_event_sources(
     if channel is None:
         channel = await pool.channel("GetKvEventSources")
     response = await _bounded_unary(
-        pool, channel, "GetKvEventSources", GET_KV_EVENT_SOURCES, control_pb2.GetKvEventSourcesRequest(),
-        control_pb2.GetKvEventSourcesResponse, deadline, timeout,
+        pool,
+        channel,
+        "GetKvEventSources",
+        GET_KV_EVENT_SOURCES,
+        control_pb2.GetKvEventSourcesRequest(),
+        control_pb2.GetKvEventSourcesResponse,
+        deadline,
+        timeout,
     )
-    sources, warnings = validate_kv_event_sources(
-        list(response.sources), model.data_parallel_size(), endpoint.host
-    )
+    sources, warnings = validate_kv_event_sources(list(response.sources), model.data_parallel_size(), endpoint.host)
     for text in warnings:
         LOGGER.warning(text)
     return tuple(sources)

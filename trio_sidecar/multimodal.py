@@ -53,9 +53,7 @@ def pad_uuid(value: str) -> str:
     return value.ljust(UUID_LENGTH, "0")
 
 
-def build_media_items(
-    multi_modal_data: Any, multi_modal_uuids: Any, mm_hashes: Any
-) -> list[inference_pb2.MediaItem]:
+def build_media_items(multi_modal_data: Any, multi_modal_uuids: Any, mm_hashes: Any) -> list[inference_pb2.MediaItem]:
     """Validate the media (docs/reference/sidecar.md#multimodal-requests) and build the ``MediaItem``s (empty without media).
 
     Args:
@@ -93,7 +91,7 @@ def build_media_items(
     if uuids is None and mm_hashes is not None and items:
         uuids = _mm_hash_uuids(mm_hashes, len(items))
     if uuids is not None:
-        for item, uuid in zip(items, uuids):
+        for item, uuid in zip(items, uuids, strict=True):  # lengths checked above
             item.uuid = uuid
     return items
 
@@ -102,7 +100,7 @@ def _media_source(raw: Any) -> str:
     if isinstance(raw, str):
         source: Any = raw
     elif isinstance(raw, dict) and len(raw) == 1:
-        (tag, value), = raw.items()
+        ((tag, value),) = raw.items()
         if tag in ("Url", "RawUrl"):
             source = value
         elif tag == "Decoded":

@@ -34,8 +34,8 @@ import trio
 from .config import SidecarConfig
 from .diagnostics import describe_exception, round_duration
 from .endpoint import GrpcEndpoint
-from .progress import note_failure
 from .errors import CannotConnect, ConnectionTimeout, SidecarError, format_duration, status_to_error
+from .progress import note_failure
 from .status import StatusCode
 
 __all__ = [
@@ -303,9 +303,7 @@ class ChannelPool:
             with trio.CancelScope(shield=True):
                 await old.aclose()
             try:
-                new = await _attempt(
-                    self._nursery, self.endpoint, self._config, self._config.connect_attempt_timeout
-                )
+                new = await _attempt(self._nursery, self.endpoint, self._config, self._config.connect_attempt_timeout)
             except (OSError, SidecarError, _transport().RpcError) as exc:
                 detail = f"reconnecting {self.name} pool slot {slot.index} to {self.endpoint.canonical} failed: "
                 raise status_to_error(rpc, StatusCode.UNAVAILABLE, detail + cause_chain(exc)) from exc

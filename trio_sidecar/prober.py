@@ -353,7 +353,10 @@ class _Prober:
         while True:
             try:
                 response = await pool.unary(
-                    "Health.Check", HEALTH_CHECK, request, health_pb2.HealthCheckResponse,
+                    "Health.Check",
+                    HEALTH_CHECK,
+                    request,
+                    health_pb2.HealthCheckResponse,
                     timeout=cfg.connect_attempt_timeout,
                 )
                 status = response.status

@@ -14,8 +14,13 @@ pytestmark = pytest.mark.dynamo
 
 def test_the_demo_streams_a_chat_completion_and_shuts_down_cleanly():
     require_dynamo()
-    proc = subprocess.run([sys.executable, str(REPO / "examples" / "demo.py"), "--max-tokens", "6"],
-                          capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "examples" / "demo.py"), "--max-tokens", "6"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     out = " ".join(proc.stdout.split())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Model discovered through vllm.Control" in out

@@ -92,19 +92,41 @@ def _greedy_tokens(text: str) -> list[int]:
 
 MATRIX = [
     ("greedy", "/v1/completions", {"prompt": "hello world", "max_tokens": 6, "temperature": 0}),
-    ("sampling", "/v1/completions",
-     {"prompt": "hello world", "max_tokens": 5, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "seed": 7,
-      "min_tokens": 1, "repetition_penalty": 1.1, "frequency_penalty": 0.1, "presence_penalty": 0.2}),
+    (
+        "sampling",
+        "/v1/completions",
+        {
+            "prompt": "hello world",
+            "max_tokens": 5,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 20,
+            "seed": 7,
+            "min_tokens": 1,
+            "repetition_penalty": 1.1,
+            "frequency_penalty": 0.1,
+            "presence_penalty": 0.2,
+        },
+    ),
     ("logprobs", "/v1/completions", {"prompt": "the quick brown fox", "max_tokens": 4, "logprobs": 2}),
     ("prompt logprobs", "/v1/completions", {"prompt": "the quick brown fox", "max_tokens": 3, "prompt_logprobs": 1}),
     ("max tokens 1", "/v1/completions", {"prompt": "a", "max_tokens": 1}),
     ("ignore eos", "/v1/completions", {"prompt": "lazy dog", "max_tokens": 7, "ignore_eos": True}),
     ("chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 5}),
-    ("chat logprobs", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3, "logprobs": True, "top_logprobs": 2}),
-    ("structured output", "/v1/chat/completions",
-     {"messages": [{"role": "user", "content": "json please"}], "max_tokens": 5,
-      "response_format": {"type": "json_object"}}),
+    (
+        "chat logprobs",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 3, "logprobs": True, "top_logprobs": 2},
+    ),
+    (
+        "structured output",
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "json please"}],
+            "max_tokens": 5,
+            "response_format": {"type": "json_object"},
+        },
+    ),
 ]
 
 
@@ -229,7 +251,7 @@ def test_prefill_decode_same_responses_and_requests_as_the_native_sidecar(pd_pai
         from google.protobuf.json_format import MessageToDict
 
         out = []
-        for _, req, md, _ in mock.recorded()[before[id(mock)]:]:
+        for _, req, md, _ in mock.recorded()[before[id(mock)] :]:
             d = MessageToDict(req, preserving_proto_field_name=True)
             for key in ("request_id", "priority", "temperature"):
                 d.pop(key, None)

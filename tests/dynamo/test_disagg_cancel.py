@@ -72,10 +72,10 @@ class PD:
 @pytest.fixture(scope="module")
 def pd(deployment_factory) -> PD:
     dep = deployment_factory()
-    prefill = dep.mock(served_model_name="tiny", disaggregation_mode="prefill", seed=SEED,
-                       engine_args=PREFILL_ENGINE_ARGS)
-    decode = dep.mock(served_model_name="tiny", disaggregation_mode="decode", seed=SEED,
-                      engine_args=DECODE_ENGINE_ARGS)
+    prefill = dep.mock(
+        served_model_name="tiny", disaggregation_mode="prefill", seed=SEED, engine_args=PREFILL_ENGINE_ARGS
+    )
+    decode = dep.mock(served_model_name="tiny", disaggregation_mode="decode", seed=SEED, engine_args=DECODE_ENGINE_ARGS)
     # Without the pre-commit error peek (docs/dynamo.md, "Errors before the first output"): with it the
     # frontend holds the HTTP headers until the first decode token (or the window), and these tests
     # disconnect as soon as they have the headers, before that token.
@@ -156,7 +156,9 @@ def check_handoff(pd: PD, prefill_req: Any, decode_req: Any) -> None:
     assert params["do_remote_prefill"] is True
     assert params["mocker_request_id"] == prefill_req.request_id
     assert params["remote_engine_id"] == f"mocker-prefill-{request_uuid(SEED, prefill_req.request_id)}"
-    assert params["remote_port"] == "0"  # docs/reference/sidecar.md#kv-transfer-parameters-by-mode: the whole-number port becomes a string
+    assert (
+        params["remote_port"] == "0"
+    )  # docs/reference/sidecar.md#kv-transfer-parameters-by-mode: the whole-number port becomes a string
     # The prefill stream ended with its terminal: nothing left in flight, no Abort for it.
     assert pd.prefill.active() == 0
     assert prefill_req.request_id not in aborted_ids(pd.prefill)
@@ -175,9 +177,12 @@ def test_disconnect_mid_stream_releases_the_decode_request_and_aborts_it(pd):
     docs/reference/sidecar.md#abort-after-abandoning-a-stream queues ``Control.Abort`` for it."""
     assert pd.prefill.active() == 0 and pd.decode.active() == 0
     p0, d0 = len(pd.prefill.recorded()), len(pd.decode.recorded())
-    with local.stream_sse(pd.port, "/v1/completions",
-                          {"model": "tiny", "prompt": "cancel me mid stream", "max_tokens": 20000,
-                           "ignore_eos": True, "stream": True}, timeout=30) as events:
+    with local.stream_sse(
+        pd.port,
+        "/v1/completions",
+        {"model": "tiny", "prompt": "cancel me mid stream", "max_tokens": 20000, "ignore_eos": True, "stream": True},
+        timeout=30,
+    ) as events:
         decode_req = new_request(pd.decode, d0)
         rid = decode_req.request_id
         assert call_state(pd.decode, rid)[1] is None  # in flight
@@ -206,9 +211,18 @@ def test_disconnect_before_the_first_decode_token_is_deferred_until_that_token(p
     Abort follows (docs/reference/sidecar.md#abort-after-abandoning-a-stream)."""
     assert pd.prefill.active() == 0 and pd.decode.active() == 0
     p0, d0 = len(pd.prefill.recorded()), len(pd.decode.recorded())
-    with local.stream_sse(pd.port, "/v1/completions",
-                          {"model": "tiny", "prompt": "leave before the first token", "max_tokens": 20000,
-                           "ignore_eos": True, "stream": True}, timeout=30):
+    with local.stream_sse(
+        pd.port,
+        "/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": "leave before the first token",
+            "max_tokens": 20000,
+            "ignore_eos": True,
+            "stream": True,
+        },
+        timeout=30,
+    ):
         decode_req = new_request(pd.decode, d0)
         arrived = time.monotonic()
         rid = decode_req.request_id
@@ -253,10 +267,20 @@ def test_several_early_disconnects_at_once_are_all_deferred_released_and_aborted
     p0, d0 = len(pd.prefill.recorded()), len(pd.decode.recorded())
     with contextlib.ExitStack() as stack:
         for i in range(n):
-            stack.enter_context(local.stream_sse(
-                pd.port, "/v1/completions",
-                {"model": "tiny", "prompt": f"early leaver number {i}", "max_tokens": 20000, "ignore_eos": True,
-                 "stream": True}, timeout=30))
+            stack.enter_context(
+                local.stream_sse(
+                    pd.port,
+                    "/v1/completions",
+                    {
+                        "model": "tiny",
+                        "prompt": f"early leaver number {i}",
+                        "max_tokens": 20000,
+                        "ignore_eos": True,
+                        "stream": True,
+                    },
+                    timeout=30,
+                )
+            )
         deadline = time.monotonic() + 30
         while len(pd.decode.recorded()) < d0 + n:
             assert time.monotonic() < deadline, "not every request reached the decode mock"
@@ -285,9 +309,12 @@ def test_early_disconnect_when_the_first_token_is_the_last_sends_no_abort(pd):
     """docs/reference/sidecar.md#decode-deferral + docs/reference/sidecar.md#abort-after-abandoning-a-stream: with ``max_tokens`` 1 the token that completes the transfer is also the terminal, so
     the server ended the stream itself: the request finishes on the decode mock and no Abort is sent."""
     p0, d0 = len(pd.prefill.recorded()), len(pd.decode.recorded())
-    with local.stream_sse(pd.port, "/v1/completions",
-                          {"model": "tiny", "prompt": "one token then gone", "max_tokens": 1, "ignore_eos": True,
-                           "stream": True}, timeout=30):
+    with local.stream_sse(
+        pd.port,
+        "/v1/completions",
+        {"model": "tiny", "prompt": "one token then gone", "max_tokens": 1, "ignore_eos": True, "stream": True},
+        timeout=30,
+    ):
         decode_req = new_request(pd.decode, d0)
         arrived = time.monotonic()
         rid = decode_req.request_id
@@ -313,9 +340,19 @@ def test_after_the_cancellations_a_disaggregated_request_still_completes(pd):
     assert pd.prefill.active() == 0 and pd.decode.active() == 0
     p0, d0 = len(pd.prefill.recorded()), len(pd.decode.recorded())
     aborts_before = (aborted_ids(pd.prefill), aborted_ids(pd.decode))
-    with local.stream_sse(pd.port, "/v1/completions",
-                          {"model": "tiny", "prompt": "and now a normal one", "max_tokens": 8, "ignore_eos": True,
-                           "stream": True, "stream_options": {"include_usage": True}}, timeout=30) as events:
+    with local.stream_sse(
+        pd.port,
+        "/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": "and now a normal one",
+            "max_tokens": 8,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        timeout=30,
+    ) as events:
         chunks = list(events)
     decode_req = new_request(pd.decode, d0, timeout=0)
     rid = decode_req.request_id

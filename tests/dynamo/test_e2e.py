@@ -11,7 +11,6 @@ import signal
 import time
 
 import pytest
-
 from dynamo_harness import FAST_ENGINE_ARGS
 
 from trio_sidecar._devtools import local
@@ -56,15 +55,21 @@ def test_models_lists_the_served_name(agg):
 
 def test_completions_return_the_mock_tokens(agg, tokenizer):
     dep, mock = agg
-    status, body = local.post_json(dep.http_port, "/v1/completions",
-                                   {"model": "tiny", "prompt": "hello world", "max_tokens": 5, "ignore_eos": True})
+    status, body = local.post_json(
+        dep.http_port,
+        "/v1/completions",
+        {"model": "tiny", "prompt": "hello world", "max_tokens": 5, "ignore_eos": True},
+    )
     assert status == 200, body
     rid = request_id_of(body["id"])
     choice = body["choices"][0]
     assert choice["text"] == expected_text(rid, 5)
     assert choice["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": len(tokenizer.encode("hello world").ids), "completion_tokens": 5,
-                             "total_tokens": len(tokenizer.encode("hello world").ids) + 5}
+    assert body["usage"] == {
+        "prompt_tokens": len(tokenizer.encode("hello world").ids),
+        "completion_tokens": 5,
+        "total_tokens": len(tokenizer.encode("hello world").ids) + 5,
+    }
     sent = [req for rpc, req, _, _ in mock.recorded() if req.request_id == rid]
     assert len(sent) == 1
     assert list(sent[0].token_ids.ids) == tokenizer.encode("hello world").ids
@@ -72,9 +77,11 @@ def test_completions_return_the_mock_tokens(agg, tokenizer):
 
 def test_streaming_completions_return_the_mock_tokens(agg):
     dep, _ = agg
-    with local.stream_sse(dep.http_port, "/v1/completions",
-                          {"model": "tiny", "prompt": "hello", "max_tokens": 7, "ignore_eos": True,
-                           "stream": True}) as events:
+    with local.stream_sse(
+        dep.http_port,
+        "/v1/completions",
+        {"model": "tiny", "prompt": "hello", "max_tokens": 7, "ignore_eos": True, "stream": True},
+    ) as events:
         chunks = list(events)
     rid = request_id_of(chunks[0]["id"])
     text = "".join(c["choices"][0].get("text") or "" for c in chunks if c.get("choices"))
@@ -85,9 +92,11 @@ def test_streaming_completions_return_the_mock_tokens(agg):
 
 def test_chat_completions_apply_the_template_and_return_the_mock_tokens(agg, tokenizer):
     dep, _ = agg
-    status, body = local.post_json(dep.http_port, "/v1/chat/completions",
-                                   {"model": "tiny", "messages": [{"role": "user", "content": "hello"}],
-                                    "max_tokens": 4, "ignore_eos": True})
+    status, body = local.post_json(
+        dep.http_port,
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "ignore_eos": True},
+    )
     assert status == 200, body
     rid = request_id_of(body["id"])
     assert body["choices"][0]["message"]["content"] == expected_text(rid, 4)
@@ -98,9 +107,17 @@ def test_chat_completions_apply_the_template_and_return_the_mock_tokens(agg, tok
 
 def test_streaming_chat_completions_return_the_mock_tokens(agg):
     dep, _ = agg
-    with local.stream_sse(dep.http_port, "/v1/chat/completions",
-                          {"model": "tiny", "messages": [{"role": "user", "content": "hi there"}],
-                           "max_tokens": 6, "ignore_eos": True, "stream": True}) as events:
+    with local.stream_sse(
+        dep.http_port,
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi there"}],
+            "max_tokens": 6,
+            "ignore_eos": True,
+            "stream": True,
+        },
+    ) as events:
         chunks = [c for c in events if c.get("choices")]
     rid = request_id_of(chunks[0]["id"])
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == expected_text(rid, 6)
@@ -110,9 +127,11 @@ def test_streaming_chat_completions_return_the_mock_tokens(agg):
 def test_client_disconnect_releases_the_mock_request_within_2s(agg):
     dep, mock = agg
     assert mock.active() == 0
-    with local.stream_sse(dep.http_port, "/v1/completions",
-                          {"model": "tiny", "prompt": "a long one", "max_tokens": 20000, "ignore_eos": True,
-                           "stream": True}) as events:
+    with local.stream_sse(
+        dep.http_port,
+        "/v1/completions",
+        {"model": "tiny", "prompt": "a long one", "max_tokens": 20000, "ignore_eos": True, "stream": True},
+    ) as events:
         for _ in range(3):
             next(events)
         assert mock.active() == 1
@@ -136,9 +155,11 @@ def test_sigterm_removes_the_model_at_once_drains_and_exits_0(agg):
     mock = dep.mock(served_model_name="tiny-term", seed=SEED, engine_args=ENGINE_ARGS)
     proc = dep.trio_sidecar(mock, "--drain-timeout-secs", "30", name="term-sidecar")
     local.wait_for_models(dep.http_port, ["tiny-term"], timeout=120, watch=[proc])
-    with local.stream_sse(dep.http_port, "/v1/completions",
-                          {"model": "tiny-term", "prompt": "drain me", "max_tokens": 150, "ignore_eos": True,
-                           "stream": True}) as events:
+    with local.stream_sse(
+        dep.http_port,
+        "/v1/completions",
+        {"model": "tiny-term", "prompt": "drain me", "max_tokens": 150, "ignore_eos": True, "stream": True},
+    ) as events:
         first = next(events)
         proc.send_signal(signal.SIGTERM)
         gone = local.wait_for_no_model(dep.http_port, "tiny-term", timeout=10)
@@ -157,9 +178,11 @@ def test_a_second_signal_exits_1_immediately(agg):
     mock = dep.mock(served_model_name="tiny-2sig", seed=SEED, engine_args=ENGINE_ARGS)
     proc = dep.trio_sidecar(mock, "--drain-timeout-secs", "60", name="2sig-sidecar")
     local.wait_for_models(dep.http_port, ["tiny-2sig"], timeout=120, watch=[proc])
-    with local.stream_sse(dep.http_port, "/v1/completions",
-                          {"model": "tiny-2sig", "prompt": "x", "max_tokens": 20000, "ignore_eos": True,
-                           "stream": True}) as events:
+    with local.stream_sse(
+        dep.http_port,
+        "/v1/completions",
+        {"model": "tiny-2sig", "prompt": "x", "max_tokens": 20000, "ignore_eos": True, "stream": True},
+    ) as events:
         next(events)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
@@ -178,9 +201,11 @@ def test_drain_timeout_cancels_the_remaining_requests_and_exits_0(agg):
     mock = dep.mock(served_model_name="tiny-drain", seed=SEED, engine_args=ENGINE_ARGS)
     proc = dep.trio_sidecar(mock, "--drain-timeout-secs", "1", name="drain-sidecar")
     local.wait_for_models(dep.http_port, ["tiny-drain"], timeout=120, watch=[proc])
-    with local.stream_sse(dep.http_port, "/v1/completions",
-                          {"model": "tiny-drain", "prompt": "x", "max_tokens": 20000, "ignore_eos": True,
-                           "stream": True}) as events:
+    with local.stream_sse(
+        dep.http_port,
+        "/v1/completions",
+        {"model": "tiny-drain", "prompt": "x", "max_tokens": 20000, "ignore_eos": True, "stream": True},
+    ) as events:
         next(events)
         start = time.monotonic()
         proc.send_signal(signal.SIGTERM)
@@ -212,9 +237,16 @@ def test_data_parallel_mock_registers_dp_size_and_one_kv_publisher_per_rank(agg)
     assert records[0]["card_json"]["runtime_config"]["data_parallel_start_rank"] == 0
 
     # The frontend forwards nvext.dp_rank (with the pinned instance) as routing.dp_rank (docs/reference/worker.md#request-dict).
-    status, body = local.post_json(dep.http_port, "/v1/completions",
-                                   {"model": "tiny-dp", "prompt": "rank one", "max_tokens": 2,
-                                    "nvext": {"backend_instance_id": records[0]["instance_id"], "dp_rank": 1}})
+    status, body = local.post_json(
+        dep.http_port,
+        "/v1/completions",
+        {
+            "model": "tiny-dp",
+            "prompt": "rank one",
+            "max_tokens": 2,
+            "nvext": {"backend_instance_id": records[0]["instance_id"], "dp_rank": 1},
+        },
+    )
     assert status == 200, body
     rid = request_id_of(body["id"])
     sent = [md for _, req, md, _ in mock.recorded() if req.request_id == rid]

@@ -22,8 +22,13 @@ pytestmark = pytest.mark.dynamo
 
 # Paced (speedup 1: a few ms per decode pass), so a token's message usually reaches the sidecar on its own
 # and is not coalesced with its neighbours (coalesced chunks carry the joined text, held-back or not).
-ENGINE_ARGS = {**FAST_ENGINE_ARGS, "speedup_ratio": 1.0, "token_seed_source": "prompt", "text_mode": "bytes",
-               "max_model_len": 64}
+ENGINE_ARGS = {
+    **FAST_ENGINE_ARGS,
+    "speedup_ratio": 1.0,
+    "token_seed_source": "prompt",
+    "text_mode": "bytes",
+    "max_model_len": 64,
+}
 MAX_TOKENS = 24
 
 
@@ -130,8 +135,9 @@ def test_an_error_before_any_output_has_the_native_sidecars_http_status(pair, na
     # trio-sidecar keeps the detailed message (native's says "Invalid request").
     assert isinstance(t_body, dict) and t_body["message"] != "Invalid request", t_body
     # The worker is still serving afterwards (a failed request does not take it out of the frontend).
-    status, body = local.post_json(pair.ports["trio"], "/v1/completions",
-                                   {"model": "tiny", "prompt": "hi", "max_tokens": 2})
+    status, body = local.post_json(
+        pair.ports["trio"], "/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    )
     assert status == 200, body
 
 

@@ -28,10 +28,17 @@ from trio_sidecar._devtools import local
 
 pytestmark = pytest.mark.dynamo
 
-ENGINE_ARGS = {"block_size": 16, "num_gpu_blocks": 4096, "max_num_seqs": 64, "max_num_batched_tokens": 2048,
-               "speedup_ratio": 0.0}
-WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
-         "upsilon phi chi psi omega").split()
+ENGINE_ARGS = {
+    "block_size": 16,
+    "num_gpu_blocks": 4096,
+    "max_num_seqs": 64,
+    "max_num_batched_tokens": 2048,
+    "speedup_ratio": 0.0,
+}
+WORDS = (
+    "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
+    "upsilon phi chi psi omega"
+).split()
 
 
 @pytest.fixture(scope="module", params=TOPOLOGIES)
@@ -53,8 +60,11 @@ def kv(request):
         ids = _generate_instances(dep)
     assert len(ids) == 2, ids
     if services is not None:  # really registered in etcd, not in a file store
-        leases = {lease for key, (_, lease) in services.etcd.get_prefix(f"v1/instances/{dep.namespace}/").items()
-                  if "/generate/" in key}
+        leases = {
+            lease
+            for key, (_, lease) in services.etcd.get_prefix(f"v1/instances/{dep.namespace}/").items()
+            if "/generate/" in key
+        }
         assert leases == set(ids), leases
     return dep, mocks, procs
 
@@ -67,8 +77,9 @@ def _complete(dep, prompt: str, pin: int | None = None) -> dict:
     nvext: dict = {"extra_fields": ["worker_id"]}
     if pin is not None:
         nvext["backend_instance_id"] = pin
-    status, body = local.post_json(dep.http_port, "/v1/completions",
-                                   {"model": "tiny", "prompt": prompt, "max_tokens": 2, "nvext": nvext})
+    status, body = local.post_json(
+        dep.http_port, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 2, "nvext": nvext}
+    )
     assert status == 200, body
     return body
 
@@ -84,7 +95,7 @@ def test_repeated_long_prefixes_are_routed_to_the_worker_that_caches_them(kv):
     instances = _generate_instances(dep)
     prefixes = {}
     for k, pin in enumerate(instances):
-        prefix = " ".join(WORDS[k * 7:] + WORDS[: k * 7]) * 8  # ~190 tokens, ~12 blocks of 16
+        prefix = " ".join(WORDS[k * 7 :] + WORDS[: k * 7]) * 8  # ~190 tokens, ~12 blocks of 16
         body = _complete(dep, prefix, pin)
         assert body["nvext"]["worker_id"]["decode_worker_id"] == pin
         prefixes[pin] = (prefix, _mock_of(mocks, body["id"].split("-", 1)[1]))

@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 from dynamo_harness import FAST_ENGINE_ARGS, free_system_port
 
-from trio_sidecar._proto.vllm import control_pb2
 from trio_sidecar._devtools import local
+from trio_sidecar._proto.vllm import control_pb2
 
 pytestmark = pytest.mark.dynamo
 

@@ -15,7 +15,6 @@ import socket
 import time
 
 import pytest
-
 from dynamo_harness import FAST_ENGINE_ARGS
 
 from trio_sidecar._devtools import local
@@ -53,22 +52,43 @@ def _stalled_client(port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect((local.LOOPBACK, port))
-    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "stall"}], "max_tokens": LONG,
-                       "ignore_eos": True, "logprobs": True, "top_logprobs": 20, "stream": True}).encode()
-    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    body = json.dumps(
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "stall"}],
+            "max_tokens": LONG,
+            "ignore_eos": True,
+            "logprobs": True,
+            "top_logprobs": 20,
+            "stream": True,
+        }
+    ).encode()
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
     return sock
 
 
 async def _streams(port: int, n: int) -> list[int]:
-    body = json.dumps({"model": "tiny", "prompt": "other", "max_tokens": 16, "ignore_eos": True,
-                       "stream": True, "stream_options": {"include_usage": True}}).encode()
+    body = json.dumps(
+        {
+            "model": "tiny",
+            "prompt": "other",
+            "max_tokens": 16,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
 
     async def one() -> int:
         reader, writer = await asyncio.open_connection(local.LOOPBACK, port)
         try:
-            writer.write(b"POST /v1/completions HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            writer.write(
+                b"POST /v1/completions HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+            )
             tokens = 0
             while line := await reader.readline():
                 if line.startswith(b"data: {") and b'"usage":{' in line:

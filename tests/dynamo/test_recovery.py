@@ -30,9 +30,16 @@ def rec(deployment_factory):
     holder = {"mock": dep.mock(served_model_name="tiny", engine_args=FAST_ENGINE_ARGS)}
     dep.frontend()
     system_port = free_system_port()
-    proc = dep.trio_sidecar(holder["mock"], "--unserving-grace-secs", str(int(GRACE)),
-                            "--grpc-retry-interval-secs", "1", "--grpc-connect-attempt-timeout-secs", "2",
-                            env={"DYN_SYSTEM_PORT": str(system_port)})
+    proc = dep.trio_sidecar(
+        holder["mock"],
+        "--unserving-grace-secs",
+        str(int(GRACE)),
+        "--grpc-retry-interval-secs",
+        "1",
+        "--grpc-connect-attempt-timeout-secs",
+        "2",
+        env={"DYN_SYSTEM_PORT": str(system_port)},
+    )
     dep.wait_ready("tiny")
     dep.system_port = system_port
     return dep, holder, proc

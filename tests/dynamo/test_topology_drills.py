@@ -46,8 +46,14 @@ pytestmark = [pytest.mark.dynamo, pytest.mark.slow]
 SIDES = ("trio-sidecar", "native")
 WORKERS = 2
 # A request of 4 tokens spends ~0.2 s in the mock: the load always has requests in flight when a fault hits.
-ENGINE_ARGS = {"block_size": 16, "num_gpu_blocks": 4096, "max_num_seqs": 64, "max_num_batched_tokens": 2048,
-               "speedup_ratio": 0.2, "token_seed_source": "prompt"}
+ENGINE_ARGS = {
+    "block_size": 16,
+    "num_gpu_blocks": 4096,
+    "max_num_seqs": 64,
+    "max_num_batched_tokens": 2048,
+    "speedup_ratio": 0.2,
+    "token_seed_source": "prompt",
+}
 OUTAGE_S = 3.0  # shorter than the frontend's NATS request timeout: in-flight requests wait and complete
 LONG_OUTAGE_S = 12.0  # longer than it: requests in flight time out
 RECOVERY_TIMEOUT_S = 90.0
@@ -66,19 +72,25 @@ class Side:
         self.workdir = workdir
         self.topology = topology
         self.namespace = f"drill{kind[:4]}{uuid.uuid4().hex[:6]}"
-        self.mocks = [MockThread(model=str(model), served_model_name="tiny", engine_args=ENGINE_ARGS).start()
-                      for _ in range(WORKERS)]
+        self.mocks = [
+            MockThread(model=str(model), served_model_name="tiny", engine_args=ENGINE_ARGS).start()
+            for _ in range(WORKERS)
+        ]
         self.frontend, self.port = local.start_frontend(
-            workdir, topology.env, namespace=self.namespace,
-            extra=[*topology.flags, "--router-mode", "round-robin", "--migration-limit", "3"])
+            workdir,
+            topology.env,
+            namespace=self.namespace,
+            extra=[*topology.flags, "--router-mode", "round-robin", "--migration-limit", "3"],
+        )
         self.workers: list[local.Process] = []
         for i, mock in enumerate(self.mocks):
             name = f"{kind}-{self.namespace}-{i}"
             if kind == "native":
                 proc = start_native_sidecar(workdir, topology, mock.address, namespace=self.namespace, name=name)
             else:
-                proc = local.start_trio_sidecar(workdir, topology.env, mock.address, namespace=self.namespace,
-                                                extra=topology.flags, name=name)
+                proc = local.start_trio_sidecar(
+                    workdir, topology.env, mock.address, namespace=self.namespace, extra=topology.flags, name=name
+                )
             self.workers.append(proc)
 
     @property
@@ -186,8 +198,9 @@ def cluster(etcd_nats, tmp_path_factory, tiny_model) -> Iterator[Cluster]:
         for kind in SIDES:
             sides[kind] = Side(kind, workdir, topology, tiny_model)
         for side in sides.values():
-            local.wait_for_models(side.port, ["tiny"], timeout=180,
-                                  watch=[p for s in sides.values() for p in s.processes])
+            local.wait_for_models(
+                side.port, ["tiny"], timeout=180, watch=[p for s in sides.values() for p in s.processes]
+            )
             side.wait_instances(WORKERS, timeout=60)
         yield Cluster(etcd_nats, sides)
     finally:
@@ -216,7 +229,9 @@ def _service_drill(cluster: Cluster, fault: str, outage_s: float = OUTAGE_S) -> 
         served_at_restart = {k: s.served() for k, s in sides.items()}
         deadline = back_at + RECOVERY_TIMEOUT_S
         while True:
-            pending = {k: [a - b for a, b in zip(s.served(), served_at_restart[k])] for k, s in sides.items()}
+            pending = {
+                k: [a - b for a, b in zip(s.served(), served_at_restart[k], strict=True)] for k, s in sides.items()
+            }
             if all(min(counts) >= 5 for counts in pending.values()):
                 break
             assert time.monotonic() < deadline, f"not every worker serves again after the {fault} restart: {pending}"
@@ -232,7 +247,7 @@ def _service_drill(cluster: Cluster, fault: str, outage_s: float = OUTAGE_S) -> 
             after=after,
             leases={i: cluster.services.etcd.lease(i) for i in after},
             results=[(s - killed_at, e - killed_at, status, body) for s, e, status, body in results[kind]],
-            served_after=[a - b for a, b in zip(side.served(), served_at_restart[kind])],
+            served_after=[a - b for a, b in zip(side.served(), served_at_restart[kind], strict=True)],
             logs="\n".join(f"--- {p.name}\n{p.log()[-1500:]}" for p in side.workers),
         )
     return Drill(fault, back_at - killed_at, outcomes)
@@ -305,8 +320,9 @@ def worker_kill_drill(cluster, nats_long_drill) -> dict[str, KillOutcome]:  # la
 
 
 def _failures(outcome: SideOutcome | KillOutcome) -> list:
-    return [(round(s, 2), round(e, 2), status, str(body)[:200]) for s, e, status, body in outcome.results
-            if status != 200]
+    return [
+        (round(s, 2), round(e, 2), status, str(body)[:200]) for s, e, status, body in outcome.results if status != 200
+    ]
 
 
 def _check_service_drill(drill: Drill, kind: str) -> None:
@@ -353,7 +369,9 @@ def test_nats_down_longer_than_the_request_timeout_fails_only_with_retryable_err
     out = nats_long_drill.sides[kind]
     assert out.after == out.before
     # The requests really cross NATS: none sent while it was down was answered before it came back.
-    during = [(round(s, 2), round(e, 2), status) for s, e, status, _ in out.results if 0.0 < s < nats_long_drill.outage_s]
+    during = [
+        (round(s, 2), round(e, 2), status) for s, e, status, _ in out.results if 0.0 < s < nats_long_drill.outage_s
+    ]
     assert during, "no request was sent while NATS was down"
     assert [r for r in during if r[2] == 200 and r[1] < nats_long_drill.outage_s] == [], during
 
@@ -371,12 +389,18 @@ def test_sigkilled_worker_leaves_the_frontend_within_its_lease_ttl(worker_kill_d
 
 
 def _outcome_class(out: SideOutcome) -> tuple:
-    return (tuple(out.alive), len(out.after), out.after == out.before, min(out.served_after) >= 5,
-            {status for _, _, status, _ in out.results})
+    return (
+        tuple(out.alive),
+        len(out.after),
+        out.after == out.before,
+        min(out.served_after) >= 5,
+        {status for _, _, status, _ in out.results},
+    )
 
 
-def test_trio_sidecar_and_native_have_the_same_outcome_in_every_drill(etcd_drill, nats_drill, nats_long_drill,
-                                                                       worker_kill_drill):
+def test_trio_sidecar_and_native_have_the_same_outcome_in_every_drill(
+    etcd_drill, nats_drill, nats_long_drill, worker_kill_drill
+):
     for drill in (etcd_drill, nats_drill, nats_long_drill):
         trio_side, native = (_outcome_class(drill.sides[k]) for k in SIDES)
         # The set of HTTP statuses may differ by chance in the NATS drill (which in-flight requests hit the
@@ -388,7 +412,6 @@ def test_trio_sidecar_and_native_have_the_same_outcome_in_every_drill(etcd_drill
     assert (trio_kill.lease_gone, trio_kill.survivor_alive) == (native_kill.lease_gone, native_kill.survivor_alive)
     # Both leave within the same lease TTL; their exact times differ by when the last keep-alive went out.
     assert abs(trio_kill.gone_s - native_kill.gone_s) <= trio_kill.granted_ttl
-
 
 
 @attrs.frozen
@@ -413,9 +436,12 @@ def long_etcd_outage(cluster, worker_kill_drill) -> OutageOutcome:  # the very l
             if kind not in exited and not proc.alive():
                 exited[kind] = time.monotonic() - killed_at
         time.sleep(0.1)
-    return OutageOutcome(exited_s={k: exited.get(k) for k in survivors},
-                         codes={k: p.popen.poll() for k, p in survivors.items()},
-                         logs={k: p.log() for k, p in survivors.items()}, ttl=ttl)
+    return OutageOutcome(
+        exited_s={k: exited.get(k) for k in survivors},
+        codes={k: p.popen.poll() for k, p in survivors.items()},
+        logs={k: p.log() for k, p in survivors.items()},
+        ttl=ttl,
+    )
 
 
 def test_etcd_outage_longer_than_the_lease_ttl_stops_the_workers_and_trio_sidecar_exits_1(long_etcd_outage):

@@ -30,8 +30,13 @@ def _collapsed(proc) -> str:
 def test_an_unreachable_vllm_fails_startup_with_exit_1_and_the_typed_error(workdir):
     port = local.free_port()  # nothing listens there
     env = local.dynamo_env(workdir / "kv")
-    proc = local.start_trio_sidecar(workdir, env, f"127.0.0.1:{port}", namespace="cli",
-                                    extra=["--grpc-startup-deadline-secs", "1", "--grpc-retry-interval-secs", "1"])
+    proc = local.start_trio_sidecar(
+        workdir,
+        env,
+        f"127.0.0.1:{port}",
+        namespace="cli",
+        extra=["--grpc-startup-deadline-secs", "1", "--grpc-retry-interval-secs", "1"],
+    )
     try:
         code = proc.wait(60)
     finally:
@@ -41,10 +46,11 @@ def test_an_unreachable_vllm_fails_startup_with_exit_1_and_the_typed_error(workd
     assert f"Discovering vLLM model metadata from http://127.0.0.1:{port}; startup deadline: 1s" in log
     # docs/reference/sidecar.md#construction-and-retries: the slot's own deadline check or, on a loaded machine, the phase deadline around
     # the whole pool construction fires first; both are typed startup errors.
-    assert (f"error: failed to establish the vLLM gRPC connection pool to http://127.0.0.1:{port} "
-            "for pool slot 1 within 1s" in log
-            or f"error: vLLM gRPC connection pool to http://127.0.0.1:{port} exceeded the total startup deadline"
-            in log), log[-2000:]
+    assert (
+        f"error: failed to establish the vLLM gRPC connection pool to http://127.0.0.1:{port} for pool slot 1 within 1s"
+        in log
+        or f"error: vLLM gRPC connection pool to http://127.0.0.1:{port} exceeded the total startup deadline" in log
+    ), log[-2000:]
 
 
 def test_sigterm_during_startup_exits_143_with_one_init_shutdown_line(workdir):
@@ -70,8 +76,9 @@ def test_sigterm_during_startup_exits_143_with_one_init_shutdown_line(workdir):
 def test_a_registration_failure_exits_1_with_dynamos_message(workdir, tiny_model):
     mock = MockThread(model=str(tiny_model), served_model_name="tiny", engine_args=FAST_ENGINE_ARGS).start()
     env = local.dynamo_env(workdir / "kv")
-    proc = local.start_trio_sidecar(workdir, env, mock.address, namespace="cli",
-                                    extra=["--custom-jinja-template", str(workdir / "missing.jinja")])
+    proc = local.start_trio_sidecar(
+        workdir, env, mock.address, namespace="cli", extra=["--custom-jinja-template", str(workdir / "missing.jinja")]
+    )
     try:
         code = proc.wait(60)
     finally:
@@ -96,9 +103,22 @@ def test_on_a_tty_startup_phases_the_model_table_and_the_ready_line_are_shown(wo
     env.pop("NO_COLOR", None)
     master, slave = pty.openpty()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "trio_sidecar", "run", "--grpc-endpoint", mock.address, "--discovery-backend", "file",
-         "--namespace", "tty"],
-        env=env, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
+        [
+            sys.executable,
+            "-m",
+            "trio_sidecar",
+            "run",
+            "--grpc-endpoint",
+            mock.address,
+            "--discovery-backend",
+            "file",
+            "--namespace",
+            "tty",
+        ],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=slave,
+        stderr=slave,
     )
     os.close(slave)
     out = b""
@@ -123,9 +143,15 @@ def test_on_a_tty_startup_phases_the_model_table_and_the_ready_line_are_shown(wo
         mock.stop()
     text = out.decode(errors="replace")
     assert code == 0, text[-3000:]
-    for expected in ("bootstrap discovery (deadline 1800s)", "start phase (deadline 1800s)",
-                     "Discovered vLLM model", "served name", "KV block size", "max batched tokens",
-                     "ready: serving `tiny` on dyn://tty.backend.generate (Aggregated)"):
+    for expected in (
+        "bootstrap discovery (deadline 1800s)",
+        "start phase (deadline 1800s)",
+        "Discovered vLLM model",
+        "served name",
+        "KV block size",
+        "max batched tokens",
+        "ready: serving `tiny` on dyn://tty.backend.generate (Aggregated)",
+    ):
         assert expected in text, expected
     assert "\x1b[" in text  # styled for the terminal
 

@@ -96,10 +96,21 @@ def test_a_signal_while_the_default_etcd_backend_is_unreachable_exits_at_once(wo
 def test_an_unreachable_etcd_fails_with_one_line_naming_it_and_a_hint(workdir, tiny_model):
     mock = MockThread(model=str(tiny_model), served_model_name="tiny", engine_args=FAST_ENGINE_ARGS).start()
     port = _closed_port()
-    env = local.dynamo_env(workdir / "kv", ETCD_ENDPOINTS=f"http://127.0.0.1:{port}",
-                           ETCD_STARTUP_CONNECT_TIMEOUT_SECONDS="2")
-    argv = [sys.executable, "-m", "trio_sidecar", "run", "--grpc-endpoint", mock.address, "--namespace", "etcd",
-            "--discovery-backend", "etcd"]
+    env = local.dynamo_env(
+        workdir / "kv", ETCD_ENDPOINTS=f"http://127.0.0.1:{port}", ETCD_STARTUP_CONNECT_TIMEOUT_SECONDS="2"
+    )
+    argv = [
+        sys.executable,
+        "-m",
+        "trio_sidecar",
+        "run",
+        "--grpc-endpoint",
+        mock.address,
+        "--namespace",
+        "etcd",
+        "--discovery-backend",
+        "etcd",
+    ]
     proc = local.Process("trio-sidecar", argv, env=env, log_path=workdir / "run.log")
     try:
         code = proc.wait(60)
@@ -111,7 +122,9 @@ def test_an_unreachable_etcd_fails_with_one_line_naming_it_and_a_hint(workdir, t
     assert re.fullmatch(
         rf"error: etcd at http://127\.0\.0\.1:{port} \(ETCD_ENDPOINTS\) is not reachable after 2(\.\d)?s: all "
         rf"attempts to connect to 127\.0\.0\.1:{port} failed: connection refused; hint: start etcd, point "
-        r"ETCD_ENDPOINTS at it, or use --discovery-backend file on a single host", line), line
+        r"ETCD_ENDPOINTS at it, or use --discovery-backend file on a single host",
+        line,
+    ), line
 
 
 def test_sigint_during_imports_prints_one_line_and_exits_130(workdir):
@@ -125,9 +138,20 @@ def test_sigint_during_imports_prints_one_line_and_exits_130(workdir):
         log_path = workdir / f"imports-{extra_delay}.err"
         with open(log_path, "wb") as err_file:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "trio_sidecar", "run", "--grpc-endpoint", f"127.0.0.1:{_closed_port()}",
-                 "--discovery-backend", "file"],
-                env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err_file,
+                [
+                    sys.executable,
+                    "-m",
+                    "trio_sidecar",
+                    "run",
+                    "--grpc-endpoint",
+                    f"127.0.0.1:{_closed_port()}",
+                    "--discovery-backend",
+                    "file",
+                ],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=err_file,
             )
         try:
             deadline = time.monotonic() + 30
@@ -141,8 +165,9 @@ def test_sigint_during_imports_prints_one_line_and_exits_130(workdir):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        err = "\n".join(line for line in log_path.read_text(errors="replace").splitlines()
-                        if not line.startswith("import time:"))
+        err = "\n".join(
+            line for line in log_path.read_text(errors="replace").splitlines() if not line.startswith("import time:")
+        )
         assert code == 130, err[-2000:]
         assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-2000:]
         assert sum("SIGINT" in line for line in err.splitlines()) == 1, err[-2000:]
@@ -151,8 +176,9 @@ def test_sigint_during_imports_prints_one_line_and_exits_130(workdir):
 def test_while_waiting_for_vllm_a_line_every_10s_reports_attempts_elapsed_and_the_cause(workdir):
     port = _closed_port()
     env = local.dynamo_env(workdir / "kv", TZ="America/New_York")
-    proc = local.start_trio_sidecar(workdir, env, f"127.0.0.1:{port}", namespace="life",
-                                    extra=["--grpc-startup-deadline-secs", "25"])
+    proc = local.start_trio_sidecar(
+        workdir, env, f"127.0.0.1:{port}", namespace="life", extra=["--grpc-startup-deadline-secs", "25"]
+    )
     try:
         code = proc.wait(90)
     finally:
@@ -163,13 +189,17 @@ def test_while_waiting_for_vllm_a_line_every_10s_reports_attempts_elapsed_and_th
     assert len(waiting) == 2, log[-3000:]  # at 10 s and 20 s of a 25 s deadline
     assert re.search(
         rf"still waiting for vLLM at http://127\.0\.0\.1:{port}: 10s of 25s, \d+ failed attempts?, "
-        r"last: connection refused$", waiting[0]), waiting[0]
+        r"last: connection refused$",
+        waiting[0],
+    ), waiting[0]
     # The failure is one line with the cause once, a rounded duration and a hint.
     [error] = [line for line in log.splitlines() if line.startswith("error:")]
     assert re.fullmatch(
         rf"error: failed to establish the vLLM gRPC connection pool to http://127\.0\.0\.1:{port} for pool slot "
         rf"1 within 25s after \d+ attempts over 25(\.\d)?s: all attempts to connect to 127\.0\.0\.1:{port} "
-        r"failed: connection refused; hint: nothing accepts connections there; .*", error), error
+        r"failed: connection refused; hint: nothing accepts connections there; .*",
+        error,
+    ), error
     assert "sub-exception" not in log
     # Every other line, the first included, is a log line stamped in UTC like Dynamo's, whatever TZ says.
     now = datetime.now(UTC)
@@ -185,8 +215,18 @@ def test_while_waiting_for_vllm_a_line_every_10s_reports_attempts_elapsed_and_th
 
 def test_an_endpoint_without_a_port_warns_that_port_80_is_used(workdir):
     env = local.dynamo_env(workdir / "kv")
-    argv = [sys.executable, "-m", "trio_sidecar", "run", "--grpc-endpoint", "localhost",
-            "--grpc-startup-deadline-secs", "1", "--discovery-backend", "file"]
+    argv = [
+        sys.executable,
+        "-m",
+        "trio_sidecar",
+        "run",
+        "--grpc-endpoint",
+        "localhost",
+        "--grpc-startup-deadline-secs",
+        "1",
+        "--discovery-backend",
+        "file",
+    ]
     proc = local.Process("trio-sidecar", argv, env=env, log_path=workdir / "run.log")
     try:
         proc.wait(60)
@@ -207,9 +247,22 @@ def test_on_a_tty_the_wait_is_a_live_status_line(workdir):
     env.pop("NO_COLOR", None)
     master, slave = pty.openpty()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "trio_sidecar", "run", "--grpc-endpoint", f"127.0.0.1:{_closed_port()}",
-         "--discovery-backend", "file", "--grpc-startup-deadline-secs", "4"],
-        env=env, stdin=subprocess.DEVNULL, stdout=slave, stderr=slave,
+        [
+            sys.executable,
+            "-m",
+            "trio_sidecar",
+            "run",
+            "--grpc-endpoint",
+            f"127.0.0.1:{_closed_port()}",
+            "--discovery-backend",
+            "file",
+            "--grpc-startup-deadline-secs",
+            "4",
+        ],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=slave,
+        stderr=slave,
     )
     os.close(slave)
     out = b""
@@ -248,4 +301,3 @@ def test_a_ready_worker_still_drains_and_exits_0_on_sigterm(workdir, tiny_model)
     assert code == 0, proc.log()[-2000:]
     assert "received SIGTERM; shutting down" in proc.log()
     assert "runtime shut down during sidecar initialization" not in proc.log()
-

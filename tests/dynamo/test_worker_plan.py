@@ -49,8 +49,9 @@ def plan(mode="agg", *, options=None, engine=ENGINE, sources=SOURCES, environ=No
         ("decode", "custom", "dynamo.backend.generate", ("Chat", "Completions"), "Decode", (("Prefill",),), False),
     ],
 )
-def test_component_model_type_worker_type_and_needs_by_mode(mode, component, path, model_types, worker_type,
-                                                            needs, publisher_indexer):
+def test_component_model_type_worker_type_and_needs_by_mode(
+    mode, component, path, model_types, worker_type, needs, publisher_indexer
+):
     p = plan(mode, options=WorkerOptions(component=component))
     assert p.endpoint_path == path
     assert p.model_types == model_types
@@ -80,14 +81,26 @@ def test_identity_and_capacity_come_from_the_engine_config():
 
 
 def test_unknown_limits_are_left_at_dynamo_defaults():
-    engine = EngineConfig(model="m", served_model_name="m", aliases=(), context_length=None,
-                          kv_cache_block_size=None, total_kv_blocks=None, max_num_seqs=None,
-                          max_num_batched_tokens=None, data_parallel_size=None, data_parallel_start_rank=None)
+    engine = EngineConfig(
+        model="m",
+        served_model_name="m",
+        aliases=(),
+        context_length=None,
+        kv_cache_block_size=None,
+        total_kv_blocks=None,
+        max_num_seqs=None,
+        max_num_batched_tokens=None,
+        data_parallel_size=None,
+        data_parallel_start_rank=None,
+    )
     p = plan(engine=engine, sources=())
     assert p.kv_cache_block_size is None
     assert p.aliases == ()
-    assert p.runtime_config == {"kv_event_publishing_enabled": False, "exclude_tools_when_tool_choice_none": True,
-                                "enable_local_indexer": True}
+    assert p.runtime_config == {
+        "kv_event_publishing_enabled": False,
+        "exclude_tools_when_tool_choice_none": True,
+        "enable_local_indexer": True,
+    }
 
 
 @pytest.mark.parametrize(
@@ -111,8 +124,12 @@ def test_template_and_exclude_tools_are_passed_through():
 
 @pytest.mark.parametrize(
     ("namespace", "suffix", "expected"),
-    [("dynamo", "", "dynamo"), ("dynamo", "blue", "dynamo-blue"), ("dynamo-blue", "blue", "dynamo-blue"),
-     ("ns", " ", "ns")],
+    [
+        ("dynamo", "", "dynamo"),
+        ("dynamo", "blue", "dynamo-blue"),
+        ("dynamo-blue", "blue", "dynamo-blue"),
+        ("ns", " ", "ns"),
+    ],
 )
 def test_namespace_worker_suffix_is_appended_once(namespace, suffix, expected):
     assert worker_namespace(namespace, {"DYN_NAMESPACE_WORKER_SUFFIX": suffix}) == expected
@@ -140,7 +157,10 @@ def test_health_check_payload_uses_the_models_bos_token_and_the_canary_marker(tm
 def test_health_check_payload_env_override(tmp_path):
     override = '{"token_ids": [7, 8], "stop_conditions": {"max_tokens": 2}}'
     assert health_check_payload("m", {"DYN_HEALTH_CHECK_PAYLOAD": override}) == {
-        "token_ids": [7, 8], "stop_conditions": {"max_tokens": 2}, "_HEALTH_CHECK": True}
+        "token_ids": [7, 8],
+        "stop_conditions": {"max_tokens": 2},
+        "_HEALTH_CHECK": True,
+    }
     path = tmp_path / "hc.json"
     path.write_text('{"token_ids": [9]}')
     assert health_check_payload("m", {"DYN_HEALTH_CHECK_PAYLOAD": f"@{path}"})["token_ids"] == [9]

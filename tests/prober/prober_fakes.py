@@ -117,7 +117,9 @@ class ScriptedVllm:
         async def runner(task_status=trio.TASK_STATUS_IGNORED):
             try:
                 with scope:
-                    await serve_grpc([self.health, self.control], host="127.0.0.1", port=self.port, task_status=task_status)
+                    await serve_grpc(
+                        [self.health, self.control], host="127.0.0.1", port=self.port, task_status=task_status
+                    )
             finally:
                 done.set()
 

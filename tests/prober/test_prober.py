@@ -205,7 +205,10 @@ async def test_transient_recovery_failure_goes_back_and_retries(scripted_vllm):
         await prober.wait_for(HealthKind.NOT_SERVING)
         scripted_vllm.set_all(SERVING)
         await prober.wait_for(HealthKind.SERVING)
-        assert HealthState(HealthKind.UNREACHABLE, "GetModelInfo: engine warming up (Unavailable)") in prober.health.history
+        assert (
+            HealthState(HealthKind.UNREACHABLE, "GetModelInfo: engine warming up (Unavailable)")
+            in prober.health.history
+        )
         assert scripted_vllm.control.calls["GetModelInfo"] == 2
         assert len(prober.recovered) == 1
 
@@ -321,4 +324,3 @@ def test_health_state_admission():
     assert HealthState(HealthKind.SERVING).admits
     for kind in (HealthKind.NOT_SERVING, HealthKind.UNREACHABLE, HealthKind.RECOVERING, HealthKind.FAILED):
         assert not HealthState(kind, "x").admits
-

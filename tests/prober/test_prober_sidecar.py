@@ -108,8 +108,7 @@ async def test_recovery_with_a_changed_served_name_is_fatal(nursery):
                 with trio.fail_after(WAIT):
                     await trio.sleep_forever()  # the prober's fatal error ends the block
     assert fatal.value.message.startswith(
-        "invalid vLLM gRPC response: model identity changed after vLLM recovery: "
-        f"expected {expected!r}, observed "
+        f"invalid vLLM gRPC response: model identity changed after vLLM recovery: expected {expected!r}, observed "
     )
     assert "served_model_name='renamed-model'" in fatal.value.message
     assert sidecar.health.value.kind is HealthKind.FAILED

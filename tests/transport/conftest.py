@@ -55,7 +55,9 @@ class Target:
 
 
 @pytest.fixture(params=["ours", "aio"])
-async def target(request: pytest.FixtureRequest, nursery: trio.Nursery, aio: AioThread, recorder: Recorder) -> AsyncIterator[Target]:
+async def target(
+    request: pytest.FixtureRequest, nursery: trio.Nursery, aio: AioThread, recorder: Recorder
+) -> AsyncIterator[Target]:
     if request.param == "ours":
         server = await nursery.start(serve_grpc, [TrioEcho(recorder), HealthServicer()])
         yield Target("ours", server.port, recorder)

@@ -25,7 +25,6 @@ def main(kind: str) -> None:
         trio.run(serve)
     else:
         import grpc
-
         from transport_peers import _aio_handlers, aio_options
 
         async def serve() -> None:

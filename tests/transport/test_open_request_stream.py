@@ -16,8 +16,14 @@ from purerpc.grpclib.config import GRPCConfiguration
 
 from trio_sidecar.transport._protocol import GrpcProtocol
 
-HEAD = [(":method", "POST"), (":scheme", "http"), (":authority", "127.0.0.1:50051"),
-        (":path", "/vllm.Inference/GenerateStream"), ("te", "trailers"), ("content-type", "application/grpc")]
+HEAD = [
+    (":method", "POST"),
+    (":scheme", "http"),
+    (":authority", "127.0.0.1:50051"),
+    (":path", "/vllm.Inference/GenerateStream"),
+    ("te", "trailers"),
+    ("content-type", "application/grpc"),
+]
 
 
 def client_pair() -> tuple:
@@ -41,10 +47,17 @@ def client_pair() -> tuple:
 def stream_state(conn, stream_id: int) -> tuple:
     stream = conn.streams[stream_id]
     return (
-        conn.state_machine.state, conn.highest_outbound_stream_id, conn.open_outbound_streams,
-        stream.state_machine.state, stream.state_machine.client, stream.state_machine.headers_sent,
-        stream._authority, stream.request_method, stream.outbound_flow_control_window,
-        stream.inbound_flow_control_window, stream.max_outbound_frame_size,
+        conn.state_machine.state,
+        conn.highest_outbound_stream_id,
+        conn.open_outbound_streams,
+        stream.state_machine.state,
+        stream.state_machine.client,
+        stream.state_machine.headers_sent,
+        stream._authority,
+        stream.request_method,
+        stream.outbound_flow_control_window,
+        stream.inbound_flow_control_window,
+        stream.max_outbound_frame_size,
     )
 
 
@@ -106,13 +119,16 @@ _token = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789-", min_size=1, m
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(_token.map(lambda k: "x-" + k), st.text(min_size=0, max_size=60)), max_size=6),
-       st.integers(min_value=1, max_value=3))
+@given(
+    st.lists(st.tuples(_token.map(lambda k: "x-" + k), st.text(min_size=0, max_size=60)), max_size=6),
+    st.integers(min_value=1, max_value=3),
+)
 def test_open_request_stream_property_same_bytes_and_state(metadata: list, streams: int) -> None:
     both_open([*HEAD, *metadata], streams=streams)
 
 
 # ``_H2Connection.send_data``'s fast path against h2's (``h2.connection.H2Connection.send_data``).
+
 
 def both_send(steps: list) -> None:
     """Run ``steps`` ((stream_id, size, end_stream, pad_length) or ("window", stream_id, n)) on a twin pair."""
@@ -121,7 +137,10 @@ def both_send(steps: list) -> None:
         for stream_id in (1, 3):
             conn.send_headers(stream_id, HEAD)
     outcomes = []
-    for conn, send in ((fast, fast.send_data), (slow, lambda *a, **k: h2.connection.H2Connection.send_data(slow, *a, **k))):
+    for conn, send in (
+        (fast, fast.send_data),
+        (slow, lambda *a, **k: h2.connection.H2Connection.send_data(slow, *a, **k)),
+    ):
         seen = []
         for step in steps:
             if step[0] == "window":  # shrink the peer's window as a WINDOW_UPDATE would have left it
@@ -133,10 +152,14 @@ def both_send(steps: list) -> None:
                 send(stream_id, b"x" * size, end_stream=end_stream, pad_length=pad_length)
             except Exception as exc:  # noqa: BLE001 - the same error both ways
                 seen.append((type(exc).__name__, str(exc)))
-            seen.append((
-                conn.data_to_send(), conn.outbound_flow_control_window, conn.state_machine.state,
-                sorted((i, s.state_machine.state, s.outbound_flow_control_window) for i, s in conn.streams.items()),
-            ))
+            seen.append(
+                (
+                    conn.data_to_send(),
+                    conn.outbound_flow_control_window,
+                    conn.state_machine.state,
+                    sorted((i, s.state_machine.state, s.outbound_flow_control_window) for i, s in conn.streams.items()),
+                )
+            )
         outcomes.append(seen)
     assert outcomes[0] == outcomes[1]
 
@@ -159,9 +182,16 @@ def test_send_data_matches_h2(steps: list) -> None:
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.one_of(
-    st.tuples(st.sampled_from([1, 3, 5]), st.integers(0, 20_000), st.booleans(), st.sampled_from([None, None, 0, 3])),
-    st.tuples(st.just("window"), st.sampled_from([1, 3]), st.integers(0, 100)),
-), max_size=8))
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(
+                st.sampled_from([1, 3, 5]), st.integers(0, 20_000), st.booleans(), st.sampled_from([None, None, 0, 3])
+            ),
+            st.tuples(st.just("window"), st.sampled_from([1, 3]), st.integers(0, 100)),
+        ),
+        max_size=8,
+    )
+)
 def test_send_data_property_matches_h2(steps: list) -> None:
     both_send(steps)

@@ -17,8 +17,14 @@ from purerpc.grpclib.config import GRPCConfiguration
 
 from trio_sidecar.transport._protocol import GrpcProtocol
 
-HEAD = [(":method", "POST"), (":scheme", "http"), (":authority", "a"), (":path", "/s/M"),
-        ("te", "trailers"), ("content-type", "application/grpc")]
+HEAD = [
+    (":method", "POST"),
+    (":scheme", "http"),
+    (":authority", "a"),
+    (":path", "/s/M"),
+    ("te", "trailers"),
+    ("content-type", "application/grpc"),
+]
 RESPONSE = [(":status", "200"), ("content-type", "application/grpc")]
 TRAILERS = [("grpc-status", "0")]
 MESSAGE = b"\x00\x00\x00\x00\x02hi"
@@ -54,6 +60,7 @@ def headers(stream_id: int, end_stream: bool = False, block: list | None = None)
     def act(server: h2.connection.H2Connection) -> bytes:
         server.send_headers(stream_id, block or RESPONSE, end_stream=end_stream)
         return server.data_to_send()
+
     return act
 
 
@@ -61,6 +68,7 @@ def data(stream_id: int):
     def act(server: h2.connection.H2Connection) -> bytes:
         server.send_data(stream_id, MESSAGE)
         return server.data_to_send()
+
     return act
 
 
@@ -97,8 +105,14 @@ def both(script_factory) -> None:
 SCRIPTS = {
     "response, data, trailers": lambda: [headers(1), data(1), headers(1, True, TRAILERS)],
     "trailers-only": lambda: [headers(3, True, [*RESPONSE, ("grpc-status", "5"), ("grpc-message", "no")])],
-    "interleaved streams": lambda: [headers(1), headers(3), data(3), data(1), headers(3, True, TRAILERS),
-                                    headers(1, True, TRAILERS)],
+    "interleaved streams": lambda: [
+        headers(1),
+        headers(3),
+        data(3),
+        data(1),
+        headers(3, True, TRAILERS),
+        headers(1, True, TRAILERS),
+    ],
     "http status 503": lambda: [headers(5, True, [(":status", "503")])],
     "missing status": lambda: [headers(5, False, [("content-type", "application/grpc")])],
     "several frames in one read": lambda: [
@@ -107,13 +121,15 @@ SCRIPTS = {
     # HEADERS on a stream the client never opened: h2's connection error, GOAWAY queued.
     "unknown stream": lambda: [raw(b"\x00\x00\x01\x01\x05\x00\x00\x00\x09\x88")],
     # HEADERS after the stream ended: STREAM_CLOSED connection error.
-    "after the end": lambda: [headers(7, True, [*RESPONSE, ("grpc-status", "0")]),
-                              raw(b"\x00\x00\x01\x01\x05\x00\x00\x00\x07\x88")],
+    "after the end": lambda: [
+        headers(7, True, [*RESPONSE, ("grpc-status", "0")]),
+        raw(b"\x00\x00\x01\x01\x05\x00\x00\x00\x07\x88"),
+    ],
     # PRIORITY / PADDED flags: h2's path in both.
     "priority flag": lambda: [raw(b"\x00\x00\x06\x01\x24\x00\x00\x00\x01\x00\x00\x00\x00\x0f\x88")],
     "padded": lambda: [raw(b"\x00\x00\x03\x01\x0c\x00\x00\x00\x01\x01\x88\x00")],
     # no END_HEADERS: CONTINUATION follows (h2's path).
-    "continuation": lambda: [raw(b"\x00\x00\x01\x01\x00\x00\x00\x00\x01\x88" b"\x00\x00\x00\x09\x04\x00\x00\x00\x01")],
+    "continuation": lambda: [raw(b"\x00\x00\x01\x01\x00\x00\x00\x00\x01\x88\x00\x00\x00\x09\x04\x00\x00\x00\x01")],
 }
 
 

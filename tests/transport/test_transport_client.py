@@ -90,7 +90,9 @@ async def test_stream_without_a_response_type_yields_serialized_messages(channel
             assert stream.next_buffered() is None
             rest = [m async for m in stream]
     assert rest == [] and all(type(m) is bytes for m in received)
-    assert [(R.FromString(m).outputs.index, R.FromString(m).outputs.text) for m in received] == [(i, "t") for i in range(5)]
+    assert [(R.FromString(m).outputs.index, R.FromString(m).outputs.text) for m in received] == [
+        (i, "t") for i in range(5)
+    ]
 
 
 async def test_stream_error_after_messages_raises_after_them(channel):
@@ -218,7 +220,9 @@ async def test_unary_deadline_exceeded(channel, target):
 async def test_stream_deadline_exceeded_while_iterating(channel):
     got = []
     with pytest.raises(RpcError) as info:
-        async with channel.unary_stream(GENERATE_STREAM, request("stream", n=1000, interval_ms=50), R, timeout=0.3) as s:
+        async with channel.unary_stream(
+            GENERATE_STREAM, request("stream", n=1000, interval_ms=50), R, timeout=0.3
+        ) as s:
             async for message in s:
                 got.append(message.outputs.index)
     assert info.value.code is StatusCode.DEADLINE_EXCEEDED

@@ -48,7 +48,9 @@ async def test_grpc_aio_client_compressed_requests_reach_our_server(aio, our_ser
             f"127.0.0.1:{our_server.port}", options=aio_options(), compression=COMPRESSIONS[encoding]
         ) as channel:
             unary = await aio_unary(channel, request("echo", text=TEXT), timeout=20)
-            streamed = [m.outputs.text async for m in aio_stream(channel, request("stream", text=TEXT, n=3), timeout=20)]
+            streamed = [
+                m.outputs.text async for m in aio_stream(channel, request("stream", text=TEXT, n=3), timeout=20)
+            ]
             return unary.outputs.text, streamed
 
     with trio.fail_after(30):

@@ -22,8 +22,12 @@ from trio_sidecar.transport._protocol import GrpcProtocol
 
 STREAMS = (1, 3, 5, 7)
 REQUEST = [
-    (":method", "POST"), (":scheme", "http"), (":path", "/x"), (":authority", "x"),
-    ("te", "trailers"), ("content-type", "application/grpc"),
+    (":method", "POST"),
+    (":scheme", "http"),
+    (":path", "/x"),
+    (":authority", "x"),
+    ("te", "trailers"),
+    ("content-type", "application/grpc"),
 ]
 FIELDS = ("stream_id", "data", "flow_controlled_length", "code", "message", "error_code", "last_stream_id")
 
@@ -112,7 +116,7 @@ def run(seed: int) -> int:
     got: dict[str, list] = {"fast": [], "reference": []}
     position = 0
     while position < len(wire):
-        chunk = wire[position:position + rnd.choice([1, 5, 9, 17, 100, 1000, 100000])]
+        chunk = wire[position : position + rnd.choice([1, 5, 9, 17, 100, 1000, 100000])]
         position += len(chunk)
         errors = {}
         for name, client in (("fast", fast), ("reference", reference)):
@@ -132,7 +136,9 @@ def run(seed: int) -> int:
         assert a.streams.keys() == b.streams.keys(), seed
         for stream_id, stream in a.streams.items():
             other = b.streams[stream_id]
-            assert stream._inbound_window_manager.current_window_size == other._inbound_window_manager.current_window_size
+            assert (
+                stream._inbound_window_manager.current_window_size == other._inbound_window_manager.current_window_size
+            )
             assert stream.state_machine.state == other.state_machine.state
         assert fast.data_to_send() == reference.data_to_send(), seed
     return len(got["fast"])
@@ -162,7 +168,7 @@ def test_acknowledge_counts_like_h2(seed: int) -> None:
     failed = False
     position = 0
     while position < len(wire):
-        chunk = wire[position:position + rnd.choice([9, 100, 1000])]
+        chunk = wire[position : position + rnd.choice([9, 100, 1000])]
         position += len(chunk)
         try:
             events = fast.receive_data(chunk)

@@ -89,7 +89,11 @@ async def test_shutdown_reports_not_serving_then_ends_every_watch_with_ok(health
             for service in ("", "vllm.Control", "vllm.Inference"):
                 await nursery.start(watch, service)
             health.shutdown()
-    assert results == {"": [SERVING, NOT_SERVING], "vllm.Control": [SERVING, NOT_SERVING], "vllm.Inference": [NOT_SERVING]}
+    assert results == {
+        "": [SERVING, NOT_SERVING],
+        "vllm.Control": [SERVING, NOT_SERVING],
+        "vllm.Inference": [NOT_SERVING],
+    }
     assert await check_health(health_channel, "vllm.Control") == NOT_SERVING
     async with watch_health(health_channel, "") as statuses:  # a Watch after shutdown ends at once
         assert [s async for s in statuses] == [NOT_SERVING]
@@ -101,11 +105,13 @@ async def test_grpc_aio_client_checks_and_watches_our_health_service(aio, health
     async def scenario(started: trio.Event | None = None):
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=aio_options()) as channel:
             check = channel.unary_unary(
-                "/grpc.health.v1.Health/Check", request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                "/grpc.health.v1.Health/Check",
+                request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
                 response_deserializer=health_pb2.HealthCheckResponse.FromString,
             )
             watch = channel.unary_stream(
-                WATCH_METHOD, request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                WATCH_METHOD,
+                request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
                 response_deserializer=health_pb2.HealthCheckResponse.FromString,
             )
             checked = (await check(health_pb2.HealthCheckRequest(service="vllm.Control"))).status
@@ -144,4 +150,3 @@ async def test_our_health_helpers_against_a_grpc_aio_health_server(aio_server):
             async with watch_health(channel, ""):
                 pass
         assert info.value.code is StatusCode.UNIMPLEMENTED
-

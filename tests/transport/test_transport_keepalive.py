@@ -211,7 +211,7 @@ async def test_keepalive_values_must_be_positive(nursery, time, timeout):
 async def peer_process_port():
     """Our echo server in its own process (it answers while this process is stalled); killed by PID."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    process = subprocess.Popen(
+    process = subprocess.Popen(  # noqa: ASYNC220 - starting a process does not block; its output is read below
         [sys.executable, str(HERE / "peer_process.py"), "ours"], stdout=subprocess.PIPE, env=env, text=True
     )
     try:

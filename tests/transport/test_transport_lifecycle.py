@@ -33,7 +33,8 @@ async def wait_for(predicate, timeout: float = 2.0) -> None:
 def tcp_connections(port: int) -> list:
     """This process's TCP sockets with ``port`` on either end."""
     return [
-        c for c in psutil.Process().net_connections(kind="tcp")
+        c
+        for c in psutil.Process().net_connections(kind="tcp")
         if (c.laddr and c.laddr.port == port) or (c.raddr and c.raddr.port == port)
     ]
 
@@ -49,7 +50,7 @@ def established(port: int) -> list:
 async def peer_process(request):
     """Start ``peer_process.py <kind>``; yields (process, port); killed by PID at the end."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    process = subprocess.Popen(
+    process = subprocess.Popen(  # noqa: ASYNC220 - starting a process does not block; its output is read below
         [sys.executable, str(HERE / "peer_process.py"), request.param], stdout=subprocess.PIPE, env=env, text=True
     )
     try:
@@ -160,7 +161,10 @@ async def test_aclose_fails_open_calls_and_later_calls(our_server):
 
 
 async def test_closing_a_channel_closes_both_ends_of_its_socket(our_server):
-    async with open_channel("127.0.0.1", our_server.port) as first, open_channel("127.0.0.1", our_server.port) as second:
+    async with (
+        open_channel("127.0.0.1", our_server.port) as first,
+        open_channel("127.0.0.1", our_server.port) as second,
+    ):
         assert first.local_address != second.local_address
         await first.unary_unary(GENERATE, request("echo"), R)
         await second.unary_unary(GENERATE, request("echo"), R)
@@ -246,7 +250,9 @@ async def test_abandoned_streams_hand_back_memory_and_window(target):
     chunk = "w" * (64 * 1024)
     async with open_channel("127.0.0.1", target.port) as channel:
         for i in range(20):
-            async with channel.unary_stream(GENERATE_STREAM, request("stream", text=chunk, n=10_000, key=f"a{i}"), R) as s:
+            async with channel.unary_stream(
+                GENERATE_STREAM, request("stream", text=chunk, n=10_000, key=f"a{i}"), R
+            ) as s:
                 await s.__anext__()
         await wait_for(lambda: all(f"a{i}" in target.recorder.finished for i in range(20)))
         await trio.sleep(0.1)  # frames already in flight arrive and are credited

@@ -7,6 +7,7 @@ answer each test scripts step by step (so a test decides exactly which messages 
 
 from __future__ import annotations
 
+import itertools
 import struct
 import time
 from collections.abc import Awaitable, Callable
@@ -177,7 +178,9 @@ async def test_error_status_after_messages_raises_after_handing_them_over(channe
     with trio.fail_after(5):
         with pytest.raises(RpcError) as info:
             async with channel.unary_stream(
-                GENERATE_STREAM, request("stream", text="late failure", n=3, interval_ms=5, fail_code=StatusCode.ABORTED), None
+                GENERATE_STREAM,
+                request("stream", text="late failure", n=3, interval_ms=5, fail_code=StatusCode.ABORTED),
+                None,
             ) as stream:
                 await stream.listen(collector)
     assert (info.value.code, info.value.message) == (StatusCode.ABORTED, "late failure")
@@ -318,7 +321,9 @@ async def test_stream_larger_than_the_flow_control_window_completes_while_listen
     with trio.fail_after(20):
         async with open_channel("127.0.0.1", target.port, max_message_length=16 * 1024) as channel:
             async with channel.unary_stream(GENERATE_STREAM, request("stream", text=text, n=2000), None) as stream:
-                window = channel._conn.protocol.h2_connection.streams[stream._call.stream_id]._inbound_window_manager.max_window_size
+                window = channel._conn.protocol.h2_connection.streams[
+                    stream._call.stream_id
+                ]._inbound_window_manager.max_window_size
                 assert window == 32 * 1024
                 assert await stream.listen(collector) is False
             assert not channel.broken
@@ -408,7 +413,10 @@ async def test_raising_listener_fails_only_its_own_call_with_internal(channel, t
             bystander = [m.outputs.index async for m in other]
     assert bystander == list(range(50))
     assert len(failures) == 1
-    assert (failures[0].code, failures[0].message) == (StatusCode.INTERNAL, "response listener failed: ValueError('listener bug')")
+    assert (failures[0].code, failures[0].message) == (
+        StatusCode.INTERNAL,
+        "response listener failed: ValueError('listener bug')",
+    )
     assert indexes(seen) == [0, 1, 2]  # never called again after it raised
     assert "other" not in target.recorder.cancelled
     assert not channel.broken
@@ -434,7 +442,8 @@ async def test_raising_listener_resets_its_stream(scripted):
                     scripted.go.set()  # (both messages reach the listener from the reader task)
                     await stream.listen(listener)
             assert (info.value.code, info.value.message) == (
-                StatusCode.INTERNAL, "response listener failed: ValueError('listener bug')"
+                StatusCode.INTERNAL,
+                "response listener failed: ValueError('listener bug')",
             )
             # The abandoned stream is reset (the server stops producing and the stream slot is freed).
             await wait_for(lambda: scripted.resets != [], timeout=1.0)
@@ -495,8 +504,10 @@ class RunLog:
 
     def flushes_follow_runs(self) -> bool:
         """No flush without a message before it since the previous flush, and the last run flushed."""
-        return self.log[-1:] == ["flush"] and self.log[0] != "flush" and all(
-            not (a == b == "flush") for a, b in zip(self.log, self.log[1:])
+        return (
+            self.log[-1:] == ["flush"]
+            and self.log[0] != "flush"
+            and all(not (a == b == "flush") for a, b in itertools.pairwise(self.log))
         )
 
 
@@ -569,7 +580,7 @@ async def test_flush_in_the_reader_task_ends_the_run_before_the_next_messages_ar
     # A run is what one read delivered (two messages in one write may still come in two reads), but m2 was
     # only sent after a flush, so a flush separates it from m0, and the last run was flushed too.
     assert runs.messages() == ["m0", "m1", "m2"]
-    assert "flush" in runs.log[runs.log.index("m0"):runs.log.index("m2")]
+    assert "flush" in runs.log[runs.log.index("m0") : runs.log.index("m2")]
     assert runs.flushes_follow_runs()
 
 
@@ -613,7 +624,8 @@ async def test_raising_flush_fails_only_its_own_call_with_internal_and_resets_it
                     scripted.go.set()
                     await stream.listen(runs.listener, runs.flush)
             assert (info.value.code, info.value.message) == (
-                StatusCode.INTERNAL, "response listener failed: ValueError('flush bug')"
+                StatusCode.INTERNAL,
+                "response listener failed: ValueError('flush bug')",
             )
             await wait_for(lambda: scripted.resets != [], timeout=1.0)
             assert scripted.resets == [(stream_id, h2.errors.ErrorCodes.CANCEL)]

@@ -32,8 +32,12 @@ from trio_sidecar.transport._protocol import (
 )
 
 REQUEST_HEADERS = [
-    (":method", "POST"), (":scheme", "http"), (":path", "/vllm.Inference/Generate"), (":authority", "x"),
-    ("te", "trailers"), ("content-type", "application/grpc"),
+    (":method", "POST"),
+    (":scheme", "http"),
+    (":path", "/vllm.Inference/Generate"),
+    (":authority", "x"),
+    ("te", "trailers"),
+    ("content-type", "application/grpc"),
 ]
 
 
@@ -45,9 +49,9 @@ def frames_in(data: bytes) -> list[Frame]:
     frames = []
     while data:
         frame, length = Frame.parse_frame_header(memoryview(data[:9]))
-        frame.parse_body(memoryview(data[9:9 + length]))
+        frame.parse_body(memoryview(data[9 : 9 + length]))
         frames.append(frame)
-        data = data[9 + length:]
+        data = data[9 + length :]
     return frames
 
 
@@ -163,7 +167,7 @@ def test_client_side_discard_returns_buffered_bytes_to_the_connection_window():
     server.send_headers(1, [(":status", "200"), ("content-type", "application/grpc")])
     message = grpc_frame(b"y" * 40_000)  # 30 kB of it arrives: buffered, not yet a message
     for start in range(0, 30_000, 10_000):
-        server.send_data(1, message[start:start + 10_000])
+        server.send_data(1, message[start : start + 10_000])
     assert client.receive_data(server.data_to_send()) != []
     manager = client.h2_connection._inbound_flow_control_window_manager
     assert manager.current_window_size + manager._bytes_processed < manager.max_window_size
@@ -174,8 +178,17 @@ def test_client_side_discard_returns_buffered_bytes_to_the_connection_window():
 
 @pytest.mark.parametrize(
     ("seconds", "header"),
-    [(0.2, "200000u"), (5, "5000000u"), (30.5, "30500000u"), (1800, "1800000m"), (99_999.999, "99999999m"), (99_999.9999, "100000S"),
-     (10**6, "1000000S"), (0.0000001, "1u"), (10**12, "99999999H")],
+    [
+        (0.2, "200000u"),
+        (5, "5000000u"),
+        (30.5, "30500000u"),
+        (1800, "1800000m"),
+        (99_999.999, "99999999m"),
+        (99_999.9999, "100000S"),
+        (10**6, "1000000S"),
+        (0.0000001, "1u"),
+        (10**12, "99999999H"),
+    ],
 )
 def test_grpc_timeout_encoding_fits_eight_digits_and_rounds_up(seconds, header):
     assert encode_timeout(seconds) == header
@@ -192,8 +205,10 @@ def test_grpc_message_keeps_printable_ascii_and_escapes_percent():
     assert encode_grpc_message("a b:c/%\n") == "a b:c/%25%0A"
 
 
-_HEADER = st.tuples(st.sampled_from([":path", "content-type", "x-data-parallel-rank", "grpc-timeout"]),
-                    st.sampled_from(["0", "1", "application/grpc", "/vllm.Control/Abort", "200000u"]))
+_HEADER = st.tuples(
+    st.sampled_from([":path", "content-type", "x-data-parallel-rank", "grpc-timeout"]),
+    st.sampled_from(["0", "1", "application/grpc", "/vllm.Control/Abort", "200000u"]),
+)
 # Each step: maybe a new SETTINGS_HEADER_TABLE_SIZE from the peer, then one header block. (hpack 3.0 only
 # signals the last of several size changes made between two blocks, so sizes change one at a time.)
 _STEP = st.tuples(st.one_of(st.none(), st.sampled_from([64, 256, 4096])), st.lists(_HEADER, min_size=1, max_size=4))

@@ -103,8 +103,11 @@ async def test_handler_exception_is_unknown_with_a_generic_message_and_is_logged
 
 async def test_unknown_method_is_unimplemented_for_grpc_aio(aio, our_server):
     async with AioClient(aio, our_server.port) as client:
+
         async def run():
-            method = client.channel.unary_unary("/vllm.Inference/Nope", request_serializer=pb.GenerateRequest.SerializeToString)
+            method = client.channel.unary_unary(
+                "/vllm.Inference/Nope", request_serializer=pb.GenerateRequest.SerializeToString
+            )
             try:
                 await method(request("echo"))
             except grpc.aio.AioRpcError as error:
@@ -155,6 +158,7 @@ async def test_grpc_aio_cancel_cancels_our_handler_within_100ms(aio_client, aio,
 
 async def test_client_disconnect_cancels_an_idle_handler_within_100ms(aio, our_server, recorder, server_logs):
     async with AioClient(aio, our_server.port) as client:
+
         async def start():
             call = aio_stream(client.channel, request("stream", n=10, interval_ms=5_000, key="orphan"))
             await call.read()
@@ -169,7 +173,9 @@ async def test_client_disconnect_cancels_an_idle_handler_within_100ms(aio, our_s
 async def test_our_channel_close_cancels_an_idle_handler_within_100ms(our_server, recorder):
     async with open_channel("127.0.0.1", our_server.port) as channel:
         stream = channel.unary_stream(
-            "/vllm.Inference/GenerateStream", request("stream", n=10, interval_ms=5_000, key="orphan"), pb.GenerateResponse
+            "/vllm.Inference/GenerateStream",
+            request("stream", n=10, interval_ms=5_000, key="orphan"),
+            pb.GenerateResponse,
         )
         await stream.__aenter__()
         await stream.__anext__()
@@ -191,7 +197,9 @@ async def test_server_enforces_grpc_timeout_on_its_own(our_server, recorder):
     async with open_channel("127.0.0.1", our_server.port) as channel:
         call = channel._start_call(GENERATE, (), 0.15)
         started = time.monotonic()
-        await channel._conn.send_message(call, frame_message(request("sleep", n=5_000, key="s").SerializeToString()), True)
+        await channel._conn.send_message(
+            call, frame_message(request("sleep", n=5_000, key="s").SerializeToString()), True
+        )
         with trio.fail_after(2):
             while call.end is None:
                 await call.wait()
@@ -213,7 +221,9 @@ async def test_oversize_request_from_grpc_aio_fails_only_that_call(aio, our_serv
 async def test_server_limit_is_configurable(aio, nursery, recorder):
     from transport_peers import TrioEcho
 
-    server = await nursery.start(lambda task_status: serve_grpc([TrioEcho(recorder)], max_message_length=MIB, task_status=task_status))
+    server = await nursery.start(
+        lambda task_status: serve_grpc([TrioEcho(recorder)], max_message_length=MIB, task_status=task_status)
+    )
     async with AioClient(aio, server.port) as client:
         error = await client.unary_error(request("echo", text="q" * (2 * MIB)))
         assert status_of(error)[0] is StatusCode.RESOURCE_EXHAUSTED
@@ -225,15 +235,21 @@ async def test_server_limit_is_configurable(aio, nursery, recorder):
 async def test_our_client_gets_the_servers_resource_exhausted_for_an_oversize_request(nursery, recorder):
     from transport_peers import TrioEcho
 
-    server = await nursery.start(lambda task_status: serve_grpc([TrioEcho(recorder)], max_message_length=MIB, task_status=task_status))
+    server = await nursery.start(
+        lambda task_status: serve_grpc([TrioEcho(recorder)], max_message_length=MIB, task_status=task_status)
+    )
     async with open_channel("127.0.0.1", server.port) as channel:
         # 3 MiB is more than the server's stream window (2 MiB): the client is mid-send when the answer comes.
         with trio.fail_after(10):
             with pytest.raises(RpcError) as info:
-                await channel.unary_unary(GENERATE, request("echo", text="q" * (3 * MIB), key="huge"), pb.GenerateResponse)
+                await channel.unary_unary(
+                    GENERATE, request("echo", text="q" * (3 * MIB), key="huge"), pb.GenerateResponse
+                )
         assert info.value.code is StatusCode.RESOURCE_EXHAUSTED
         assert "huge" not in recorder.started
-        assert (await channel.unary_unary(GENERATE, request("echo", text="ok"), pb.GenerateResponse)).outputs.text == "ok"
+        assert (
+            await channel.unary_unary(GENERATE, request("echo", text="ok"), pb.GenerateResponse)
+        ).outputs.text == "ok"
 
 
 class _FramedStreamer(inference_grpc.InferenceServicer):
@@ -259,12 +275,16 @@ def _framed_request(n: int, per_batch: int, pad: int = 0, oversize_at: int = 0) 
 
 
 async def test_framed_message_batches_reach_our_client_and_grpc_aio(aio, nursery):
-    server = await nursery.start(lambda task_status: serve_grpc([_FramedStreamer()], max_message_length=MIB, task_status=task_status))
+    server = await nursery.start(
+        lambda task_status: serve_grpc([_FramedStreamer()], max_message_length=MIB, task_status=task_status)
+    )
     cases = [(1, 1, 0), (50, 7, 0), (50, 50, 10), (40, 40, 100_000)]  # the last batch exceeds the 64 KiB window
     async with open_channel("127.0.0.1", server.port) as channel:
         for n, per_batch, pad in cases:
             with trio.fail_after(10):
-                async with channel.unary_stream(GENERATE_STREAM, _framed_request(n, per_batch, pad), pb.GenerateResponse) as stream:
+                async with channel.unary_stream(
+                    GENERATE_STREAM, _framed_request(n, per_batch, pad), pb.GenerateResponse
+                ) as stream:
                     got = [(m.outputs.index, len(m.outputs.text)) async for m in stream]
             assert got == [(i, pad) for i in range(n)]
     async with AioClient(aio, server.port) as client:
@@ -273,11 +293,15 @@ async def test_framed_message_batches_reach_our_client_and_grpc_aio(aio, nursery
 
 
 async def test_an_oversize_message_in_a_framed_batch_fails_after_the_ones_before_it(nursery):
-    server = await nursery.start(lambda task_status: serve_grpc([_FramedStreamer()], max_message_length=MIB, task_status=task_status))
+    server = await nursery.start(
+        lambda task_status: serve_grpc([_FramedStreamer()], max_message_length=MIB, task_status=task_status)
+    )
     async with open_channel("127.0.0.1", server.port) as channel:
         got = []
         with trio.fail_after(10), pytest.raises(RpcError) as info:
-            async with channel.unary_stream(GENERATE_STREAM, _framed_request(10, 10, 0, oversize_at=4), pb.GenerateResponse) as stream:
+            async with channel.unary_stream(
+                GENERATE_STREAM, _framed_request(10, 10, 0, oversize_at=4), pb.GenerateResponse
+            ) as stream:
                 async for message in stream:
                     got.append(message.outputs.index)
     assert got == [0, 1, 2, 3]

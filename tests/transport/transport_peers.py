@@ -55,7 +55,9 @@ class Recorder:
         getattr(self, table)[key] = time.monotonic()
 
 
-def request(command: str, *, text: str = "", n: int = 0, interval_ms: int = 0, fail_code: int = 0, key: str = "") -> Any:
+def request(
+    command: str, *, text: str = "", n: int = 0, interval_ms: int = 0, fail_code: int = 0, key: str = ""
+) -> Any:
     req = pb.GenerateRequest(request_id=command, text=text, truncate_prompt_tokens=n, priority=interval_ms)
     if fail_code:
         req.sampling.top_k = fail_code
@@ -133,7 +135,9 @@ def _aio_handlers(recorder: Recorder) -> grpc.GenericRpcHandler:
         recorder.mark("started", key)
         try:
             if command == "metadata":
-                return pb.GenerateResponse(outputs=pb.SequenceOutput(text=_metadata_json(context.invocation_metadata())))
+                return pb.GenerateResponse(
+                    outputs=pb.SequenceOutput(text=_metadata_json(context.invocation_metadata()))
+                )
             if command == "timeout":
                 return pb.GenerateResponse(outputs=pb.SequenceOutput(text="1" if context.time_remaining() else "0"))
             if command == "fail":
@@ -186,11 +190,13 @@ def _aio_handlers(recorder: Recorder) -> grpc.GenericRpcHandler:
         "vllm.Inference",
         {
             "Generate": grpc.unary_unary_rpc_method_handler(
-                generate, request_deserializer=pb.GenerateRequest.FromString,
+                generate,
+                request_deserializer=pb.GenerateRequest.FromString,
                 response_serializer=pb.GenerateResponse.SerializeToString,
             ),
             "GenerateStream": grpc.unary_stream_rpc_method_handler(
-                generate_stream, request_deserializer=pb.GenerateRequest.FromString,
+                generate_stream,
+                request_deserializer=pb.GenerateRequest.FromString,
                 response_serializer=pb.GenerateResponse.SerializeToString,
             ),
         },
@@ -199,7 +205,8 @@ def _aio_handlers(recorder: Recorder) -> grpc.GenericRpcHandler:
         "grpc.health.v1.Health",
         {
             "Check": grpc.unary_unary_rpc_method_handler(
-                health_check, request_deserializer=health_pb2.HealthCheckRequest.FromString,
+                health_check,
+                request_deserializer=health_pb2.HealthCheckRequest.FromString,
                 response_serializer=health_pb2.HealthCheckResponse.SerializeToString,
             )
         },
@@ -274,7 +281,8 @@ def status_of(error: grpc.aio.AioRpcError) -> tuple[StatusCode, str]:
 
 async def aio_unary(channel: grpc.aio.Channel, req: Any, *, metadata: Any = None, timeout: float | None = None) -> Any:
     method = channel.unary_unary(
-        GENERATE, request_serializer=pb.GenerateRequest.SerializeToString,
+        GENERATE,
+        request_serializer=pb.GenerateRequest.SerializeToString,
         response_deserializer=pb.GenerateResponse.FromString,
     )
     return await method(req, metadata=metadata, timeout=timeout)
@@ -282,7 +290,8 @@ async def aio_unary(channel: grpc.aio.Channel, req: Any, *, metadata: Any = None
 
 def aio_stream(channel: grpc.aio.Channel, req: Any, *, metadata: Any = None, timeout: float | None = None) -> Any:
     method = channel.unary_stream(
-        GENERATE_STREAM, request_serializer=pb.GenerateRequest.SerializeToString,
+        GENERATE_STREAM,
+        request_serializer=pb.GenerateRequest.SerializeToString,
         response_deserializer=pb.GenerateResponse.FromString,
     )
     return method(req, metadata=metadata, timeout=timeout)

@@ -16,7 +16,5 @@ from hypothesis import HealthCheck, settings
 settings.register_profile(
     "quick", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True
 )
-settings.register_profile(
-    "long", max_examples=10_000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-)
+settings.register_profile("long", max_examples=10_000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "quick"))

@@ -67,7 +67,9 @@ def test_prefill_decode_handoff_with_601_expanded_ids() -> None:
     assert st.convert(pb.GenerateResponse(prompt_info=info)) is None
     finish = pb.FinishInfo(num_output_tokens=1, finish_reason=1)
     finish.kv_transfer_params.CopyFrom(json_to_struct({"do_remote_prefill": True, "remote_port": 20097}))
-    terminal = st.convert(pb.GenerateResponse(outputs=pb.SequenceOutput(num_tokens=1, token_ids=[5], finish_info=finish)))
+    terminal = st.convert(
+        pb.GenerateResponse(outputs=pb.SequenceOutput(num_tokens=1, token_ids=[5], finish_info=finish))
+    )
     assert terminal is not None and terminal.token_ids == []
     handoff = terminal.disaggregated_params
     assert handoff is not None and handoff[HANDOFF_KEY] == expanded
@@ -84,7 +86,9 @@ def test_prefill_decode_handoff_with_601_expanded_ids() -> None:
         dst = ResponseState(drequest, dbuilt, DECODE)
         dst.convert(pb.GenerateResponse(prompt_info=pb.PromptInfo(num_prompt_tokens=601)))
         with pytest.raises(ProtocolError, match="prompt token count 600 does not match request count 601"):
-            ResponseState(drequest, dbuilt, DECODE).convert(pb.GenerateResponse(prompt_info=pb.PromptInfo(num_prompt_tokens=600)))
+            ResponseState(drequest, dbuilt, DECODE).convert(
+                pb.GenerateResponse(prompt_info=pb.PromptInfo(num_prompt_tokens=600))
+            )
 
 
 def test_aggregated_media_with_url_and_uuid_override() -> None:
@@ -107,7 +111,11 @@ def test_no_uuid_source_gives_empty_uuid() -> None:
 
 
 def test_media_extra_args_keys_consumed_not_forwarded() -> None:
-    _, built = build(image_request(extra_args={"messages": [], "formatted_prompt": "x", "mm_hashes": ["a"], "kv_transfer_params": {"k": 1}}))
+    _, built = build(
+        image_request(
+            extra_args={"messages": [], "formatted_prompt": "x", "mm_hashes": ["a"], "kv_transfer_params": {"k": 1}}
+        )
+    )
     assert struct_to_json(built.message.kv.kv_transfer_params) == {"k": 1}
 
 
@@ -203,7 +211,10 @@ def test_prefill_expanded_length_mismatch() -> None:
     st.convert(pb.GenerateResponse(prompt_info=pb.PromptInfo(num_prompt_tokens=4, token_ids=[1, 2, 3])))
     with pytest.raises(ProtocolError) as info:
         st.convert(terminal())
-    assert str(info.value) == "invalid vLLM gRPC response: multimodal prefill returned 3 prompt token IDs for 4 prompt tokens"
+    assert (
+        str(info.value)
+        == "invalid vLLM gRPC response: multimodal prefill returned 3 prompt token IDs for 4 prompt tokens"
+    )
 
 
 # One case-insensitive classification decides both whether a source is accepted and which MediaItem field

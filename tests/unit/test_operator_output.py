@@ -33,8 +33,9 @@ def test_a_dns_failure_and_nested_groups_are_named_once():
 
     dns = socket.gaierror(socket.EAI_NONAME, "Name or service not known")
     assert describe_exception(dns) == "DNS lookup failed: Name or service not known"
-    group = ExceptionGroup("outer", [ExceptionGroup("inner", [ConnectionRefusedError(111, "x")]),
-                                     ConnectionRefusedError(111, "y")])
+    group = ExceptionGroup(
+        "outer", [ExceptionGroup("inner", [ConnectionRefusedError(111, "x")]), ConnectionRefusedError(111, "y")]
+    )
     try:
         raise OSError("connect failed") from group
     except OSError as exc:
@@ -60,7 +61,9 @@ def test_startup_failures_get_a_hint_and_unknown_ones_none():
     assert "--grpc-port" not in (startup_hint("x: connection refused") or "")
     assert "fix --grpc-endpoint" in startup_hint("x: connection refused")
     assert "does not resolve" in startup_hint("DNS lookup failed: x")
-    assert "--grpc-startup-deadline-secs" in startup_hint("vllm.Control did not become SERVING ...: reported NOT_SERVING")
+    assert "--grpc-startup-deadline-secs" in startup_hint(
+        "vllm.Control did not become SERVING ...: reported NOT_SERVING"
+    )
     assert startup_hint("Custom template file does not exist: /x") is None
 
 
@@ -109,8 +112,13 @@ def test_run_help_shows_defaults_choices_no_forms_env_and_exit_codes(capsys):
     assert "[default: true; choices: true, false; env: DYN_EXCLUDE_TOOLS_WHEN_TOOL_CHOICE_NONE]" in text
     assert "[default: on; env: TRIO_SIDECAR_HEALTH_PROBER]" in text
     assert "must be off: RL controls are not supported by trio-sidecar" in text
-    for code in ("0 clean shutdown after serving", "1 failure after startup began", "2 usage or configuration",
-                 "130 interrupted by SIGINT before serving", "143 interrupted by SIGTERM before serving"):
+    for code in (
+        "0 clean shutdown after serving",
+        "1 failure after startup began",
+        "2 usage or configuration",
+        "130 interrupted by SIGINT before serving",
+        "143 interrupted by SIGTERM before serving",
+    ):
         assert code in text
     for opt in OPTIONS:
         assert opt.flag in text

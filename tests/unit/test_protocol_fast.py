@@ -15,17 +15,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trio_sidecar.errors import InvalidArgument
-from trio_sidecar.protocol import _request_inner, _structure_fast, structure_request, PreprocessedRequest
+from trio_sidecar.protocol import PreprocessedRequest, _request_inner, _structure_fast, structure_request
 
 DYNAMO = {
     "model": "m",
     "token_ids": [1, 2, 3],
-    "stop_conditions": {"max_tokens": 32, "stop": None, "stop_token_ids_hidden": [2], "min_tokens": None,
-                        "ignore_eos": True, "max_thinking_tokens": None},
-    "sampling_options": {"n": None, "temperature": 0.7, "top_p": 1, "top_k": -1, "seed": -5,
-                         "guided_decoding": None},
-    "output_options": {"logprobs": None, "prompt_logprobs": None, "skip_special_tokens": True,
-                       "formatted_prompt": None},
+    "stop_conditions": {
+        "max_tokens": 32,
+        "stop": None,
+        "stop_token_ids_hidden": [2],
+        "min_tokens": None,
+        "ignore_eos": True,
+        "max_thinking_tokens": None,
+    },
+    "sampling_options": {"n": None, "temperature": 0.7, "top_p": 1, "top_k": -1, "seed": -5, "guided_decoding": None},
+    "output_options": {
+        "logprobs": None,
+        "prompt_logprobs": None,
+        "skip_special_tokens": True,
+        "formatted_prompt": None,
+    },
     "eos_token_ids": [2],
     "annotations": [],
     "routing": None,
@@ -97,17 +106,45 @@ def test_fast_path_does_not_alias_the_callers_lists() -> None:
 
 
 _scalar = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**64), max_value=2**64),
-    st.floats(allow_nan=False), st.text(max_size=3),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**64), max_value=2**64),
+    st.floats(allow_nan=False),
+    st.text(max_size=3),
 )
-_value = st.one_of(_scalar, st.lists(_scalar, max_size=3), st.tuples(st.integers(0, 9)),
-                   st.dictionaries(st.text(max_size=3), _scalar, max_size=2))
+_value = st.one_of(
+    _scalar,
+    st.lists(_scalar, max_size=3),
+    st.tuples(st.integers(0, 9)),
+    st.dictionaries(st.text(max_size=3), _scalar, max_size=2),
+)
 _FIELDS = {
-    "stop_conditions": ["max_tokens", "min_tokens", "stop", "stop_token_ids", "stop_token_ids_hidden",
-                        "stop_token_ids_visible", "ignore_eos", "max_thinking_tokens"],
-    "sampling_options": ["n", "best_of", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                         "temperature", "top_p", "top_k", "min_p", "use_beam_search", "length_penalty", "seed",
-                         "include_stop_str_in_output", "guided_decoding"],
+    "stop_conditions": [
+        "max_tokens",
+        "min_tokens",
+        "stop",
+        "stop_token_ids",
+        "stop_token_ids_hidden",
+        "stop_token_ids_visible",
+        "ignore_eos",
+        "max_thinking_tokens",
+    ],
+    "sampling_options": [
+        "n",
+        "best_of",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "use_beam_search",
+        "length_penalty",
+        "seed",
+        "include_stop_str_in_output",
+        "guided_decoding",
+    ],
     "output_options": ["logprobs", "prompt_logprobs", "skip_special_tokens"],
     "routing": ["priority", "cache_namespace", "cache_salt", "lora_name", "dp_rank", "prefill_dp_rank"],
 }
@@ -119,8 +156,12 @@ _request = st.fixed_dictionaries(
     {},
     optional={
         "token_ids": st.one_of(_value, st.lists(st.integers(-1, 2**32), max_size=4)),
-        "prompt_embeds": _value, "multi_modal_data": _value, "extra_args": _value, "prefill_result": _value,
-        "model": _value, **_options,
+        "prompt_embeds": _value,
+        "multi_modal_data": _value,
+        "extra_args": _value,
+        "prefill_result": _value,
+        "model": _value,
+        **_options,
     },
 )
 

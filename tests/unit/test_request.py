@@ -261,7 +261,7 @@ def test_validation_order_follows_the_table() -> None:
     req = copy.deepcopy(everything_wrong)
     mode = ENCODE
     assert len(order) == len(fixes)
-    for message, (path, value) in zip(order, fixes):
+    for message, (path, value) in zip(order, fixes, strict=True):
         rejects(req, message, mode)
         if path == "__mode__":
             mode = value
@@ -405,7 +405,9 @@ def test_cache_salt_must_match_namespace() -> None:
     )
     m = build(with_(extra_args={"nvext": {"cache_salt": "c"}}, routing={"cache_salt": "c"})).message
     assert m.kv.cache_salt == "dynamo-cache-salt:c"
-    m = build(with_(extra_args={"nvext": {"cache_salt": "n", "token_in": True}}, routing={"cache_namespace": "n"})).message
+    m = build(
+        with_(extra_args={"nvext": {"cache_salt": "n", "token_in": True}}, routing={"cache_namespace": "n"})
+    ).message
     assert m.kv.cache_salt == "dynamo-cache-salt:n"
 
 
@@ -431,7 +433,12 @@ def test_bypass_precedence(extra: dict, bypass: bool) -> None:
 
 
 def test_bypass_first_present_key_wins_even_when_the_other_is_invalid() -> None:
-    assert build(with_(extra_args={"bypass_prefix_cache": False, "skip_reading_prefix_cache": "x"})).message.kv.bypass_prefix_cache is False
+    assert (
+        build(
+            with_(extra_args={"bypass_prefix_cache": False, "skip_reading_prefix_cache": "x"})
+        ).message.kv.bypass_prefix_cache
+        is False
+    )
 
 
 @pytest.mark.parametrize(
@@ -468,7 +475,9 @@ def test_non_object_kv_transfer_params(mode: DisaggregationMode) -> None:
 
 
 def test_prefill_exact_message() -> None:
-    rejects(with_(extra_args={"kv_transfer_params": "x"}), "extra_args.kv_transfer_params must be a JSON object", PREFILL)
+    rejects(
+        with_(extra_args={"kv_transfer_params": "x"}), "extra_args.kv_transfer_params must be a JSON object", PREFILL
+    )
 
 
 HANDOFF = {
@@ -489,7 +498,9 @@ def decode_req(params: Any, **kw: Any) -> dict[str, Any]:
 def test_decode_forwards_the_handoff_verbatim_except_remote_port() -> None:
     for _ in range(2):  # repeatable: the input is not mutated
         params = copy.deepcopy(HANDOFF)
-        req = decode_req(params, extra_args={"kv_transfer_params": {"caller": "discarded"}}, stop_conditions={"max_tokens": 3})
+        req = decode_req(
+            params, extra_args={"kv_transfer_params": {"caller": "discarded"}}, stop_conditions={"max_tokens": 3}
+        )
         m = build(req, DECODE).message
         assert struct_to_json(m.kv.kv_transfer_params) == {**HANDOFF, "remote_port": "20097"}
         assert m.stopping.max_new_tokens == 3
@@ -571,11 +582,23 @@ def test_wire_message_serializes() -> None:
         ({"token_ids": [1, 1.5]}, "expected an integer (u32), got float at index 1 @ $.token_ids"),
         ({"token_ids": [True]}, "expected an integer (u32), got bool at index 0 @ $.token_ids"),
         ({"token_ids": [-1]}, "-1 is outside the u32 range at index 0 @ $.token_ids"),
-        ({"token_ids": [1], "sampling_options": {"top_p": "x"}}, "expected a number, got str @ $.sampling_options.top_p"),
+        (
+            {"token_ids": [1], "sampling_options": {"top_p": "x"}},
+            "expected a number, got str @ $.sampling_options.top_p",
+        ),
         ({"token_ids": [1], "stop_conditions": []}, "expected an object, got list @ $.stop_conditions"),
-        ({"token_ids": [1], "output_options": {"logprobs": 2**32}}, "4294967296 is outside the u32 range @ $.output_options.logprobs"),
-        ({"token_ids": [1], "routing": {"priority": 2**40}}, "1099511627776 is outside the i32 range @ $.routing.priority"),
-        ({"token_ids": [1], "stop_conditions": {"ignore_eos": "yes"}}, "expected a boolean, got str @ $.stop_conditions.ignore_eos"),
+        (
+            {"token_ids": [1], "output_options": {"logprobs": 2**32}},
+            "4294967296 is outside the u32 range @ $.output_options.logprobs",
+        ),
+        (
+            {"token_ids": [1], "routing": {"priority": 2**40}},
+            "1099511627776 is outside the i32 range @ $.routing.priority",
+        ),
+        (
+            {"token_ids": [1], "stop_conditions": {"ignore_eos": "yes"}},
+            "expected a boolean, got str @ $.stop_conditions.ignore_eos",
+        ),
         ({"token_ids": [1], "routing": {"lora_name": 3}}, "expected a string, got int @ $.routing.lora_name"),
     ],
 )

@@ -26,7 +26,9 @@ def state(req: dict[str, Any] | None = None, mode: DisaggregationMode = AGG) -> 
 
 
 def cand(*tokens: tuple[int, float, int]) -> pb.CandidateTokenInfo:
-    return pb.CandidateTokenInfo(tokens=[pb.CandidateTokenInfo.TokenInfo(id=i, logprob=lp, rank=r) for i, lp, r in tokens])
+    return pb.CandidateTokenInfo(
+        tokens=[pb.CandidateTokenInfo.TokenInfo(id=i, logprob=lp, rank=r) for i, lp, r in tokens]
+    )
 
 
 def prompt_info(n: int = 3, **kw: Any) -> pb.GenerateResponse:
@@ -87,7 +89,14 @@ def test_reference_aggregated_example() -> None:
     )
     assert st.convert(pb.GenerateResponse(prompt_info=info)) is None
     chunk = st.convert(
-        out([42], text=" token", logprobs=[-0.25], ranks=[1], cands=[cand((43, -0.5, 2))], finish=fin(1, STOP, stop_token_id=2))
+        out(
+            [42],
+            text=" token",
+            logprobs=[-0.25],
+            ranks=[1],
+            cands=[cand((43, -0.5, 2))],
+            finish=fin(1, STOP, stop_token_id=2),
+        )
     )
     assert chunk is not None and st.finished
     d = chunk.to_dict()
@@ -114,7 +123,9 @@ def test_reference_aggregated_example() -> None:
 
 def test_engine_data_only_on_the_terminal() -> None:
     st = state({"token_ids": [5, 6], "output_options": {"prompt_logprobs": 0}})
-    info = pb.PromptInfo(num_prompt_tokens=2, token_ids=[5, 6], logprobs=[0.0, -1.5], ranks=[0, 4], candidate_tokens=[cand(), cand()])
+    info = pb.PromptInfo(
+        num_prompt_tokens=2, token_ids=[5, 6], logprobs=[0.0, -1.5], ranks=[0, 4], candidate_tokens=[cand(), cand()]
+    )
     first = st.convert(out([7], info=info))
     assert first is not None and first.engine_data is None and "engine_data" not in first.to_dict()
     last = st.convert(out([8], finish=fin(2, LENGTH)))
@@ -162,13 +173,21 @@ def test_no_logprobs_requested_ignores_arrays() -> None:
 @pytest.mark.parametrize("bad", [-math.inf, math.inf, math.nan, -1e9])
 def test_logprob_floor(bad: float) -> None:
     st = state({"token_ids": [1, 2], "output_options": {"logprobs": 1, "prompt_logprobs": 1}})
-    info = pb.PromptInfo(num_prompt_tokens=2, token_ids=[1, 2], logprobs=[0.0, bad], ranks=[0, 1], candidate_tokens=[cand(), cand((8, bad, 2))])
+    info = pb.PromptInfo(
+        num_prompt_tokens=2,
+        token_ids=[1, 2],
+        logprobs=[0.0, bad],
+        ranks=[0, 1],
+        candidate_tokens=[cand(), cand((8, bad, 2))],
+    )
     st.convert(pb.GenerateResponse(prompt_info=info))
     chunk = st.convert(out([42], logprobs=[bad], ranks=[1], cands=[cand((43, bad, 2))], finish=fin(1)))
     assert chunk is not None
     assert chunk.log_probs == [-9999.0]
     assert [e.logprob for e in chunk.top_logprobs[0]] == [-9999.0, -9999.0]  # type: ignore[index]
-    assert chunk.engine_data == {"prompt_logprobs": [None, {"2": {"logprob": -9999.0, "rank": 1}, "8": {"logprob": -9999.0, "rank": 2}}]}
+    assert chunk.engine_data == {
+        "prompt_logprobs": [None, {"2": {"logprob": -9999.0, "rank": 1}, "8": {"logprob": -9999.0, "rank": 2}}]
+    }
 
 
 def test_logprob_floor_keeps_finite_values_above() -> None:
@@ -365,7 +384,11 @@ def test_cancelled_chunk_counts_streamed_tokens() -> None:
         "completion_tokens": 2,
         "total_tokens": 5,
     }
-    assert cancelled_chunk(4, 1).to_dict()["completion_usage"] == {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}
+    assert cancelled_chunk(4, 1).to_dict()["completion_usage"] == {
+        "prompt_tokens": 4,
+        "completion_tokens": 1,
+        "total_tokens": 5,
+    }
 
 
 @pytest.mark.parametrize(
@@ -384,7 +407,16 @@ def test_completes_transfer(resp: pb.GenerateResponse, completes: bool) -> None:
 
 def test_output_dict_round_trip() -> None:
     st = state({"token_ids": [1, 2, 3], "output_options": {"logprobs": 1}})
-    chunk = st.convert(out([42], text="x", logprobs=[-0.25], ranks=[1], cands=[cand((43, -0.5, 2))], finish=fin(1, STOP, stop_string="s")))
+    chunk = st.convert(
+        out(
+            [42],
+            text="x",
+            logprobs=[-0.25],
+            ranks=[1],
+            cands=[cand((43, -0.5, 2))],
+            finish=fin(1, STOP, stop_string="s"),
+        )
+    )
     assert chunk is not None
     assert LLMEngineOutput.from_dict(chunk.to_dict()).to_dict() == chunk.to_dict()
 
@@ -414,7 +446,12 @@ def test_repr_shows_live_state() -> None:
         (None, AGG, out([5], num=2), None),
         (None, AGG, out([5, 6], num=3), None),
         (None, AGG, out([5], finish=fin(1)), None),  # terminal
-        ({"token_ids": [1, 2, 3], "output_options": {"logprobs": 0}}, AGG, out([5], logprobs=[-1.0], ranks=[1], cands=[cand()]), None),
+        (
+            {"token_ids": [1, 2, 3], "output_options": {"logprobs": 0}},
+            AGG,
+            out([5], logprobs=[-1.0], ranks=[1], cands=[cand()]),
+            None,
+        ),
         (None, PREFILL, out([5], text="a"), None),
     ],
 )
@@ -450,7 +487,14 @@ def varint(value: int) -> bytes:
 
 def encoded(ids: bytes, count: int, text: bytes = b"") -> bytes:
     """GenerateResponse{outputs{text, num_tokens=count, token_ids=<ids: the packed bytes as given>}}."""
-    inner = (b"\x12" + varint(len(text)) + text if text else b"") + b"\x18" + varint(count) + b"\x22" + varint(len(ids)) + ids
+    inner = (
+        (b"\x12" + varint(len(text)) + text if text else b"")
+        + b"\x18"
+        + varint(count)
+        + b"\x22"
+        + varint(len(ids))
+        + ids
+    )
     return b"\x12" + varint(len(inner)) + inner
 
 

@@ -212,7 +212,9 @@ def test_keepalive_flags_and_environment() -> None:
     env = {"TRIO_SIDECAR_GRPC_KEEPALIVE_TIME_SECS": "2.5", "TRIO_SIDECAR_GRPC_KEEPALIVE_TIMEOUT_SECS": "1"}
     config, _ = parse_run_args(EP, environ=env)
     assert (config.keepalive_time, config.keepalive_timeout) == (2.5, 1.0)
-    config, _ = parse_run_args(EP + ["--grpc-keepalive-time-secs", "0", "--grpc-keepalive-timeout-secs", "0.5"], environ=env)
+    config, _ = parse_run_args(
+        EP + ["--grpc-keepalive-time-secs", "0", "--grpc-keepalive-timeout-secs", "0.5"], environ=env
+    )
     assert (config.keepalive_time, config.keepalive_timeout) == (0.0, 0.5)  # flags win; 0 disables keepalive
     with pytest.raises(UsageError, match="`--grpc-keepalive-timeout-secs` must be a finite, positive"):
         parse_run_args(EP + ["--grpc-keepalive-timeout-secs", "0"], environ={})
@@ -260,7 +262,9 @@ def test_numeric_flags_reject_non_decimal(flag: str, env: str) -> None:
         ([], {"TRIO_SIDECAR_HEALTH_PROBER": "perhaps"}, "invalid boolean value `perhaps`"),
     ],
 )
-def test_bad_values_exit_2(args: list[str], env: dict, message: str, worker: list, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_values_exit_2(
+    args: list[str], env: dict, message: str, worker: list, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["run", *EP, *args], environ=env) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err
@@ -284,7 +288,9 @@ def test_unknown_flag_exits_2(worker: list, capsys: pytest.CaptureFixture[str]) 
         (["--grpc-endpoint", "https://server"], {}, "TLS endpoints are not supported by `--grpc-endpoint`"),
     ],
 )
-def test_prepare_failures_exit_2(args: list[str], env: dict, message: str, worker: list, capsys: pytest.CaptureFixture[str]) -> None:
+def test_prepare_failures_exit_2(
+    args: list[str], env: dict, message: str, worker: list, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(["run", *EP, *args], environ=env) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err

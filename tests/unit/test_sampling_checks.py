@@ -12,6 +12,7 @@ import math
 from typing import Any
 
 import pytest
+from vllm_float_table import BAD, INF, LOGIT_BIASES, NAN, ORDER, TABLE
 
 from trio_sidecar._proto.vllm import inference_pb2 as pb
 from trio_sidecar.config import DisaggregationMode
@@ -22,8 +23,6 @@ from trio_sidecar.mock.validation import RequestPolicy, prepare_request
 from trio_sidecar.protocol import PreprocessedRequest, SamplingOptions, structure_request
 from trio_sidecar.sampling_checks import format_f32, sampling_error
 from trio_sidecar.status import StatusCode
-
-from vllm_float_table import BAD, INF, LOGIT_BIASES, NAN, ORDER, TABLE
 
 TABLE_IDS = [f"{field}={value!r}" for field, value, _ in TABLE]
 
@@ -40,7 +39,9 @@ def set_field(message: pb.GenerateRequest, field: str, value: float) -> None:
 def wire(field: str, value: float) -> pb.GenerateRequest:
     """A greedy request with one float field set on the wire."""
     message = pb.GenerateRequest(
-        request_id="r", token_ids=pb.TokenIds(ids=[1, 2, 3]), temperature=0.0,
+        request_id="r",
+        token_ids=pb.TokenIds(ids=[1, 2, 3]),
+        temperature=0.0,
         stopping=pb.StoppingCriteria(max_new_tokens=4),
     )
     set_field(message, field, value)
@@ -136,14 +137,23 @@ def test_attrs_request_with_a_bad_float_is_rejected_too():
 @pytest.mark.parametrize(
     ("value", "text"),
     [
-        (2.0, "2"), (1.5, "1.5"), (1.1, "1.1"), (NAN, "NaN"), (INF, "inf"), (-INF, "-inf"), (-0.0, "-0"),
-        (1e38, "100000000000000000000000000000000000000"), (-3.4028235e38, "-340282350000000000000000000000000000000"),
-        (1e-7, "0.0000001"), (100.0, "100"), (1e39, "inf"), (3.4028235e38, "340282350000000000000000000000000000000"),
+        (2.0, "2"),
+        (1.5, "1.5"),
+        (1.1, "1.1"),
+        (NAN, "NaN"),
+        (INF, "inf"),
+        (-INF, "-inf"),
+        (-0.0, "-0"),
+        (1e38, "100000000000000000000000000000000000000"),
+        (-3.4028235e38, "-340282350000000000000000000000000000000"),
+        (1e-7, "0.0000001"),
+        (100.0, "100"),
+        (1e39, "inf"),
+        (3.4028235e38, "340282350000000000000000000000000000000"),
     ],
 )
 def test_format_f32_like_rust_display(value, text):
     assert format_f32(value) == text
-
 
 
 # vLLM runs these checks before the float ones (measured; the real-server test asserts it too).

@@ -16,9 +16,15 @@ from trio_sidecar.convert import build_generate_request
 from trio_sidecar.errors import InvalidArgument
 from trio_sidecar.protocol import structure_request
 
-
-FLOAT_FIELDS = ["temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                "length_penalty"]
+FLOAT_FIELDS = [
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "length_penalty",
+]
 
 
 @pytest.mark.parametrize("sign", [1, -1], ids=["positive", "negative"])
@@ -40,7 +46,10 @@ def test_an_int_beyond_the_float_range_is_a_typed_error(field, sign):
 
 def test_the_largest_int_a_float_holds_is_still_a_float():
     largest = int(1.7976931348623157e308)
-    assert structure_request({"token_ids": [1], "sampling_options": {"temperature": largest}}).sampling_options.temperature == 1.7976931348623157e308
+    assert (
+        structure_request({"token_ids": [1], "sampling_options": {"temperature": largest}}).sampling_options.temperature
+        == 1.7976931348623157e308
+    )
 
 
 HUGE = 10**5000  # beyond Python's default 4300-digit limit for int -> str
@@ -49,15 +58,26 @@ HUGE = 10**5000  # beyond Python's default 4300-digit limit for int -> str
 @pytest.mark.parametrize(
     ("body", "mode", "message"),
     [
-        ({"token_ids": [HUGE]}, DisaggregationMode.AGG,
-         "invalid PreprocessedRequest: <16610-bit integer> is outside the u32 range at index 0 @ $.token_ids"),
-        ({"token_ids": [1], "stop_conditions": {"max_tokens": -HUGE}}, DisaggregationMode.AGG,
-         "invalid PreprocessedRequest: <16610-bit integer> is outside the u32 range @ $.stop_conditions.max_tokens"),
-        ({"token_ids": [1], "extra_args": {"kv_transfer_params": {"a": HUGE}}}, DisaggregationMode.AGG,
-         "kv_transfer_params integer <16610-bit integer> cannot be represented exactly by protobuf Struct"),
-        ({"token_ids": [1], "prefill_result": {"disaggregated_params": {"remote_port": HUGE}}},
-         DisaggregationMode.DECODE,
-         "kv_transfer_params integer <16610-bit integer> cannot be represented exactly by protobuf Struct"),
+        (
+            {"token_ids": [HUGE]},
+            DisaggregationMode.AGG,
+            "invalid PreprocessedRequest: <16610-bit integer> is outside the u32 range at index 0 @ $.token_ids",
+        ),
+        (
+            {"token_ids": [1], "stop_conditions": {"max_tokens": -HUGE}},
+            DisaggregationMode.AGG,
+            "invalid PreprocessedRequest: <16610-bit integer> is outside the u32 range @ $.stop_conditions.max_tokens",
+        ),
+        (
+            {"token_ids": [1], "extra_args": {"kv_transfer_params": {"a": HUGE}}},
+            DisaggregationMode.AGG,
+            "kv_transfer_params integer <16610-bit integer> cannot be represented exactly by protobuf Struct",
+        ),
+        (
+            {"token_ids": [1], "prefill_result": {"disaggregated_params": {"remote_port": HUGE}}},
+            DisaggregationMode.DECODE,
+            "kv_transfer_params integer <16610-bit integer> cannot be represented exactly by protobuf Struct",
+        ),
     ],
     ids=["token-id", "max-tokens", "kv-params", "remote-port"],
 )

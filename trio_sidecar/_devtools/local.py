@@ -83,8 +83,15 @@ def dynamo_env(file_kv: str | os.PathLike[str], base: Mapping[str, str] | None =
 class Process:
     """A child process with its output in a log file; stopped by PID only."""
 
-    def __init__(self, name: str, argv: Sequence[str], *, env: Mapping[str, str], log_path: Path,
-                 stdout: int | IO[Any] | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        log_path: Path,
+        stdout: int | IO[Any] | None = None,
+    ) -> None:
         self.name = name
         self.argv = list(argv)
         self.log_path = Path(log_path)
@@ -145,9 +152,17 @@ class Process:
         return f"<Process {self.name} pid={self.pid} {state}>"
 
 
-def start_frontend(workdir: Path, env: Mapping[str, str], *, namespace: str | None = None,
-                   router_mode: str | None = None, extra: Sequence[str] = (), port: int | None = None,
-                   timeout: float = 120.0, attempts: int = 3) -> tuple[Process, int]:
+def start_frontend(
+    workdir: Path,
+    env: Mapping[str, str],
+    *,
+    namespace: str | None = None,
+    router_mode: str | None = None,
+    extra: Sequence[str] = (),
+    port: int | None = None,
+    timeout: float = 120.0,
+    attempts: int = 3,
+) -> tuple[Process, int]:
     """``python -m dynamo.frontend`` on 127.0.0.1; returns the process and its HTTP port once it accepts.
 
     Without an explicit ``port`` a free one is picked; if another process takes it first (the frontend then
@@ -155,15 +170,30 @@ def start_frontend(workdir: Path, env: Mapping[str, str], *, namespace: str | No
     """
     for _ in range(1 if port else attempts):
         http_port = port or free_port()
-        argv = [sys.executable, "-m", "dynamo.frontend", "--http-host", LOOPBACK, "--http-port", str(http_port),
-                "--discovery-backend", "file", "--request-plane", "tcp"]
+        argv = [
+            sys.executable,
+            "-m",
+            "dynamo.frontend",
+            "--http-host",
+            LOOPBACK,
+            "--http-port",
+            str(http_port),
+            "--discovery-backend",
+            "file",
+            "--request-plane",
+            "tcp",
+        ]
         if namespace:
             argv += ["--namespace", namespace]
         if router_mode:
             argv += ["--router-mode", router_mode]
         argv += list(extra)
-        proc = Process("frontend", argv, env={"DYN_HTTP_PRE_COMMIT_ERROR_PEEK_MS": PRE_COMMIT_ERROR_PEEK_MS, **env},
-                       log_path=workdir / f"frontend-{http_port}.log")
+        proc = Process(
+            "frontend",
+            argv,
+            env={"DYN_HTTP_PRE_COMMIT_ERROR_PEEK_MS": PRE_COMMIT_ERROR_PEEK_MS, **env},
+            log_path=workdir / f"frontend-{http_port}.log",
+        )
         if _wait_accepting(http_port, proc, timeout):
             return proc, http_port
         proc.stop()
@@ -183,12 +213,31 @@ def _wait_accepting(port: int, proc: Process, timeout: float) -> bool:
     return False
 
 
-def start_mock(workdir: Path, env: Mapping[str, str], *, model: str, served_model_name: str | None = None,
-               mode: str = "aggregated", engine_args: Mapping[str, Any] | None = None, seed: int | None = None,
-               timeout: float = 60.0, name: str = "mock") -> tuple[Process, str]:
+def start_mock(
+    workdir: Path,
+    env: Mapping[str, str],
+    *,
+    model: str,
+    served_model_name: str | None = None,
+    mode: str = "aggregated",
+    engine_args: Mapping[str, Any] | None = None,
+    seed: int | None = None,
+    timeout: float = 60.0,
+    name: str = "mock",
+) -> tuple[Process, str]:
     """``trio-sidecar mock`` on 127.0.0.1:0; returns the process and its ``IP:PORT`` (read from stdout)."""
-    argv = [sys.executable, "-m", "trio_sidecar", "mock", "--listen", f"{LOOPBACK}:0", "--model", model,
-            "--disaggregation-mode", mode]
+    argv = [
+        sys.executable,
+        "-m",
+        "trio_sidecar",
+        "mock",
+        "--listen",
+        f"{LOOPBACK}:0",
+        "--model",
+        model,
+        "--disaggregation-mode",
+        mode,
+    ]
     if served_model_name:
         argv += ["--served-model-name", served_model_name]
     if engine_args:
@@ -212,18 +261,57 @@ def start_mock(workdir: Path, env: Mapping[str, str], *, model: str, served_mode
     raise RuntimeError(f"the mock did not start: {log[-2000:]}")
 
 
-def start_trio_sidecar(workdir: Path, env: Mapping[str, str], grpc_endpoint: str, *, namespace: str,
-                       extra: Sequence[str] = (), name: str = "trio-sidecar") -> Process:
-    argv = [sys.executable, "-m", "trio_sidecar", "run", "--grpc-endpoint", grpc_endpoint,
-            "--discovery-backend", "file", "--request-plane", "tcp", "--namespace", namespace, *extra]
+def start_trio_sidecar(
+    workdir: Path,
+    env: Mapping[str, str],
+    grpc_endpoint: str,
+    *,
+    namespace: str,
+    extra: Sequence[str] = (),
+    name: str = "trio-sidecar",
+) -> Process:
+    argv = [
+        sys.executable,
+        "-m",
+        "trio_sidecar",
+        "run",
+        "--grpc-endpoint",
+        grpc_endpoint,
+        "--discovery-backend",
+        "file",
+        "--request-plane",
+        "tcp",
+        "--namespace",
+        namespace,
+        *extra,
+    ]
     return Process(name, argv, env=env, log_path=workdir / f"{name}.log")
 
 
-def start_native_sidecar(workdir: Path, env: Mapping[str, str], grpc_endpoint: str, *, namespace: str,
-                         extra: Sequence[str] = (), name: str = "native-sidecar") -> Process:
+def start_native_sidecar(
+    workdir: Path,
+    env: Mapping[str, str],
+    grpc_endpoint: str,
+    *,
+    namespace: str,
+    extra: Sequence[str] = (),
+    name: str = "native-sidecar",
+) -> Process:
     """Dynamo's own Rust sidecar (``python -m dynamo.vllm.sidecar``), the differential-test oracle."""
-    argv = [sys.executable, "-m", "dynamo.vllm.sidecar", "--grpc-endpoint", grpc_endpoint,
-            "--discovery-backend", "file", "--request-plane", "tcp", "--namespace", namespace, *extra]
+    argv = [
+        sys.executable,
+        "-m",
+        "dynamo.vllm.sidecar",
+        "--grpc-endpoint",
+        grpc_endpoint,
+        "--discovery-backend",
+        "file",
+        "--request-plane",
+        "tcp",
+        "--namespace",
+        namespace,
+        *extra,
+    ]
     return Process(name, argv, env=env, log_path=workdir / f"{name}.log")
 
 
@@ -267,8 +355,12 @@ def stream_sse(port: int, path: str, payload: Mapping[str, Any], *, timeout: flo
     """
     conn = _connection(port, timeout)
     try:
-        conn.request("POST", path, body=json.dumps(payload),
-                     headers={"content-type": "application/json", "accept": "text/event-stream"})
+        conn.request(
+            "POST",
+            path,
+            body=json.dumps(payload),
+            headers={"content-type": "application/json", "accept": "text/event-stream"},
+        )
         resp = conn.getresponse()
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:500]!r}")
@@ -304,8 +396,7 @@ def list_models(port: int) -> list[str]:
     return [m.get("id") for m in body.get("data", [])]
 
 
-def wait_for_models(port: int, names: Sequence[str], *, timeout: float = 120.0,
-                    watch: Sequence[Process] = ()) -> float:
+def wait_for_models(port: int, names: Sequence[str], *, timeout: float = 120.0, watch: Sequence[Process] = ()) -> float:
     """Poll ``/v1/models`` until every name is listed; returns the seconds waited.
 
     Raises:

@@ -75,16 +75,28 @@ def prerequisites(options: WorkerOptions, environ: Mapping[str, str] = os.enviro
     needed = []
     if options.discovery_backend == "etcd":
         urls = tuple(u.strip() for u in environ.get("ETCD_ENDPOINTS", DEFAULT_ETCD).split(",") if u.strip())
-        needed.append(Prerequisite(
-            "etcd", "ETCD_ENDPOINTS", urls, _addresses(urls, 2379), _timeout(environ),
-            "start etcd, point ETCD_ENDPOINTS at it, or use --discovery-backend file on a single host",
-        ))
+        needed.append(
+            Prerequisite(
+                "etcd",
+                "ETCD_ENDPOINTS",
+                urls,
+                _addresses(urls, 2379),
+                _timeout(environ),
+                "start etcd, point ETCD_ENDPOINTS at it, or use --discovery-backend file on a single host",
+            )
+        )
     if options.request_plane == "nats" or options.event_plane == "nats":
         urls = tuple(u.strip() for u in environ.get("NATS_SERVER", DEFAULT_NATS).split(",") if u.strip())
-        needed.append(Prerequisite(
-            "NATS", "NATS_SERVER", urls, _addresses(urls, 4222), _timeout(environ),
-            "start NATS, point NATS_SERVER at it, or use the tcp request plane and the zmq event plane",
-        ))
+        needed.append(
+            Prerequisite(
+                "NATS",
+                "NATS_SERVER",
+                urls,
+                _addresses(urls, 4222),
+                _timeout(environ),
+                "start NATS, point NATS_SERVER at it, or use the tcp request plane and the zmq event plane",
+            )
+        )
     return [p for p in needed if p.addresses]
 
 

@@ -11,6 +11,8 @@ from typing import Any, NoReturn, cast
 import trio
 from purerpc.grpclib.config import GRPCConfiguration
 
+from trio_sidecar.status import StatusCode
+
 from ._connection import Call, Connection, _copy_error, deadline_after, encode_metadata, parse_message
 from ._errors import DEFAULT_MAX_MESSAGE_LENGTH, ConnectionLostError, RpcError
 from ._protocol import (
@@ -31,7 +33,6 @@ from ._protocol import (
     frame_message,
 )
 from ._util import collapse_single_exception
-from trio_sidecar.status import StatusCode
 
 __all__ = ["DEFAULT_KEEPALIVE_TIMEOUT", "Channel", "ResponseStream", "connect_channel", "open_channel"]
 
@@ -559,9 +560,7 @@ class ResponseStream:
             call.close()
             raise
 
-    async def listen(
-        self, listener: Callable[[bytes], bool], flush: Callable[[], bool] | None = None
-    ) -> bool:
+    async def listen(self, listener: Callable[[bytes], bool], flush: Callable[[], bool] | None = None) -> bool:
         """Hand every response message (serialized) to ``listener(data)`` as it is received, instead of
         iterating, until ``listener`` returns True or the stream ends. Only with ``response_type=None``.
 
@@ -714,7 +713,9 @@ async def connect_channel(
             try:
                 data = await stream.receive_some(65536)
             except trio.BrokenResourceError as exc:
-                raise ConnectionLostError(f"connection to {host}:{port} lost during the HTTP/2 handshake: {exc}") from exc
+                raise ConnectionLostError(
+                    f"connection to {host}:{port} lost during the HTTP/2 handshake: {exc}"
+                ) from exc
             if not data:
                 raise ConnectionLostError(f"connection to {host}:{port} closed during the HTTP/2 handshake")
             try:

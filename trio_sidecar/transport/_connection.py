@@ -20,9 +20,10 @@ import trio
 from google.protobuf.message import DecodeError
 from trio.lowlevel import Abort, current_task, reschedule, wait_task_rescheduled
 
+from trio_sidecar.status import StatusCode
+
 from ._errors import ConnectionLostError, RpcError
 from ._protocol import CONNECTION_ERRORS, ErrorCodes, GrpcProtocol, StreamClosed
-from trio_sidecar.status import StatusCode
 
 LOGGER = logging.getLogger("trio_sidecar.transport")
 
@@ -38,6 +39,7 @@ YIELD_EVERY = 32
 # is still unsent. A peer that floods control frames without reading the answers trips it: GOAWAY
 # ENHANCE_YOUR_CALM and close, so its unread acks cannot grow our memory (about 15,000 PING acks).
 CONTROL_BACKLOG_LIMIT = 256 * 1024
+
 
 def parse_message(message_type: Any, data: bytes, what: str) -> Any:
     """``message_type.FromString(data)``; bytes that do not parse raise ``RpcError`` INTERNAL
@@ -252,7 +254,14 @@ class Connection:
             raise RpcError(StatusCode.CANCELLED, "stream closed by the peer") from None
 
     async def _send(
-        self, call: Call, protocol: GrpcProtocol, stream_id: int, payload: bytes, total: int, end_stream: bool, flush: bool
+        self,
+        call: Call,
+        protocol: GrpcProtocol,
+        stream_id: int,
+        payload: bytes,
+        total: int,
+        end_stream: bool,
+        flush: bool,
     ) -> None:
         if call.error is None and protocol.send_message(stream_id, payload, end_stream):
             # Fast path: the whole message fitted the window and one frame. No checkpoint per message
@@ -286,7 +295,7 @@ class Connection:
             while window > 0 and position < total:
                 size = min(window, frame_size, total - position)
                 last = position + size >= total
-                protocol.send_data(stream_id, payload[position:position + size], end_stream and last)
+                protocol.send_data(stream_id, payload[position : position + size], end_stream and last)
                 position += size
                 window -= size
             if position >= total:
@@ -391,7 +400,9 @@ class Connection:
             return False
         LOGGER.warning(
             "transport: %s does not read the answers to its control frames (%d bytes unsent); closing the "
-            "connection with ENHANCE_YOUR_CALM", self.description, unsent
+            "connection with ENHANCE_YOUR_CALM",
+            self.description,
+            unsent,
         )
         self.protocol.close_connection(ErrorCodes.ENHANCE_YOUR_CALM)
         self._flush_final()
@@ -463,10 +474,7 @@ class Connection:
             # Nothing read since the PING (a read at its very instant counts), and nothing waiting to be
             # read either: bytes that arrived while this process itself was stalled are not the peer's fault.
             if self.last_read < sent and not _readable(self._fileno):
-                self.lose(
-                    f"connection to {self.description} lost: keepalive PING not acknowledged within "
-                    f"{timeout:g}s"
-                )
+                self.lose(f"connection to {self.description} lost: keepalive PING not acknowledged within {timeout:g}s")
                 return
 
     # -- lifetime ------------------------------------------------------------------------------------

@@ -99,7 +99,9 @@ _new_object = object.__new__
 _MESSAGE_PREFIX = struct.Struct(">BL")  # gRPC's message prefix: compressed flag, big-endian length
 _unpack_message_prefix = _MESSAGE_PREFIX.unpack_from
 _pack_message_prefix = _MESSAGE_PREFIX.pack
-_OPEN_CONNECTION_STATES = frozenset({h2.connection.ConnectionState.CLIENT_OPEN, h2.connection.ConnectionState.SERVER_OPEN})
+_OPEN_CONNECTION_STATES = frozenset(
+    {h2.connection.ConnectionState.CLIENT_OPEN, h2.connection.ConnectionState.SERVER_OPEN}
+)
 _DATA_STREAM_STATES = frozenset({h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL})
 
 # Errors that parsing a header block can raise (purerpc's parsers index dicts and call int()).
@@ -288,8 +290,8 @@ class _H2Connection(h2.connection.H2Connection):
             return
         if self.open_outbound_streams + 1 > self.remote_settings.max_concurrent_streams:
             raise h2.exceptions.TooManyStreamsError(
-                "Max outbound streams is %d, %d open"
-                % (self.remote_settings.max_concurrent_streams, self.open_outbound_streams)
+                f"Max outbound streams is {self.remote_settings.max_concurrent_streams}, "
+                f"{self.open_outbound_streams} open"
             )
         self.state_machine.process_input(_SEND_HEADERS)
         stream = self._get_or_create_stream(stream_id, _CLIENT_STREAM_IDS)
@@ -299,7 +301,7 @@ class _H2Connection(h2.connection.H2Connection):
         if len(block) <= size:
             self._data_to_send += _frame_header(len(block) >> 16, len(block) & 0xFFFF, 0x1, 0x4, stream_id) + block
         else:  # HEADERS, then CONTINUATION frames; END_HEADERS on the last
-            chunks = [block[i:i + size] for i in range(0, len(block), size)]
+            chunks = [block[i : i + size] for i in range(0, len(block), size)]
             out = [_frame_header(len(chunks[0]) >> 16, len(chunks[0]) & 0xFFFF, 0x1, 0, stream_id), chunks[0]]
             for n, chunk in enumerate(chunks[1:], 2):
                 flags = 0x4 if n == len(chunks) else 0
@@ -390,9 +392,7 @@ class BoundedReadBuffer(MessageReadBuffer):
     def decompress(self, data):  # type: ignore[no-untyped-def]
         encoding = self._message_encoding
         if encoding is None or encoding == "identity":
-            raise MessageDecodeError(
-                StatusCode.INTERNAL, "compressed message received without a grpc-encoding"
-            )
+            raise MessageDecodeError(StatusCode.INTERNAL, "compressed message received without a grpc-encoding")
         wbits = _ZLIB_WBITS.get(encoding)
         if wbits is None:
             raise MessageDecodeError(
@@ -645,7 +645,13 @@ class GrpcProtocol(GRPCConnection):
             end = position + 9 + length
             if end > total:
                 break  # an incomplete frame: kept for the next read
-            if frame_type == 0 and flags == 0 and open_connection and length <= max_frame_size and not frames._headers_buffer:
+            if (
+                frame_type == 0
+                and flags == 0
+                and open_connection
+                and length <= max_frame_size
+                and not frames._headers_buffer
+            ):
                 stream_id &= 0x7FFFFFFF
                 buffer = buffers.get(stream_id)
                 stream = streams.get(stream_id)
@@ -660,7 +666,7 @@ class GrpcProtocol(GRPCConnection):
                     connection_window.current_window_size -= length
                     stream._inbound_window_manager.current_window_size -= length
                     stream._actual_content_length += length
-                    events.extend(self._data_payload(stream_id, buffer, data[position + 9:end], length))
+                    events.extend(self._data_payload(stream_id, buffer, data[position + 9 : end], length))
                     position = end
                     continue
             if (
@@ -671,7 +677,7 @@ class GrpcProtocol(GRPCConnection):
                 and not frames._headers_buffer
                 and self.fast_headers
             ):
-                events.extend(self._receive_plain_headers(stream_id & 0x7FFFFFFF, flags, data[position + 9:end]))
+                events.extend(self._receive_plain_headers(stream_id & 0x7FFFFFFF, flags, data[position + 9 : end]))
             else:
                 events.extend(self._receive_via_h2(data[position:end]))
             position = end
@@ -771,9 +777,7 @@ class GrpcProtocol(GRPCConnection):
         if event.stream_ended:
             return [StreamFailed(stream_id, StatusCode.INTERNAL, "request ended before a message was sent")]
         try:
-            request = RequestReceived.parse_from_stream_id_and_headers_destructive(
-                stream_id, HeaderDict(event.headers)
-            )
+            request = RequestReceived.parse_from_stream_id_and_headers_destructive(stream_id, HeaderDict(event.headers))
         except _HEADER_ERRORS as exc:
             return [StreamFailed(stream_id, StatusCode.INTERNAL, f"malformed request headers: {exc}")]
         self.message_read_buffers[stream_id] = BoundedReadBuffer(
@@ -806,9 +810,9 @@ class GrpcProtocol(GRPCConnection):
 
     def _trailers_received(self, event: h2.events.TrailersReceived) -> list:
         try:
-            return [ResponseEnded.parse_from_stream_id_and_headers_destructive(
-                event.stream_id, HeaderDict(event.headers)
-            )]
+            return [
+                ResponseEnded.parse_from_stream_id_and_headers_destructive(event.stream_id, HeaderDict(event.headers))
+            ]
         except _HEADER_ERRORS as exc:
             self.discard_stream(event.stream_id)
             return [StreamFailed(event.stream_id, StatusCode.UNKNOWN, f"malformed trailers: {exc}")]
@@ -825,7 +829,9 @@ class GrpcProtocol(GRPCConnection):
             return []
         return self._data_payload(stream_id, buffer, event.data, event.flow_controlled_length)
 
-    def _data_payload(self, stream_id: int, buffer: MessageReadBuffer, data: bytes, flow_controlled_length: int) -> list:
+    def _data_payload(
+        self, stream_id: int, buffer: MessageReadBuffer, data: bytes, flow_controlled_length: int
+    ) -> list:
         """The messages a DATA payload completes (purerpc's framing rules)."""
         if flow_controlled_length == len(data) and not buffer._buffer._size and buffer._message_length is None:
             # Nothing buffered and the payload is whole uncompressed messages within the limit (the usual
@@ -840,13 +846,15 @@ class GrpcProtocol(GRPCConnection):
                 end = position + 5 + length
                 if compressed or length > limit or end > total:
                     break
-                out.append(MessageReceived(stream_id, data[position + 5:end], 5 + length))
+                out.append(MessageReceived(stream_id, data[position + 5 : end], 5 + length))
                 position = end
             if position == total:
                 return out
         return self._buffer_payload(stream_id, buffer, data, flow_controlled_length)
 
-    def _buffer_payload(self, stream_id: int, buffer: MessageReadBuffer, data: bytes, flow_controlled_length: int) -> list:
+    def _buffer_payload(
+        self, stream_id: int, buffer: MessageReadBuffer, data: bytes, flow_controlled_length: int
+    ) -> list:
         try:
             buffer.data_received(data, flow_controlled_length)
         except MessageTooLargeError:

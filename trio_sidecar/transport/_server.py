@@ -15,6 +15,8 @@ import trio
 from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.rpc import Cardinality
 
+from trio_sidecar.status import StatusCode
+
 from ._connection import Call, Connection, encode_metadata, parse_message
 from ._errors import DEFAULT_MAX_MESSAGE_LENGTH, RpcError
 from ._protocol import (
@@ -33,7 +35,6 @@ from ._protocol import (
     frame_messages,
 )
 from ._util import collapse_single_exception
-from trio_sidecar.status import StatusCode
 
 __all__ = ["CallContext", "FramedMessages", "GrpcServer", "ServerLimits", "serve_grpc"]
 
@@ -285,7 +286,9 @@ class _ServerConnection(Connection):
         with trio.move_on_after(limits.handshake_timeout):
             await self.handshaken.wait()
         if not self.handshaken.is_set():
-            LOGGER.debug("transport: closing %s: no HTTP/2 handshake within %s s", self.description, limits.handshake_timeout)
+            LOGGER.debug(
+                "transport: closing %s: no HTTP/2 handshake within %s s", self.description, limits.handshake_timeout
+            )
             self.lose(f"connection from {self.description} closed: handshake timeout")
             return
         idle_timeout = limits.idle_timeout
@@ -419,7 +422,9 @@ class GrpcServer:
             LOGGER.warning(
                 "connection limit reached: %d connections open (max_connections=%d); refused %d new "
                 "connection(s) since the last report",
-                self.open_connections, self.limits.max_connections, self._refused_since_log,
+                self.open_connections,
+                self.limits.max_connections,
+                self._refused_since_log,
             )
             self._cap_logged_at = now
             self._refused_since_log = 0
@@ -450,9 +455,7 @@ class GrpcServer:
 
 
 async def _bind(host: str, port: int) -> trio.SocketListener:
-    infos = await trio.socket.getaddrinfo(
-        host, port, type=stdlib_socket.SOCK_STREAM, flags=stdlib_socket.AI_PASSIVE
-    )
+    infos = await trio.socket.getaddrinfo(host, port, type=stdlib_socket.SOCK_STREAM, flags=stdlib_socket.AI_PASSIVE)
     if not infos:  # pragma: no cover - getaddrinfo raises instead
         raise OSError(f"cannot resolve {host!r}")
     family, type_, proto, _, sockaddr = infos[0]

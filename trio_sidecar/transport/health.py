@@ -8,10 +8,11 @@ from typing import Any
 
 import trio
 
-from ._client import Channel, ResponseStream
-from ._errors import RpcError
 from trio_sidecar._proto.grpc.health.v1 import health_grpc, health_pb2
 from trio_sidecar.status import StatusCode
+
+from ._client import Channel, ResponseStream
+from ._errors import RpcError
 
 __all__ = [
     "CHECK_METHOD",
@@ -50,7 +51,9 @@ class HealthServicer(health_grpc.HealthServicer):
         self._shut_down = False
 
     def __repr__(self) -> str:
-        names = ", ".join(f"{name or '<server>'}={_ServingStatus.Name(status)}" for name, status in self._statuses.items())
+        names = ", ".join(
+            f"{name or '<server>'}={_ServingStatus.Name(status)}" for name, status in self._statuses.items()
+        )
         return f"<HealthServicer [{names}]{' shut down' if self._shut_down else ''}>"
 
     def status(self, service: str) -> int | None:
