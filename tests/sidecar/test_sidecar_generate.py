@@ -497,18 +497,19 @@ async def test_decode_cancel_after_the_first_token_is_immediate(fake):
 @pytest.mark.parametrize("task_ends_first", [False, True])
 async def test_cancel_with_a_batch_half_returned_counts_only_the_returned_chunks(fake, task_ends_first):
     # While the caller sleeps, several messages are received; the request task hands them over as one
-    # batch. Stopping after taking one of them drops the rest: the cancelled chunk comes next and its
-    # usage counts exactly the chunks the caller got.
+    # run. Stopping with chunks handed over but not taken drops them: the cancelled chunk comes next and
+    # its usage counts exactly the chunks the caller got.
     fake.hang = True
     async with open_sidecar(sidecar_config(fake.endpoint)) as sidecar:
         ctx = GenerateContext("batch-cancel")
         chunks = []
         async with sidecar.generate(request(), ctx) as stream:
             chunks.append(await stream.__anext__())
-            await trio.sleep(0.2)  # ~20 messages arrive meanwhile
+            await trio.sleep(0.2)  # ~20 messages arrive meanwhile; the request pauses one run ahead
+            chunks.append(await stream.__anext__())  # the caller starts on the next run: the request resumes
+            await trio.sleep(0.05)  # and hands the messages received meanwhile over as one run
             chunks.append(await stream.__anext__())
-            chunks.append(await stream.__anext__())
-            assert not stream._finished and stream._batch  # a batch is half returned
+            assert not stream._finished and stream._pending  # chunks handed over but not taken yet
             ctx.stop()
             if task_ends_first:  # the request task builds its cancelled chunk before the caller drops the rest
                 with trio.fail_after(2):

@@ -1,6 +1,6 @@
 """The request task's batch builder (convert/batch.py): per-message decisions, compact batches, endings.
 
-Table-driven: each case feeds a message script to a ``BatchBuilder`` the way ``SidecarEngine._pump`` does
+Table-driven: each case feeds a message script to a ``BatchBuilder`` the way a paced consumer would
 (take the open batch after every ``END`` and whenever the script says the transport had nothing more
 buffered) and compares the chunks handed over, the ending and the usage. ``test_property.py`` checks the
 same against converting one message at a time, on random streams.
@@ -29,7 +29,7 @@ from trio_sidecar.convert.batch import (
 )
 from trio_sidecar.errors import ProtocolError, UnknownError
 from trio_sidecar.multimodal import HANDOFF_KEY
-from trio_sidecar.protocol import LLMEngineOutput, structure_request, token_chunk
+from trio_sidecar.protocol import LLMEngineOutput, structure_request, token_chunk, token_chunk_dict
 
 AGG, PREFILL, DECODE = DisaggregationMode.AGG, DisaggregationMode.PREFILL, DisaggregationMode.DECODE
 STOP, LENGTH = 2, 1
@@ -436,3 +436,8 @@ def test_token_chunk_equals_the_attrs_init_for_every_field() -> None:
         for field in attrs.fields(LLMEngineOutput):  # a field added to the class must be set there too
             assert getattr(fast, field.name) == getattr(slow, field.name)
         assert fast.token_ids is token_ids
+
+
+def test_token_chunk_dict_equals_the_token_chunks_dict() -> None:
+    for token_ids, text in (([1], "x"), ([2, 3], ""), ([], "")):
+        assert token_chunk_dict(token_ids, text) == token_chunk(list(token_ids), text).to_dict()
