@@ -14,7 +14,8 @@ never more than one run of already-received messages ahead of the caller.
 
 Cancellation: once the request is cancelled (``ctx.stop()``, engine shutdown), the chunks not taken yet are
 dropped and usage no longer counts them (``ResponseState.retract``): the cancelled chunk comes next, and
-counts exactly the chunks the caller got. When the caller leaves (:meth:`close`), runs are discarded and the
+counts exactly the chunks the caller got. A cancellation after the terminal message was read comes too late
+(as for ``submit()``): the caller gets every chunk and the terminal. When the caller leaves (:meth:`close`), runs are discarded and the
 request is never paused again (decode mode keeps reading until the KV transfer completed).
 """
 
@@ -44,7 +45,8 @@ class ChunkStream:
 
     def __init__(self) -> None:
         self._request: RequestTask | None = None  # bound once the engine created the request
-        self._pending: deque[ChunkBatch] = deque()  # runs not fully taken; the first is being returned
+        #: Runs not taken yet; the first is being returned (it may be empty until the caller asks for more).
+        self._pending: deque[ChunkBatch] = deque()
         self._final: LLMEngineOutput | None = None
         self._error: BaseException | None = None
         self._ended = False  # end() was called
@@ -75,12 +77,20 @@ class ChunkStream:
             self._request.state.retract(batch.drop())
             return False
         pending = self._pending
+        if pending and not pending[0]:  # (the caller took all of it but has not asked for more yet)
+            pending.popleft()
         pending.append(batch)
-        self._wake_reader()
+        reader = self._reader
+        if reader is not None:
+            self._reader = None
+            reschedule(reader)
         return len(pending) > 1
 
     async def wait_taken(self) -> None:
-        if self._closed or len(self._pending) <= 1:
+        pending = self._pending
+        if pending and not pending[0]:
+            pending.popleft()
+        if self._closed or len(pending) <= 1:
             await _checkpoint()
             return
         self._paused = current_task()
@@ -113,15 +123,16 @@ class ChunkStream:
         pending = self._pending
         while True:
             if pending:
-                if not request.cancelling:
+                # (A stop after the terminal message was read comes too late: everything is delivered.)
+                if not request.cancelling or request.state.finished:
                     await _checkpoint_if_cancelled()
-                    batch = pending[0]
-                    chunk = batch.take()
-                    if not batch:
-                        pending.popleft()
+                    chunk = pending[0].take()
+                    if chunk is not None:
+                        return chunk
+                    pending.popleft()  # the caller starts on the next run: a paused request reads on
+                    if self._paused is not None:
                         self._wake_paused()
-                    assert chunk is not None  # (a run is never empty)
-                    return chunk
+                    continue
                 self._drop()
             if self._ended:
                 break

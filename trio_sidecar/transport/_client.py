@@ -534,27 +534,6 @@ class ResponseStream:
     def __aiter__(self) -> AsyncIterator[Any]:
         return self
 
-    def next_buffered(self) -> Any:
-        """The next response if its message was already received, else None; never waits, never a
-        checkpoint (the stream's end, error and deadline are left to ``__anext__``).
-
-        Raises:
-            RpcError: INTERNAL, the message does not parse (the call is closed, as ``__anext__`` does);
-                never with ``response_type=None``.
-        """
-        call = self._call
-        if call is None or call.done or not call.messages:
-            return None
-        payload = call.take_message()
-        response_type = self._response_type
-        if response_type is None:
-            return payload
-        try:
-            return response_type.FromString(payload)
-        except DecodeError:
-            call.close()
-            raise RpcError(StatusCode.INTERNAL, f"failed to parse a response message of {self._method}") from None
-
     async def listen(
         self, listener: Callable[[bytes], bool], flush: Callable[[], bool] | None = None
     ) -> bool:
