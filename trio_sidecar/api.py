@@ -31,6 +31,7 @@ from .model import DiscoveredModel, EngineConfig
 from .transport import collapse_single_exception
 from .prober import HealthState, run_health_prober
 from .protocol import LLMEngineOutput, PreprocessedRequest
+from .routing import KvEventSource
 
 __all__ = ["open_sidecar", "discover", "Sidecar", "ChunkSink", "GenerateContext"]
 
@@ -54,7 +55,7 @@ class Sidecar:
     engine: SidecarEngine
     model: DiscoveredModel
     engine_config: EngineConfig
-    kv_event_sources: tuple[Any, ...]
+    kv_event_sources: tuple[KvEventSource, ...]
     health: trio_util.AsyncValue[HealthState]
 
     def __repr__(self) -> str:
@@ -84,7 +85,7 @@ class Sidecar:
         """
         self.engine.submit(request, ctx, sink)
 
-    def _on_recovered(self, model: DiscoveredModel, kv_sources: tuple[Any, ...]) -> None:
+    def _on_recovered(self, model: DiscoveredModel, kv_sources: tuple[KvEventSource, ...]) -> None:
         # The prober already logged a changed source list (docs/reference/sidecar.md#recovery); this only swaps the state.
         self.model = model
         self.engine.model = model

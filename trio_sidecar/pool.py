@@ -26,7 +26,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -35,6 +35,9 @@ from .config import SidecarConfig
 from .endpoint import GrpcEndpoint
 from .errors import CannotConnect, ConnectionTimeout, SidecarError, format_duration, status_to_error
 from .status import StatusCode
+
+if TYPE_CHECKING:
+    from .transport import Channel
 
 __all__ = [
     "ChannelPool",
@@ -113,7 +116,7 @@ def channel_options(config: SidecarConfig) -> dict[str, Any]:
     }
 
 
-async def _attempt(nursery: trio.Nursery, endpoint: GrpcEndpoint, config: SidecarConfig, timeout: float) -> Any:
+async def _attempt(nursery: trio.Nursery, endpoint: GrpcEndpoint, config: SidecarConfig, timeout: float) -> Channel:
     """One TCP connect + HTTP/2 preface exchange, bounded by ``timeout``; raises on failure."""
     transport = _transport()
     with trio.move_on_after(timeout) as scope:
@@ -130,7 +133,7 @@ async def connect_with_retry(
     deadline: float,
     name: str = "vLLM",
     slot: int = 1,
-) -> Any:
+) -> Channel:
     """The per-slot loop (docs/reference/sidecar.md#construction-and-retries): attempt, then retry on the fixed interval until ``deadline``.
 
     ``deadline`` may be ``math.inf`` (the prober's dedicated connection has no overall deadline).
@@ -171,7 +174,7 @@ async def connect_with_retry(
 @attrs.define(eq=False)
 class _Slot:
     index: int  # 1-based, as in the messages
-    channel: Any
+    channel: Channel
     lock: trio.Lock = attrs.field(factory=trio.Lock)
 
 
@@ -183,7 +186,7 @@ class ChannelPool:
         nursery: trio.Nursery,
         endpoint: GrpcEndpoint,
         config: SidecarConfig,
-        channels: Sequence[Any],
+        channels: Sequence[Channel],
         *,
         name: str = "vLLM",
     ) -> None:
@@ -207,7 +210,7 @@ class ChannelPool:
         return len(self._slots)
 
     @property
-    def channels(self) -> tuple[Any, ...]:
+    def channels(self) -> tuple[Channel, ...]:
         return tuple(s.channel for s in self._slots)
 
     @classmethod
@@ -235,7 +238,7 @@ class ChannelPool:
         Cancellation: connections made so far are closed.
         """
         size = config.grpc_connections if size is None else size
-        channels: list[Any] = [None] * size
+        channels: list[Channel | None] = [None] * size
         failure: list[BaseException] = []
 
         async def connect_slot(i: int, cancel_siblings: trio.CancelScope | None) -> None:
@@ -267,7 +270,7 @@ class ChannelPool:
                     f"{name} gRPC connection pool to {endpoint.canonical} exceeded the total startup deadline"
                 )
             ok = True
-            return cls(nursery, endpoint, config, channels, name=name)
+            return cls(nursery, endpoint, config, [ch for ch in channels if ch is not None], name=name)
         finally:
             if not ok:
                 with trio.CancelScope(shield=True):
@@ -280,7 +283,7 @@ class ChannelPool:
         self._counter += 1
         return slot
 
-    async def channel(self, rpc: str) -> Any:
+    async def channel(self, rpc: str) -> Channel:
         """The next connection, round-robin, reconnecting a broken slot first (docs/reference/sidecar.md#reconnection-after-startup).
 
         Args:
@@ -346,7 +349,7 @@ class ChannelPool:
                 await slot.channel.aclose()
 
 
-def _unusable(channel: Any) -> bool:
+def _unusable(channel: Channel) -> bool:
     return bool(getattr(channel, "broken", False) or getattr(channel, "closed", False))
 
 

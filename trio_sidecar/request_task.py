@@ -46,7 +46,7 @@ from .convert.response import ResponseState
 from .errors import SidecarError, status_to_error
 from .pool import ChannelPool
 from .protocol import LLMEngineOutput
-from .transport import RpcError
+from .transport import ResponseStream, RpcError
 
 __all__ = ["GENERATE_STREAM", "MergingSink", "RequestTask", "RunSink"]
 
@@ -187,7 +187,7 @@ class RequestTask:
         else:
             self.error = exc
 
-    async def _listen(self, stream: Any) -> bool:
+    async def _listen(self, stream: ResponseStream) -> bool:
         """Each message goes through ``builder`` as the connection's reader receives it, and the chunks of
         the messages read together go to the sink at once, at the end of their run (``listen``'s ``flush``);
         this task waits for the end, or for the sink to take a run it paused on. Returns whether the

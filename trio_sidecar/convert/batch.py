@@ -165,7 +165,7 @@ class ChunkBatch:
 
 
 def deliver_items(
-    items: list[Any], tokens: Callable[[list[int], str | None], None], chunk: Callable[[LLMEngineOutput], None]
+    items: list[Any], tokens: Callable[[list[int], str], None], chunk: Callable[[LLMEngineOutput], None]
 ) -> None:
     """Hand every chunk of a batch's pairs (:meth:`BatchBuilder.take_items`) over in order: a plain one as
     ``tokens(token_ids, text)`` (a fresh list), any other as ``chunk(chunk)``; what :class:`ChunkBatch` would
