@@ -9,8 +9,9 @@ nursery :meth:`SidecarEngine.start` is given. It is the one owner of admission a
 
 * admission: a request is admitted while the engine is started, :meth:`stop_admission` was not called, and
   :attr:`health` (the prober's state) is ``SERVING``;
-* drain: :attr:`in_flight`, :meth:`wait_idle`, :meth:`cancel_in_flight`, and :meth:`drain`, which does the
-  three in order (the worker's graceful shutdown).
+* drain: :attr:`in_flight`, :meth:`wait_idle`, :meth:`stop_in_flight` (as each client's ``ctx.stop()``),
+  :meth:`cancel_in_flight` (as shutdown), and :meth:`drain`, which stops admission, waits, then stops the
+  rest (the worker's graceful shutdown).
 
 Each request has one delivery path (``request_task``): its chunks go to a sink as their messages are read.
 :meth:`submit` is that path for a ``ChunkSink``; :meth:`generate` is an adapter over it
@@ -247,23 +248,34 @@ class SidecarEngine:
         await self._idle.wait()
 
     def cancel_in_flight(self) -> int:
-        """Cancel every in-flight request as engine shutdown does (cancelled chunk, Abort queued); returns
-        how many."""
+        """Cancel every in-flight request as engine shutdown does (cancelled chunk, Abort queued; no decode
+        deferral); returns how many."""
         requests = list(self._requests)
         for request in requests:
             request.cancel_shutdown()
         return len(requests)
 
-    async def drain(self, timeout: float) -> int:
-        """Graceful drain: stop admission, wait up to ``timeout`` seconds for the in-flight requests to
-        end, then cancel the rest (as engine shutdown does) and wait for them. Returns how many were
-        cancelled (0: all ended within ``timeout``)."""
+    def stop_in_flight(self) -> int:
+        """Stop every in-flight request as its client's ``ctx.stop()`` does (cancelled chunk, Abort queued;
+        decode mode defers the stop until the KV transfer completed); returns how many."""
+        requests = list(self._requests)
+        for request in requests:
+            request.ctx.stop()
+        return len(requests)
+
+    async def drain(self, timeout: float, *, grace: float) -> int:
+        """Graceful drain: stop admission, wait up to ``timeout`` seconds for the in-flight requests to end,
+        then stop the rest (:meth:`stop_in_flight`) and wait up to ``grace`` seconds more. Returns how many
+        were stopped (0: all ended within ``timeout``). Requests still running after that (a decode request
+        whose KV transfer has not completed) are left to :meth:`cleanup`."""
         self.stop_admission()
         with trio.move_on_after(timeout):
             await self._idle.wait()
-        cancelled = self.cancel_in_flight()
-        await self._idle.wait()
-        return cancelled
+        stopped = self.stop_in_flight()
+        if stopped:
+            with trio.move_on_after(grace):
+                await self._idle.wait()
+        return stopped
 
     def _check_admission(self) -> None:
         """After conversion, before the RPC opens (docs/reference/sidecar.md#admission)."""

@@ -29,6 +29,7 @@ from trio.lowlevel import checkpoint as _checkpoint
 from trio.lowlevel import checkpoint_if_cancelled as _checkpoint_if_cancelled
 
 from .convert.batch import ChunkBatch
+from .convert.response import ResponseState
 from .protocol import LLMEngineOutput
 from .request_task import RequestTask
 
@@ -38,13 +39,20 @@ _ABORT_SUCCEEDED = Abort.SUCCEEDED
 
 
 class ChunkStream:
-    """The async iterator ``generate()`` yields, and the sink its request task delivers to."""
+    """The async iterator ``generate()`` yields, and the sink its request task delivers to.
+
+    It holds its request only until ``end`` (after it, the request's cancellation state cannot change), so
+    that the two do not keep each other alive: a reference cycle per request would leave its objects to
+    the garbage collector.
+    """
 
     __slots__ = ("_closed", "_dropped", "_ended", "_error", "_final", "_finished", "_paused", "_pending",
-                 "_reader", "_request")
+                 "_reader", "_request", "_state", "request_id")
 
     def __init__(self) -> None:
-        self._request: RequestTask | None = None  # bound once the engine created the request
+        self.request_id = ""
+        self._request: RequestTask | None = None  # the running request (bound by the engine, until end())
+        self._state: ResponseState | None = None  # its usage
         #: Runs not taken yet; the first is being returned (it may be empty until the caller asks for more).
         self._pending: deque[ChunkBatch] = deque()
         self._final: LLMEngineOutput | None = None
@@ -57,24 +65,20 @@ class ChunkStream:
         self._paused: Task | None = None  # the request task, parked in wait_taken
 
     def __repr__(self) -> str:
-        request_id = self._request.request_id if self._request is not None else ""
-        return f"<generate stream {request_id!r}{' finished' if self._finished else ''}>"
+        return f"<generate stream {self.request_id!r}{' finished' if self._finished else ''}>"
 
     def bind(self, request: RequestTask) -> None:
         self._request = request
-
-    @property
-    def request_id(self) -> str:
-        assert self._request is not None
-        return self._request.request_id
+        self._state = request.state
+        self.request_id = request.request_id
 
     # ------------------------------------------------------------------------------ the request task's side
 
     def run(self, items: list[Any]) -> bool:
         batch = ChunkBatch(items)
         if self._closed or self._dropped:  # nobody will take them
-            assert self._request is not None
-            self._request.state.retract(batch.drop())
+            assert self._state is not None
+            self._state.retract(batch.drop())
             return False
         pending = self._pending
         if pending and not pending[0]:  # (the caller took all of it but has not asked for more yet)
@@ -102,9 +106,13 @@ class ChunkStream:
         await wait_task_rescheduled(abort)
 
     def end(self, final: LLMEngineOutput | None, error: BaseException | None) -> None:
+        request = self._request
+        self._request = None
+        assert request is not None and self._state is not None
+        if request.cancelling and self._pending:
+            self._drop()  # (what the caller's next __anext__ would do: the request's state is final now)
         if self._dropped:
-            assert self._request is not None
-            final, error = self._request.state.cancelled_chunk(), None
+            final, error = self._state.cancelled_chunk(), None
         self._final = final
         self._error = error
         self._ended = True
@@ -118,13 +126,12 @@ class ChunkStream:
     async def __anext__(self) -> LLMEngineOutput:
         if self._finished:
             raise StopAsyncIteration
-        request = self._request
-        assert request is not None
         pending = self._pending
         while True:
             if pending:
-                # (A stop after the terminal message was read comes too late: everything is delivered.)
-                if not request.cancelling or request.state.finished:
+                request = self._request
+                if request is None or not request.cancelling or request.state.finished:
+                    # (A stop after the terminal message was read comes too late: everything is delivered.)
                     await _checkpoint_if_cancelled()
                     chunk = pending[0].take()
                     if chunk is not None:
@@ -152,16 +159,18 @@ class ChunkStream:
         self._wake_paused()
 
     def _drop(self) -> None:
-        """The request is cancelled: forget the chunks not taken; the cancelled chunk does not count them."""
-        request = self._request
-        assert request is not None
-        state = request.state
+        """The request is cancelled: forget the chunks not taken; the cancelled chunk does not count them
+        (unless the terminal message was read: then nothing is dropped)."""
+        state = self._state
+        assert state is not None
+        if state.finished:
+            return
         pending = self._pending
-        state.retract(sum(batch.drop() for batch in pending))
+        untaken = [batch for batch in pending if batch]
         pending.clear()
-        self._dropped = True
-        if self._ended:
-            self._final, self._error = state.cancelled_chunk(), None
+        if untaken:
+            state.retract(sum(batch.drop() for batch in untaken))
+            self._dropped = True
         self._wake_paused()
 
     async def _wait(self) -> None:

@@ -16,6 +16,7 @@ received), not only what the caller got. Cancellation must take effect within 2 
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any
 
@@ -313,6 +314,28 @@ async def test_a_pool_of_two_carries_four_concurrent_requests_from_two_client_po
     assert {peer[1] for _req, _md, peer in fake.requests} == local_ports
     assert len(local_ports) == 2
     assert all("x-data-parallel-rank" not in md for _req, md, _peer in fake.requests)
+
+
+async def test_a_finished_request_leaves_no_reference_cycle_behind(fake, face):
+    # A request's objects are freed by reference counting when it ends; a cycle (say, between the request
+    # and its sink) would leave them to the garbage collector, which costs every request CPU.
+    fake.tokens = 3
+    async with open_sidecar(sidecar_config(fake.endpoint)) as sidecar:
+        gc.collect()
+        gc.disable()
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            for i in range(5):
+                rec = await face.run(sidecar, request(), GenerateContext(f"gc-{i}"))
+                assert rec.final().finish_reason == "stop"
+            del rec
+            gc.collect()
+            leaked = [type(o).__name__ for o in gc.garbage if type(o).__module__.startswith("trio_sidecar")]
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+    assert leaked == []
 
 
 # ---------------------------------------------------------------------------- refusals (nothing is sent)
@@ -698,7 +721,7 @@ async def test_cancel_in_flight_ends_requests_like_shutdown(fake, face):
     assert fake.abort_calls == [["drain"]]
 
 
-async def test_drain_waits_for_requests_that_end_in_time_and_cancels_the_rest(fake, face):
+async def test_drain_waits_for_requests_that_end_in_time_and_stops_the_rest(fake, face):
     fake.tokens = 3
     fake.token_delay = 0.05
     async with open_sidecar(sidecar_config(fake.endpoint)) as sidecar:
@@ -707,25 +730,53 @@ async def test_drain_waits_for_requests_that_end_in_time_and_cancels_the_rest(fa
         with trio.fail_after(2):
             await quick.wait_chunks(1)
         with trio.fail_after(5):
-            assert await engine.drain(timeout=5) == 0
-        assert quick.ended.is_set() and quick.final().finish_reason == "stop"
+            assert await engine.drain(timeout=5, grace=5) == 0
+        assert engine.in_flight == 0
+        with trio.fail_after(2):  # (generate(): its caller takes the final chunk after the request ended)
+            await quick.ended.wait()
+        assert quick.final().finish_reason == "stop"
         with pytest.raises(EngineShutdown, match="^vLLM sidecar is not started$"):
             await face.refuse(sidecar, request(), GenerateContext("refused"))
     fake.hang = True
     async with open_sidecar(sidecar_config(fake.endpoint)) as sidecar:
         engine = sidecar.engine
-        slow = await face.start(sidecar, request(), GenerateContext("slow"))
+        ctx = GenerateContext("slow")
+        slow = await face.start(sidecar, request(), ctx)
         with trio.fail_after(2):
             await slow.wait_chunks(1)
         with trio.fail_after(2):
-            assert await engine.drain(timeout=0.1) == 1
+            assert await engine.drain(timeout=0.1, grace=5) == 1
         assert engine.in_flight == 0
+        assert ctx.stopped  # stopped as its client would
         with trio.fail_after(2):
             await slow.ended.wait()
             await fake.abort_received.wait()
-    assert slow.final().finish_reason == "cancelled"
+    final = slow.final()
+    assert final.finish_reason == "cancelled"
+    assert usage(final)[1] == len(slow.tokens_received())
     assert fake.request_ids == ["quick", "slow"]
     assert fake.abort_calls == [["slow"]]
+
+
+async def test_drain_honours_the_decode_deferral_within_its_grace_and_leaves_the_rest_to_cleanup(fake, face):
+    fake.hang = True
+    fake.hold_first = trio.Event()  # the KV transfer never completes
+    config = sidecar_config(fake.endpoint, disaggregation_mode="decode")
+    async with open_sidecar(config) as sidecar:
+        engine = sidecar.engine
+        rec = await face.start(sidecar, decode_request(), GenerateContext("dec-drain"))
+        with trio.fail_after(2):
+            await fake.request_arrived.wait()
+        with trio.fail_after(2):
+            assert await engine.drain(timeout=0.1, grace=0.2) == 1
+        assert engine.in_flight == 1  # the stop is deferred: the stream is kept
+        assert not fake.drop_event("dec-drain").is_set()
+    # cleanup (leaving the block) interrupts it
+    with trio.fail_after(2):
+        await rec.ended.wait()
+        await fake.drop_event("dec-drain").wait()
+    assert rec.final().finish_reason == "cancelled"
+    assert fake.abort_calls == [["dec-drain"]]
 
 
 async def test_a_cancelled_request_does_not_disturb_another_on_the_same_connection(fake, face):
@@ -1022,16 +1073,16 @@ async def test_generate_reads_at_most_one_run_ahead_of_a_caller_that_does_not_re
         async with sidecar.generate(request(), ctx) as stream:
             chunks = [await stream.__anext__()]
             await trio.sleep(0.3)  # ~30 messages arrive meanwhile
-            request_task = stream._request
+            state = stream._state
             assert len(stream._pending) == 2  # the run being returned and the one it paused on
-            converted = request_task.state.completion_tokens
+            converted = state.completion_tokens
             assert converted == 1 + sum(len(run) for run in stream._pending)  # nothing converted beyond them
             await trio.sleep(0.1)  # ~10 more messages arrive: the request stays paused
-            assert request_task.state.completion_tokens == converted
+            assert state.completion_tokens == converted
             # Taking the held runs resumes the request: what arrived meanwhile comes as one run.
             chunks += [await stream.__anext__() for _ in range(2)]
             with trio.fail_after(2):
-                while request_task.state.completion_tokens < 10:
+                while state.completion_tokens < 10:
                     await trio.sleep(0.01)
             ctx.stop()
             chunks += [chunk async for chunk in stream]
