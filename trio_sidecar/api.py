@@ -24,14 +24,14 @@ import trio
 import trio_util
 
 from .config import SidecarConfig, validate_sidecar_config
-from .discovery import discover
 from .context import ChunkSink, GenerateContext
+from .discovery import discover
 from .engine import SidecarEngine
 from .model import DiscoveredModel, EngineConfig
-from .transport import collapse_single_exception
 from .prober import HealthState, run_health_prober
 from .protocol import LLMEngineOutput, PreprocessedRequest
 from .routing import KvEventSource
+from .transport import collapse_single_exception
 
 __all__ = ["open_sidecar", "discover", "Sidecar", "ChunkSink", "GenerateContext"]
 

@@ -698,7 +698,7 @@ async def test_a_concurrent_cleanup_returns_only_once_the_first_has_closed_every
     with trio.fail_after(10):
         async with trio.open_nursery() as cleanups:
             cleanups.start_soon(cleanup, "first")
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
             cleanups.start_soon(cleanup, "second")
         await rec.ended.wait()
     assert rec.final().finish_reason == "cancelled"
@@ -1128,7 +1128,7 @@ async def test_scope_cancellation_drops_the_stream_and_queues_an_abort(fake):
             async with sidecar.generate(request(), GenerateContext("scoped")) as stream:
                 async for _chunk in stream:
                     scope.cancel()
-                    await trio.sleep(0)
+                    await trio.lowlevel.checkpoint()
         assert scope.cancelled_caught
         with trio.fail_after(2):
             await fake.drop_event("scoped").wait()
