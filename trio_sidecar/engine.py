@@ -328,7 +328,7 @@ class SidecarEngine:
             ctx = GenerateContext()
         stream = ChunkStream()
         req = self._start_request(request, ctx, stream)
-        stream.bind(req)
+        stream.bind(req.request_id, req.state)
         try:
             await req.opened.wait()
             if req.open_error is not None:

@@ -61,12 +61,16 @@ class RunSink(Protocol):
     ``run(items)`` gets the chunks of one run of messages read together, as ``BatchBuilder.take_items``
     holds them (called in the connection's reader task or the request task; must not block, await or
     raise); it returns True to pause the request: the task stops reading until ``await wait_taken()``
-    returns. ``end`` is called exactly once, last (see ``ChunkSink.end``).
+    returns. ``cancelled()`` says the request is being cancelled (client or shutdown; it may come more
+    than once): chunks not taken yet are not wanted. ``end`` is called exactly once, last (see
+    ``ChunkSink.end``).
     """
 
     def run(self, items: list[Any]) -> bool: ...
 
     async def wait_taken(self) -> None: ...
+
+    def cancelled(self) -> None: ...
 
     def end(self, final: LLMEngineOutput | None, error: BaseException | None) -> None: ...
 
@@ -88,6 +92,9 @@ class MergingSink:
 
     async def wait_taken(self) -> None:  # pragma: no cover - run() never pauses
         raise AssertionError("a MergingSink never pauses")
+
+    def cancelled(self) -> None:
+        pass  # (every chunk was delivered as it was read)
 
 
 @attrs.define(eq=False)
@@ -123,11 +130,13 @@ class RequestTask:
         else:
             self.cancelling = True
             self.scope.cancel()
+            self.sink.cancelled()
 
     def cancel_shutdown(self) -> None:
         """Engine shutdown: interrupts every phase in every mode."""
         self.cancelling = True
         self.scope.cancel()
+        self.sink.cancelled()
 
     async def run(self, pool: ChannelPool, queue_abort: Callable[[str], None] | None) -> None:
         """Open, read and end the stream; sets ``final`` or ``error``/``open_error`` (never raises but

@@ -12,11 +12,12 @@ its task stops reading until the caller starts on that next run (``wait_taken``)
 messages stay in the transport, unacknowledged, so HTTP/2 flow control reaches the server. The request is
 never more than one run of already-received messages ahead of the caller.
 
-Cancellation: once the request is cancelled (``ctx.stop()``, engine shutdown), the chunks not taken yet are
-dropped and usage no longer counts them (``ResponseState.retract``): the cancelled chunk comes next, and
-counts exactly the chunks the caller got. A cancellation after the terminal message was read comes too late
-(as for ``submit()``): the caller gets every chunk and the terminal. When the caller leaves (:meth:`close`), runs are discarded and the
-request is never paused again (decode mode keeps reading until the KV transfer completed).
+Cancellation: once the request is cancelled (``ctx.stop()``, engine shutdown; the request says so with
+``cancelled``), the chunks not taken yet are dropped and usage no longer counts them
+(``ResponseState.retract``): the cancelled chunk comes next, and counts exactly the chunks the caller got. A
+cancellation after the terminal message was read comes too late (as for ``submit()``): the caller gets every
+chunk and the terminal. When the caller leaves (:meth:`close`), runs are discarded and the request is never
+paused again (decode mode keeps reading until the KV transfer completed).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from trio.lowlevel import checkpoint_if_cancelled as _checkpoint_if_cancelled
 from .convert.batch import ChunkBatch
 from .convert.response import ResponseState
 from .protocol import LLMEngineOutput
-from .request_task import RequestTask
 
 __all__ = ["ChunkStream"]
 
@@ -41,22 +41,21 @@ _ABORT_SUCCEEDED = Abort.SUCCEEDED
 class ChunkStream:
     """The async iterator ``generate()`` yields, and the sink its request task delivers to.
 
-    It holds its request only until ``end`` (after it, the request's cancellation state cannot change), so
-    that the two do not keep each other alive: a reference cycle per request would leave its objects to
-    the garbage collector.
+    It does not hold its request (the request holds it, and tells it of its cancellation, ``cancelled``):
+    a reference cycle per request would leave its objects to the garbage collector.
     """
 
-    __slots__ = ("_closed", "_dropped", "_ended", "_error", "_final", "_finished", "_paused", "_pending",
-                 "_reader", "_request", "_state", "request_id")
+    __slots__ = ("_batch", "_cancelled", "_closed", "_dropped", "_ended", "_error", "_final", "_finished",
+                 "_paused", "_queued", "_reader", "_state", "request_id")
 
     def __init__(self) -> None:
         self.request_id = ""
-        self._request: RequestTask | None = None  # the running request (bound by the engine, until end())
-        self._state: ResponseState | None = None  # its usage
-        #: Runs not taken yet; the first is being returned (it may be empty until the caller asks for more).
-        self._pending: deque[ChunkBatch] = deque()
+        self._state: ResponseState | None = None  # the request's usage (bound by the engine)
+        self._batch: ChunkBatch | None = None  # the run being returned (empty once taken)
+        self._queued: deque[ChunkBatch] = deque()  # the runs after it
         self._final: LLMEngineOutput | None = None
         self._error: BaseException | None = None
+        self._cancelled = False  # the request is cancelled (client or shutdown)
         self._ended = False  # end() was called
         self._finished = False  # the iterator is exhausted
         self._closed = False  # the caller left
@@ -67,10 +66,9 @@ class ChunkStream:
     def __repr__(self) -> str:
         return f"<generate stream {self.request_id!r}{' finished' if self._finished else ''}>"
 
-    def bind(self, request: RequestTask) -> None:
-        self._request = request
-        self._state = request.state
-        self.request_id = request.request_id
+    def bind(self, request_id: str, state: ResponseState) -> None:
+        self.request_id = request_id
+        self._state = state
 
     # ------------------------------------------------------------------------------ the request task's side
 
@@ -80,21 +78,21 @@ class ChunkStream:
             assert self._state is not None
             self._state.retract(batch.drop())
             return False
-        pending = self._pending
-        if pending and not pending[0]:  # (the caller took all of it but has not asked for more yet)
-            pending.popleft()
-        pending.append(batch)
+        current = self._batch
+        if current is None or not current and not self._queued:
+            self._batch = batch
+        else:
+            self._queued.append(batch)
+            self._advance()
         reader = self._reader
         if reader is not None:
             self._reader = None
             reschedule(reader)
-        return len(pending) > 1
+        return bool(self._queued)  # more than one run not taken: pause
 
     async def wait_taken(self) -> None:
-        pending = self._pending
-        if pending and not pending[0]:
-            pending.popleft()
-        if self._closed or len(pending) <= 1:
+        self._advance()
+        if self._closed or not self._queued:
             await _checkpoint()
             return
         self._paused = current_task()
@@ -105,13 +103,12 @@ class ChunkStream:
 
         await wait_task_rescheduled(abort)
 
+    def cancelled(self) -> None:
+        self._cancelled = True
+
     def end(self, final: LLMEngineOutput | None, error: BaseException | None) -> None:
-        request = self._request
-        self._request = None
-        assert request is not None and self._state is not None
-        if request.cancelling and self._pending:
-            self._drop()  # (what the caller's next __anext__ would do: the request's state is final now)
         if self._dropped:
+            assert self._state is not None
             final, error = self._state.cancelled_chunk(), None
         self._final = final
         self._error = error
@@ -124,23 +121,35 @@ class ChunkStream:
         return self
 
     async def __anext__(self) -> LLMEngineOutput:
+        batch = self._batch
+        if batch is not None and not self._cancelled:  # the common case
+            await _checkpoint_if_cancelled()
+            chunk = batch.take()
+            if chunk is not None:
+                return chunk
+        return await self._next()
+
+    async def _next(self) -> LLMEngineOutput:
         if self._finished:
             raise StopAsyncIteration
-        pending = self._pending
+        state = self._state
+        assert state is not None
         while True:
-            if pending:
-                request = self._request
-                if request is None or not request.cancelling or request.state.finished:
-                    # (A stop after the terminal message was read comes too late: everything is delivered.)
-                    await _checkpoint_if_cancelled()
-                    chunk = pending[0].take()
-                    if chunk is not None:
-                        return chunk
-                    pending.popleft()  # the caller starts on the next run: a paused request reads on
-                    if self._paused is not None:
-                        self._wake_paused()
+            batch = self._batch
+            if batch is not None:
+                # (A stop after the terminal message was read comes too late: everything is delivered.)
+                if self._cancelled and not state.finished:
+                    self._drop()
                     continue
-                self._drop()
+                await _checkpoint_if_cancelled()
+                chunk = batch.take()
+                if chunk is not None:
+                    return chunk
+                # The caller starts on the next run: a paused request reads on.
+                self._batch = self._queued.popleft() if self._queued else None
+                if self._paused is not None:
+                    self._wake_paused()
+                continue
             if self._ended:
                 break
             await self._wait()
@@ -155,22 +164,28 @@ class ChunkStream:
     def close(self) -> None:
         """The caller left: discard what is queued and never pause the request again."""
         self._closed = True
-        self._pending.clear()
+        self._batch = None
+        self._queued.clear()
         self._wake_paused()
 
+    def _advance(self) -> None:
+        """Drop a run the caller took all of, when another follows."""
+        current = self._batch
+        if current is not None and not current and self._queued:
+            self._batch = self._queued.popleft()
+
     def _drop(self) -> None:
-        """The request is cancelled: forget the chunks not taken; the cancelled chunk does not count them
-        (unless the terminal message was read: then nothing is dropped)."""
+        """The request is cancelled: forget the chunks not taken; the cancelled chunk does not count them."""
         state = self._state
         assert state is not None
-        if state.finished:
-            return
-        pending = self._pending
-        untaken = [batch for batch in pending if batch]
-        pending.clear()
+        untaken = [batch for batch in (self._batch, *self._queued) if batch]
+        self._batch = None
+        self._queued.clear()
         if untaken:
             state.retract(sum(batch.drop() for batch in untaken))
             self._dropped = True
+            if self._ended:
+                self._final, self._error = state.cancelled_chunk(), None
         self._wake_paused()
 
     async def _wait(self) -> None:
@@ -190,6 +205,6 @@ class ChunkStream:
 
     def _wake_paused(self) -> None:
         paused = self._paused
-        if paused is not None and (self._closed or len(self._pending) <= 1):
+        if paused is not None and (self._closed or not self._queued):
             self._paused = None
             reschedule(paused)

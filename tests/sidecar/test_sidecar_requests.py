@@ -1044,6 +1044,11 @@ async def test_stop_racing_the_terminal_counts_only_what_the_caller_received(fak
 # ---------------------------------------------------------------------------- generate() only
 
 
+def untaken_runs(stream: Any) -> list[Any]:
+    """The runs a ``generate()`` stream holds that its caller has not taken all of."""
+    return [run for run in (stream._batch, *stream._queued) if run]
+
+
 async def test_generate_yields_one_chunk_per_message(fake):
     fake.tokens = 5
     async with open_sidecar(sidecar_config(fake.endpoint)) as sidecar:
@@ -1074,9 +1079,9 @@ async def test_generate_reads_at_most_one_run_ahead_of_a_caller_that_does_not_re
             chunks = [await stream.__anext__()]
             await trio.sleep(0.3)  # ~30 messages arrive meanwhile
             state = stream._state
-            assert len(stream._pending) == 2  # the run being returned and the one it paused on
+            assert len(untaken_runs(stream)) == 2  # the run being returned and the one it paused on
             converted = state.completion_tokens
-            assert converted == 1 + sum(len(run) for run in stream._pending)  # nothing converted beyond them
+            assert converted == 1 + sum(len(run) for run in untaken_runs(stream))  # nothing converted beyond
             await trio.sleep(0.1)  # ~10 more messages arrive: the request stays paused
             assert state.completion_tokens == converted
             # Taking the held runs resumes the request: what arrived meanwhile comes as one run.
@@ -1107,7 +1112,7 @@ async def test_cancel_with_a_run_half_returned_counts_only_the_returned_chunks(f
             chunks.append(await stream.__anext__())  # the caller starts on the next run: the request resumes
             await trio.sleep(0.05)  # and hands the messages received meanwhile over as one run
             assert not stream._finished
-            assert sum(len(run) for run in stream._pending) > 1  # chunks handed over but not taken yet
+            assert sum(len(run) for run in untaken_runs(stream)) > 1  # chunks handed over but not taken yet
             ctx.stop()
             if task_ends_first:  # the request task builds its cancelled chunk before the caller drops the rest
                 with trio.fail_after(2):
