@@ -51,7 +51,8 @@ __all__ = [
 if TYPE_CHECKING:
     from .api import Sidecar, discover, open_sidecar
     from .config import DisaggregationMode, SidecarConfig, WorkerOptions
-    from .engine import ChunkSink, GenerateContext, SidecarEngine
+    from .context import ChunkSink, GenerateContext
+    from .engine import SidecarEngine
     from .errors import (
         CannotConnect,
         ConnectionTimeout,
@@ -71,8 +72,8 @@ _HOMES = {
     "open_sidecar": "api",
     "discover": "api",
     "Sidecar": "api",
-    "GenerateContext": "engine",
-    "ChunkSink": "engine",
+    "GenerateContext": "context",
+    "ChunkSink": "context",
     "SidecarEngine": "engine",
     "SidecarConfig": "config",
     "WorkerOptions": "config",

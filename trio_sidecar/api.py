@@ -24,13 +24,14 @@ import trio
 import trio_util
 
 from .config import SidecarConfig, validate_sidecar_config
+from .context import ChunkSink, GenerateContext
 from .discovery import discover
-from .engine import ChunkSink, GenerateContext, SidecarEngine
-from .errors import CannotConnect
+from .engine import SidecarEngine
 from .model import DiscoveredModel, EngineConfig
-from .transport import collapse_single_exception
-from .prober import HealthKind, HealthState, run_health_prober
+from .prober import HealthState, run_health_prober
 from .protocol import LLMEngineOutput, PreprocessedRequest
+from .routing import KvEventSource
+from .transport import collapse_single_exception
 
 __all__ = ["open_sidecar", "discover", "Sidecar", "ChunkSink", "GenerateContext"]
 
@@ -45,14 +46,16 @@ class Sidecar:
         engine_config: registration data (docs/reference/sidecar.md#registration-data).
         kv_event_sources: validated ``KvEventSource`` tuple (docs/reference/sidecar.md#kv-event-sources); refreshed after a recovery
             (docs/reference/sidecar.md#recovery).
-        health: ``AsyncValue[HealthState]`` (docs/reference/sidecar.md#health-prober); admission is open only while it is ``SERVING``.
-        engine: the underlying :class:`SidecarEngine` (drain support: ``in_flight``, ``stop_admission()``).
+        health: ``AsyncValue[HealthState]`` (docs/reference/sidecar.md#health-prober), the engine's: admission
+            is open only while it is ``SERVING``.
+        engine: the underlying :class:`SidecarEngine`, the owner of admission and drain (``in_flight``,
+            ``stop_admission()``, ``wait_idle()``, ``cancel_in_flight()``, ``drain(timeout)``).
     """
 
     engine: SidecarEngine
     model: DiscoveredModel
     engine_config: EngineConfig
-    kv_event_sources: tuple[Any, ...]
+    kv_event_sources: tuple[KvEventSource, ...]
     health: trio_util.AsyncValue[HealthState]
 
     def __repr__(self) -> str:
@@ -82,13 +85,7 @@ class Sidecar:
         """
         self.engine.submit(request, ctx, sink)
 
-    def _check_admission(self) -> None:
-        state = self.health.value
-        if state.kind is not HealthKind.SERVING:
-            reason = state.reason or state.kind.name.lower().replace("_", " ")
-            raise CannotConnect(f"vLLM is not serving: {reason}")
-
-    def _on_recovered(self, model: DiscoveredModel, kv_sources: tuple[Any, ...]) -> None:
+    def _on_recovered(self, model: DiscoveredModel, kv_sources: tuple[KvEventSource, ...]) -> None:
         # The prober already logged a changed source list (docs/reference/sidecar.md#recovery); this only swaps the state.
         self.model = model
         self.engine.model = model
@@ -126,9 +123,8 @@ async def open_sidecar(config: SidecarConfig, *, expected: DiscoveredModel | Non
                     model=engine.model,
                     engine_config=engine_config,
                     kv_event_sources=engine.kv_event_sources,
-                    health=trio_util.AsyncValue(HealthState(HealthKind.SERVING)),
+                    health=engine.health,
                 )
-                engine.admission_check = sidecar._check_admission
                 if config.health_prober:
                     await nursery.start(
                         functools.partial(

@@ -26,7 +26,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import trio
@@ -37,6 +37,9 @@ from .endpoint import GrpcEndpoint
 from .errors import CannotConnect, ConnectionTimeout, SidecarError, format_duration, status_to_error
 from .progress import note_failure
 from .status import StatusCode
+
+if TYPE_CHECKING:
+    from .transport import Channel
 
 __all__ = [
     "ChannelPool",
@@ -106,7 +109,7 @@ def channel_options(config: SidecarConfig) -> dict[str, Any]:
     }
 
 
-async def _attempt(nursery: trio.Nursery, endpoint: GrpcEndpoint, config: SidecarConfig, timeout: float) -> Any:
+async def _attempt(nursery: trio.Nursery, endpoint: GrpcEndpoint, config: SidecarConfig, timeout: float) -> Channel:
     """One TCP connect + HTTP/2 preface exchange, bounded by ``timeout``; raises on failure."""
     transport = _transport()
     with trio.move_on_after(timeout) as scope:
@@ -123,7 +126,7 @@ async def connect_with_retry(
     deadline: float,
     name: str = "vLLM",
     slot: int = 1,
-) -> Any:
+) -> Channel:
     """The per-slot loop (docs/reference/sidecar.md#construction-and-retries): attempt, then retry on the fixed interval until ``deadline``.
 
     ``deadline`` may be ``math.inf`` (the prober's dedicated connection has no overall deadline).
@@ -166,7 +169,7 @@ async def connect_with_retry(
 @attrs.define(eq=False)
 class _Slot:
     index: int  # 1-based, as in the messages
-    channel: Any
+    channel: Channel
     lock: trio.Lock = attrs.field(factory=trio.Lock)
 
 
@@ -178,7 +181,7 @@ class ChannelPool:
         nursery: trio.Nursery,
         endpoint: GrpcEndpoint,
         config: SidecarConfig,
-        channels: Sequence[Any],
+        channels: Sequence[Channel],
         *,
         name: str = "vLLM",
         reconnect: bool = True,
@@ -207,7 +210,7 @@ class ChannelPool:
         return len(self._slots)
 
     @property
-    def channels(self) -> tuple[Any, ...]:
+    def channels(self) -> tuple[Channel, ...]:
         return tuple(s.channel for s in self._slots)
 
     @classmethod
@@ -235,7 +238,7 @@ class ChannelPool:
         Cancellation: connections made so far are closed.
         """
         size = config.grpc_connections if size is None else size
-        channels: list[Any] = [None] * size
+        channels: list[Channel | None] = [None] * size
         failure: list[BaseException] = []
 
         async def connect_slot(i: int, cancel_siblings: trio.CancelScope | None) -> None:
@@ -267,7 +270,7 @@ class ChannelPool:
                     f"{name} gRPC connection pool to {endpoint.canonical} exceeded the total startup deadline"
                 )
             ok = True
-            return cls(nursery, endpoint, config, channels, name=name)
+            return cls(nursery, endpoint, config, [ch for ch in channels if ch is not None], name=name)
         finally:
             if not ok:
                 with trio.CancelScope(shield=True):
@@ -280,7 +283,7 @@ class ChannelPool:
         self._counter += 1
         return slot
 
-    async def channel(self, rpc: str) -> Any:
+    async def channel(self, rpc: str) -> Channel:
         """The next connection, round-robin, reconnecting a broken slot first (docs/reference/sidecar.md#reconnection-after-startup).
 
         Args:
@@ -364,9 +367,8 @@ class ChannelPool:
         ``listen`` available). Entering sends the request and waits for the response headers.
 
         The edge for gRPC errors, as :meth:`unary`: every transport ``RpcError`` (``ConnectionLostError``
-        included) that leaves the block, whether raised on entering, while iterating, from ``listen`` or
-        ``next_buffered``, is raised as ``status_to_error(rpc, code, message)``, chained from it; other
-        exceptions (``SidecarError``, ``trio.Cancelled``, ...) leave unchanged. Inside the block the stream
+        included) that leaves the block, whether raised on entering, while iterating or from ``listen``, is
+        raised as ``status_to_error(rpc, code, message)``, chained from it; other exceptions (``SidecarError``, ``trio.Cancelled``, ...) leave unchanged. Inside the block the stream
         raises the transport's ``RpcError``: code there catches ``SidecarError`` only after the block.
 
         Leaving the block before the server's trailers (break, exception, cancellation) resets the stream
@@ -419,7 +421,7 @@ class _PoolStream:
         return False
 
 
-def _unusable(channel: Any) -> bool:
+def _unusable(channel: Channel) -> bool:
     return bool(getattr(channel, "broken", False) or getattr(channel, "closed", False))
 
 

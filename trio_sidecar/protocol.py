@@ -34,6 +34,7 @@ __all__ = [
     "LLMEngineOutput",
     "cancelled_chunk",
     "token_chunk",
+    "token_chunk_dict",
     "converter",
     "U32",
     "I32",
@@ -476,6 +477,8 @@ class LLMEngineOutput:
     engine_data: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
+        """The Dynamo chunk dict (``None`` fields omitted); a plain token chunk's is
+        :func:`token_chunk_dict`'s."""
         out: dict[str, Any] = {"token_ids": list(self.token_ids), "index": self.index}
         if self.text is not None:
             out["text"] = self.text
@@ -525,6 +528,13 @@ def token_chunk(token_ids: list[int], text: str) -> LLMEngineOutput:
     chunk.disaggregated_params = None
     chunk.engine_data = None
     return chunk
+
+
+def token_chunk_dict(token_ids: list[int], text: str) -> dict[str, Any]:
+    """``token_chunk(token_ids, text).to_dict()`` without building the chunk (the Dynamo bridge's hot path,
+    for ``ChunkSink.tokens``): ``text`` is always present, ``""`` included (see :class:`LLMEngineOutput`);
+    ``token_ids`` is taken as it is, not copied. ``tests/unit/test_protocol_fast.py`` checks the two agree."""
+    return {"token_ids": token_ids, "index": 0, "text": text}
 
 
 def cancelled_chunk(prompt_tokens: int, completion_tokens: int) -> LLMEngineOutput:

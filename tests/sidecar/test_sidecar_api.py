@@ -8,7 +8,7 @@ from sidecar_fakes import NOT_SERVING, SERVING, reference_model_info, sidecar_co
 
 import trio_sidecar
 from trio_sidecar import GenerateContext, open_sidecar
-from trio_sidecar import engine as engine_module
+from trio_sidecar import abort as abort_module
 from trio_sidecar.errors import ProtocolError
 from trio_sidecar.prober import HealthKind
 from trio_sidecar.status import StatusCode
@@ -115,7 +115,7 @@ async def test_abort_failures_are_logged_never_raised(fake, caplog_sidecar):
 
 
 async def test_cleanup_flushes_aborts_within_the_shielded_grace(fake, monkeypatch):
-    monkeypatch.setattr(engine_module, "ABORT_FLUSH_GRACE", 0.3)
+    monkeypatch.setattr(abort_module, "ABORT_FLUSH_GRACE", 0.3)
     fake.hang = True
     fake.abort_hang = True
     async with open_sidecar(sidecar_config(fake.endpoint, abort_timeout=30)) as sidecar:

@@ -70,18 +70,6 @@ async def test_a_streamed_response_that_does_not_parse_fails_and_closes_the_stre
             assert not channel.broken
 
 
-async def test_next_buffered_reports_a_response_that_does_not_parse(port: int) -> None:
-    with trio.fail_after(20):
-        async with open_channel("127.0.0.1", port) as channel:
-            async with channel.unary_stream(GENERATE_STREAM, pb.GenerateRequest(), pb.GenerateResponse) as stream:
-                await stream.__anext__()
-                while not stream._call.messages:  # wait for the second message to be read
-                    await trio.sleep(0.01)
-                with pytest.raises(RpcError, match="failed to parse a response message"):
-                    stream.next_buffered()
-                assert channel._conn.calls == {}
-
-
 async def test_a_request_that_does_not_parse_is_answered_internal(port: int) -> None:
     with trio.fail_after(20):
         async with open_channel("127.0.0.1", port) as channel:

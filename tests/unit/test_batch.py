@@ -1,6 +1,6 @@
 """The request task's batch builder (convert/batch.py): per-message decisions, compact batches, endings.
 
-Table-driven: each case feeds a message script to a ``BatchBuilder`` the way ``SidecarEngine._pump`` does
+Table-driven: each case feeds a message script to a ``BatchBuilder`` the way a paced consumer would
 (take the open batch after every ``END`` and whenever the script says the transport had nothing more
 buffered) and compares the chunks handed over, the ending and the usage. ``test_property.py`` checks the
 same against converting one message at a time, on random streams.
@@ -29,7 +29,7 @@ from trio_sidecar.convert.batch import (
 )
 from trio_sidecar.errors import ProtocolError, UnknownError
 from trio_sidecar.multimodal import HANDOFF_KEY
-from trio_sidecar.protocol import LLMEngineOutput, structure_request, token_chunk
+from trio_sidecar.protocol import LLMEngineOutput, structure_request, token_chunk, token_chunk_dict
 
 AGG, PREFILL, DECODE = DisaggregationMode.AGG, DisaggregationMode.PREFILL, DisaggregationMode.DECODE
 STOP, LENGTH = 2, 1
@@ -73,8 +73,9 @@ def run(builder: BatchBuilder, script: list[Any], request_cancelled: bool = Fals
     steps = []
 
     def hand_over() -> None:
-        batch = builder.take_batch()
-        if batch is not None:
+        items = builder.take_items()
+        if items is not None:
+            batch = ChunkBatch(items)
             taken = []
             while (chunk := batch.take()) is not None:
                 taken.append(fields(chunk))
@@ -187,7 +188,7 @@ ENDINGS = [
         False,
         [out([7], text="a"), out([8], text="a"), out([9], finish=3)],
         [[tok(7), tok(8)]],
-        {"server_ended": True, "finish_reason": "stop", "tokens": 1, "error": None, "warning": None},
+        {"server_ended": True, "finish_reason": "stop", "error": None, "warning": None},
         (3, 3),
     ),
     (
@@ -197,7 +198,7 @@ ENDINGS = [
         [out([7], text="a"), out([8], index=1)],
         [[tok(7)]],
         {"server_ended": False, "error": "invalid vLLM gRPC response: received unsupported sequence index 1",
-         "tokens": 0, "warning": None},
+         "warning": None},
         None,
     ),
     (
@@ -206,7 +207,7 @@ ENDINGS = [
         False,
         [out([7]), out([8, 9], finish=5)],
         [[tok(7, "")]],
-        {"server_ended": False, "tokens": 2,
+        {"server_ended": False,
          "error": "invalid vLLM gRPC response: terminal num_output_tokens 5 does not match streamed count 3"},
         None,
     ),
@@ -216,7 +217,7 @@ ENDINGS = [
         False,
         [out([7, 8], num=1)],
         [],
-        {"server_ended": False, "tokens": 0,
+        {"server_ended": False,
          "error": "invalid vLLM gRPC response: num_tokens 1 does not match 2 token IDs"},
         None,
     ),
@@ -226,7 +227,7 @@ ENDINGS = [
         False,
         [out([7, 8], num=3)],
         [],
-        {"server_ended": False, "tokens": 0,
+        {"server_ended": False,
          "error": "invalid vLLM gRPC response: num_tokens 3 does not match 2 token IDs"},
         None,
     ),
@@ -236,7 +237,7 @@ ENDINGS = [
         True,
         [out([]), out([7], text="a"), out([8])],
         [],
-        {"server_ended": False, "finish_reason": "cancelled", "first_token": True, "tokens": 1, "error": None},
+        {"server_ended": False, "finish_reason": "cancelled", "first_token": True, "error": None},
         (3, 1),
     ),
     (
@@ -245,7 +246,7 @@ ENDINGS = [
         True,
         [out([7], finish=1)],
         [],
-        {"server_ended": True, "finish_reason": "cancelled", "first_token": True, "tokens": 1},
+        {"server_ended": True, "finish_reason": "cancelled", "first_token": True},
         (3, 1),
     ),
     (
@@ -254,7 +255,7 @@ ENDINGS = [
         True,
         [out([], finish=0)],
         [],
-        {"server_ended": True, "finish_reason": "cancelled", "first_token": False, "tokens": 0},
+        {"server_ended": True, "finish_reason": "cancelled", "first_token": False},
         (3, 0),
     ),
     (
@@ -272,7 +273,7 @@ ENDINGS = [
         False,
         [out([7]), out([], finish=1)],
         [[tok(7, "")]],
-        {"server_ended": True, "finish_reason": "stop", "first_token": False, "tokens": 0},
+        {"server_ended": True, "finish_reason": "stop", "first_token": False},
         (3, 1),
     ),
     (
@@ -281,7 +282,7 @@ ENDINGS = [
         False,
         [prompt(), out([7], text="a"), out([], finish=1, text="")],
         [],
-        {"server_ended": False, "tokens": 0,
+        {"server_ended": False,
          "error": "invalid vLLM gRPC response: prefill terminal is missing kv_transfer_params"},
         None,
     ),
@@ -319,7 +320,7 @@ def test_endings(mode, cancelled, script, batches, expected, final_usage) -> Non
 def test_eof(mode, cancelled, error, warning) -> None:
     builder = BatchBuilder(state(mode), decode=mode is DECODE)
     ending = builder.eof(cancelled)
-    assert ending.server_ended and ending.warning == warning and ending.tokens == 0
+    assert ending.server_ended and ending.warning == warning
     if error is None:
         assert ending.error is None and ending.final is not None and ending.final.finish_reason == "cancelled"
     else:
@@ -332,7 +333,7 @@ def test_a_message_that_does_not_parse_ends_with_the_transports_error_and_abando
     assert builder.add(prompt().SerializeToString(), cancelled) is MORE
     assert builder.add(b"\x12\x05\x18\x01\x22", cancelled) is END  # truncated
     ending = builder.ending
-    assert ending is not None and not ending.server_ended and ending.tokens == 0
+    assert ending is not None and not ending.server_ended
     if cancelled:
         assert ending.error is None and ending.warning == WARN_ERROR_AFTER_CANCEL
         assert ending.final is not None and ending.final.finish_reason == "cancelled"
@@ -422,12 +423,12 @@ def test_merged_tokens_equal_the_deltas_coalesced_by_the_bridge() -> None:
 
 def test_empty_open_batch_is_not_handed_over() -> None:
     builder = BatchBuilder(state(), decode=False)
-    assert builder.take_batch() is None
+    assert builder.take_items() is None
     builder.add(prompt().SerializeToString(), False)
-    assert builder.take_batch() is None
+    assert builder.take_items() is None
     builder.add(out([7]).SerializeToString(), False)
-    batch = builder.take_batch()
-    assert batch is not None and len(batch) == 1 and builder.take_batch() is None
+    items = builder.take_items()
+    assert items is not None and len(ChunkBatch(items)) == 1 and builder.take_items() is None
 
 
 def test_token_chunk_equals_the_attrs_init_for_every_field() -> None:
@@ -438,3 +439,8 @@ def test_token_chunk_equals_the_attrs_init_for_every_field() -> None:
         for field in attrs.fields(LLMEngineOutput):  # a field added to the class must be set there too
             assert getattr(fast, field.name) == getattr(slow, field.name)
         assert fast.token_ids is token_ids
+
+
+def test_token_chunk_dict_equals_the_token_chunks_dict() -> None:
+    for token_ids, text in (([1], "x"), ([2, 3], ""), ([], "")):
+        assert token_chunk_dict(token_ids, text) == token_chunk(list(token_ids), text).to_dict()

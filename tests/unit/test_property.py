@@ -17,7 +17,7 @@ from google.protobuf.message import DecodeError
 from trio_sidecar._proto.vllm import inference_pb2 as pb
 from trio_sidecar.config import DisaggregationMode
 from trio_sidecar.convert import ResponseState, build_generate_request
-from trio_sidecar.convert.batch import END, BatchBuilder
+from trio_sidecar.convert.batch import END, BatchBuilder, ChunkBatch
 from trio_sidecar.convert.response import plain_token_fields
 from trio_sidecar.errors import InvalidArgument, ProtocolError
 from trio_sidecar.jsonstruct import MAX_EXACT_INT, json_to_struct, struct_to_json
@@ -563,8 +563,9 @@ def test_property_batch_builder_matches_one_message_at_a_time(
     got_end: tuple[Any, ...] = ("eof",)
 
     def hand_over() -> None:
-        batch = builder.take_batch()
-        if batch is not None:
+        items = builder.take_items()
+        if items is not None:
+            batch = ChunkBatch(items)
             while (chunk := batch.take()) is not None:
                 got.append(chunk.to_dict())
 

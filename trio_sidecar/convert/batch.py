@@ -3,13 +3,15 @@ PURE: no I/O, no Trio.
 
 Theory of operation
 -------------------
-The engine's request task (``SidecarEngine._pump``) reads ``GenerateStream`` and feeds every message, as
-received (serialized), to :meth:`BatchBuilder.add`, which converts it (:class:`~.response.ResponseState`,
-with every check of docs/reference/sidecar.md#response-conversion) and answers one question: does the request go on after this message?
+The engine's request task (``request_task.RequestTask``) listens to ``GenerateStream`` and feeds every
+message, as received (serialized), to :meth:`BatchBuilder.add`, which converts it (:class:`~.response.ResponseState`,
+with every check of docs/reference/sidecar.md#response-conversion) and answers one question: does the request
+go on after this message?
 
-* :data:`MORE`: the message's chunk, if it has one, joined the open batch. The task feeds the next message
-  the transport already received, if there is one; otherwise it hands the open batch over
-  (:meth:`BatchBuilder.take_batch`) and waits for the next message.
+* :data:`MORE`: the message's chunk, if it has one, joined the open batch. At the end of each run of
+  messages read together the task takes the open batch (:meth:`BatchBuilder.take_items`) and hands it to its
+  sink: :func:`deliver_items` (plain token chunks merged, ``submit()``) or a :class:`ChunkBatch` returned one
+  chunk at a time (``generate()``).
 * :data:`END`: the request ends with this message. The task hands the open batch over (this message's
   chunk is never in it), then applies :attr:`BatchBuilder.ending`: the terminal chunk; the conversion error,
   or the transport's error for a message that does not parse (either, once a deferred cancellation was
@@ -96,8 +98,6 @@ class Ending:
         error: raised to the caller after the chunks already handed over.
         warning: to be logged (WARNING).
         first_token: the cancelled chunk replaced the first token's chunk: call ``on_first_token``.
-        tokens: the completion tokens the ending message counted (``0`` for EOF); if the hand-over before
-            it is cancelled, usage is put back by them, as if the message had not been read.
     """
 
     server_ended: bool
@@ -105,7 +105,6 @@ class Ending:
     error: SidecarError | None = None
     warning: str | None = None
     first_token: bool = False
-    tokens: int = 0
 
 
 def _item_tokens(ids: Any) -> int:
@@ -166,13 +165,13 @@ class ChunkBatch:
 
 
 def deliver_items(
-    items: list[Any], tokens: Callable[[list[int], str | None], None], chunk: Callable[[LLMEngineOutput], None]
+    items: list[Any], tokens: Callable[[list[int], str], None], chunk: Callable[[LLMEngineOutput], None]
 ) -> None:
     """Hand every chunk of a batch's pairs (:meth:`BatchBuilder.take_items`) over in order: a plain one as
     ``tokens(token_ids, text)`` (a fresh list), any other as ``chunk(chunk)``; what :class:`ChunkBatch` would
     return one at a time, without building the plain chunks. Consecutive plain chunks go over as one
     ``tokens`` call: their ids in order, their texts concatenated exactly (``""`` when all are empty), as
-    the Dynamo bridge would merge the deltas anyway (``bridge.merge_run``)."""
+    the Dynamo bridge would merge the deltas anyway. This is the one place the engine merges tokens."""
     index = 0
     size = len(items)
     while index < size:
@@ -257,16 +256,14 @@ class BatchBuilder:
                 error = status_to_error("GenerateStream", StatusCode.INTERNAL, PARSE_ERROR)
                 self.ending = Ending(server_ended=False, error=error)
             return END
-        tokens_before = state.completion_tokens
         try:
             chunk = state.convert(response)
         except ProtocolError as exc:
-            tokens = state.completion_tokens - tokens_before
             if request_cancelled:
                 warning = WARN_CONVERSION_AFTER_CANCEL
-                self.ending = Ending(server_ended=False, final=state.cancelled_chunk(), warning=warning, tokens=tokens)
+                self.ending = Ending(server_ended=False, final=state.cancelled_chunk(), warning=warning)
             else:
-                self.ending = Ending(server_ended=False, error=exc, tokens=tokens)
+                self.ending = Ending(server_ended=False, error=exc)
             return END
         completing = self._deferring and state.completes_transfer(response)
         if completing:
@@ -281,25 +278,18 @@ class BatchBuilder:
                 server_ended=state.finished,
                 final=state.cancelled_chunk(),
                 first_token=bool(chunk.token_ids),
-                tokens=state.completion_tokens - tokens_before,
             )
             return END
         if state.finished:
-            self.ending = Ending(server_ended=True, final=chunk, tokens=state.completion_tokens - tokens_before)
+            self.ending = Ending(server_ended=True, final=chunk)
             return END
         self._items += (chunk, None)
         return MORE
 
-    def take_batch(self) -> ChunkBatch | None:
-        """The open batch (``None`` when it has no chunk); a new one is opened."""
-        items = self.take_items()
-        if items is None:
-            return None
-        return ChunkBatch(items)
-
     def take_items(self) -> list[Any] | None:
         """The open batch's pairs, as :class:`ChunkBatch` holds them (``None`` when it has no chunk); a new
-        batch is opened. For a consumer that takes every chunk at once (:func:`deliver_items`)."""
+        batch is opened. A sink hands them on with :func:`deliver_items` or returns them one at a time
+        through a :class:`ChunkBatch`."""
         items = self._items
         if not items:
             return None

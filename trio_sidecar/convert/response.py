@@ -139,7 +139,8 @@ class ResponseState:
 
     Attributes:
         prompt_tokens: usage prompt count (with media: vLLM's ``num_prompt_tokens``, once seen).
-        completion_tokens: tokens streamed so far.
+        completion_tokens: tokens streamed so far (the usage counts; :meth:`retract` takes back those
+            never delivered).
         finished: a terminal chunk was converted.
     """
 
@@ -165,6 +166,11 @@ class ResponseState:
     def reported_completion_tokens(self) -> int:
         """Usage's completion count: 0 for prefill (its one token is decode's to report)."""
         return 0 if self.is_prefill else self.completion_tokens
+
+    def retract(self, tokens: int) -> None:
+        """``tokens`` were converted but never delivered (the caller dropped them after its cancellation):
+        usage no longer counts them, as if their messages had not been read."""
+        self.completion_tokens -= tokens
 
     def cancelled_chunk(self) -> LLMEngineOutput:
         """The cancelled chunk (docs/reference/sidecar.md#output-chunks) with the usage accumulated so far

@@ -540,26 +540,6 @@ class ResponseStream:
     def __aiter__(self) -> AsyncIterator[Any]:
         return self
 
-    def next_buffered(self) -> Any:
-        """The next response if its message was already received, else None; never waits, never a
-        checkpoint (the stream's end, error and deadline are left to ``__anext__``).
-
-        Raises:
-            RpcError: INTERNAL, the message does not parse (the call is closed, as ``__anext__`` does);
-                never with ``response_type=None``.
-        """
-        call = self._call
-        if call is None or call.done or not call.messages:
-            return None
-        payload = call.take_message()
-        if self._response_type is None:
-            return payload
-        try:
-            return parse_message(self._response_type, payload, self._what)
-        except RpcError:  # it does not parse: the call is over
-            call.close()
-            raise
-
     async def listen(self, listener: Callable[[bytes], bool], flush: Callable[[], bool] | None = None) -> bool:
         """Hand every response message (serialized) to ``listener(data)`` as it is received, instead of
         iterating, until ``listener`` returns True or the stream ends. Only with ``response_type=None``.
