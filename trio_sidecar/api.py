@@ -36,7 +36,6 @@ from .transport import collapse_single_exception
 __all__ = ["open_sidecar", "discover", "Sidecar", "ChunkSink", "GenerateContext"]
 
 
-
 @attrs.define(eq=False)
 class Sidecar:
     """A started sidecar (yielded by :func:`open_sidecar`).

@@ -182,9 +182,7 @@ class SidecarEngine:
             self.engine_config = engine_config(model)
             self._state = _State.STARTED
             LOGGER.info("vLLM gRPC services are ready")
-            self.kv_event_sources = await fetch_kv_event_sources(
-                self._pool, self.endpoint, model, deadline=deadline
-            )
+            self.kv_event_sources = await fetch_kv_event_sources(self._pool, self.endpoint, model, deadline=deadline)
             if config.abort_on_cancel:
                 self._aborts = AbortSender(self._pool, config.abort_timeout)
                 await nursery.start(self._aborts.run)
@@ -286,9 +284,7 @@ class SidecarEngine:
 
     # ---------------------------------------------------------------- requests
 
-    def submit(
-        self, request: dict[str, Any] | PreprocessedRequest, ctx: GenerateContext, sink: ChunkSink
-    ) -> None:
+    def submit(self, request: dict[str, Any] | PreprocessedRequest, ctx: GenerateContext, sink: ChunkSink) -> None:
         """Start one generation whose output goes to ``sink`` (a synchronous call; the engine's one
         delivery path, docs/reference/sidecar.md#embedded-api).
 

@@ -471,7 +471,7 @@ class LLMEngineOutput:
     log_probs: list[float] | None = None
     top_logprobs: list[list[TopLogprob]] | None = None
     finish_reason: str | None = None
-    stop_reason: Union[int, str, None] = None
+    stop_reason: int | str | None = None
     completion_usage: CompletionUsage | None = None
     disaggregated_params: dict[str, Any] | None = None
     engine_data: dict[str, Any] | None = None
@@ -505,7 +505,7 @@ class LLMEngineOutput:
 
 
 _output_converter = cattrs.Converter()
-_output_converter.register_structure_hook(Union[int, str, None], lambda v, _t: v)
+_output_converter.register_structure_hook(Union[int, str, None], lambda v, _t: v)  # noqa: UP007 - the typing object cattrs dispatches on
 
 _new_object = object.__new__
 

@@ -43,10 +43,10 @@ from .context import ChunkSink, GenerateContext
 from .convert.batch import END, WARN_ERROR_AFTER_CANCEL, BatchBuilder, Ending, deliver_items
 from .convert.request import BuiltRequest
 from .convert.response import ResponseState
-from .errors import SidecarError, status_to_error
+from .errors import SidecarError
 from .pool import ChannelPool
 from .protocol import LLMEngineOutput
-from .transport import ResponseStream, RpcError
+from .transport import ResponseStream
 
 __all__ = ["GENERATE_STREAM", "MergingSink", "RequestTask", "RunSink"]
 
@@ -150,11 +150,15 @@ class RequestTask:
                     channel = await pool.channel("GenerateStream")
                     await trio.lowlevel.checkpoint_if_cancelled()  # biased
                     sent = True
-                    async with channel.unary_stream(
+                    # the pool is the one edge for gRPC errors: a transport RpcError leaving the block is
+                    # raised as the SidecarError status_to_error makes of it
+                    async with pool.stream(
+                        "GenerateStream",
                         GENERATE_STREAM,
                         self.built.message,
                         None,  # serialized messages: the builder parses only those it has to
                         metadata=self.built.metadata,
+                        channel=channel,
                     ) as stream:
                         self.opened.set()
                         server_ended = await self._listen(stream)
@@ -162,13 +166,9 @@ class RequestTask:
             server_ended = True
             self._fail(exc)
         except Exception as exc:
-            if not isinstance(exc, RpcError):
-                LOGGER.exception("unexpected failure in request %s", self.request_id)
-                server_ended = False
-                self._fail(exc)
-            else:
-                server_ended = True
-                self._fail(status_to_error("GenerateStream", exc.code, exc.message))
+            LOGGER.exception("unexpected failure in request %s", self.request_id)
+            server_ended = False
+            self._fail(exc)
         finally:
             if self.final is None and self.error is None and self.open_error is None:
                 # Cancelled (client or shutdown) before the server ended the stream.

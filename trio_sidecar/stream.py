@@ -45,8 +45,21 @@ class ChunkStream:
     a reference cycle per request would leave its objects to the garbage collector.
     """
 
-    __slots__ = ("_batch", "_cancelled", "_closed", "_dropped", "_ended", "_error", "_final", "_finished",
-                 "_paused", "_queued", "_reader", "_state", "request_id")
+    __slots__ = (
+        "_batch",
+        "_cancelled",
+        "_closed",
+        "_dropped",
+        "_ended",
+        "_error",
+        "_final",
+        "_finished",
+        "_paused",
+        "_queued",
+        "_reader",
+        "_state",
+        "request_id",
+    )
 
     def __init__(self) -> None:
         self.request_id = ""

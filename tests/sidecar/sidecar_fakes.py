@@ -179,9 +179,7 @@ class FakeVllm:
     abort_error: tuple[StatusCode, str] | None = None
     hang_rpcs: set[str] = attrs.field(factory=set)  # "GetModelInfo", "GetServerInfo", "GetKvEventSources"
     # records
-    requests: list[tuple[inference_pb2.GenerateRequest, dict[str, str], tuple[str, int]]] = attrs.field(
-        factory=list
-    )
+    requests: list[tuple[inference_pb2.GenerateRequest, dict[str, str], tuple[str, int]]] = attrs.field(factory=list)
     dropped: dict[str, trio.Event] = attrs.field(factory=dict)
     dropped_at: dict[str, float] = attrs.field(factory=dict)
     finished: set[str] = attrs.field(factory=set)
@@ -216,8 +214,9 @@ class FakeVllm:
 
     # -- message builders -------------------------------------------------------------------------
 
-    def _chunk(self, request: inference_pb2.GenerateRequest, *, final: int | None = None,
-               index: int = 0) -> inference_pb2.GenerateResponse:
+    def _chunk(
+        self, request: inference_pb2.GenerateRequest, *, final: int | None = None, index: int = 0
+    ) -> inference_pb2.GenerateResponse:
         out = inference_pb2.SequenceOutput(index=index, text=" token", num_tokens=1, token_ids=[42])
         if request.response.output_logprobs:
             out.logprobs.append(-0.25)

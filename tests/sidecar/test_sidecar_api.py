@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import trio
+import trio.lowlevel
 from sidecar_fakes import NOT_SERVING, SERVING, reference_model_info, sidecar_config
 
 import trio_sidecar
@@ -38,7 +39,7 @@ async def test_generate_context_stop_is_idempotent_and_awaitable():
     assert not ctx.stopped and ctx.request_id == ""
     async with trio.open_nursery() as nursery:
         nursery.start_soon(ctx.wait_stopped)
-        await trio.sleep(0)
+        await trio.lowlevel.checkpoint()
         ctx.stop()
         ctx.stop()
     assert ctx.stopped
@@ -248,7 +249,7 @@ async def test_wait_idle_returns_when_overlapping_requests_have_all_ended(fake):
             await one.__anext__()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(waiter)
-                await trio.sleep(0)
+                await trio.lowlevel.checkpoint()
                 async with sidecar.generate(BODY, second) as two:
                     await two.__anext__()
                     first.stop()

@@ -100,12 +100,14 @@ async def test_dropping_the_sidecar_stream_cancels_mock_work():
 
 async def test_prefill_handoff_round_trips_through_a_decode_mock():
     body = {"token_ids": [3, 1, 4, 1, 5, 9], "stop_conditions": {"max_tokens": 3}}
-    async with open_mock_server(mock_config(disaggregation_mode="prefill")) as prefill_mock, open_mock_server(
-        mock_config(disaggregation_mode="decode")
-    ) as decode_mock:
-        async with open_sidecar(
-            sidecar_config(prefill_mock.address, disaggregation_mode="prefill")
-        ) as prefill, open_sidecar(sidecar_config(decode_mock.address, disaggregation_mode="decode")) as decode:
+    async with (
+        open_mock_server(mock_config(disaggregation_mode="prefill")) as prefill_mock,
+        open_mock_server(mock_config(disaggregation_mode="decode")) as decode_mock,
+    ):
+        async with (
+            open_sidecar(sidecar_config(prefill_mock.address, disaggregation_mode="prefill")) as prefill,
+            open_sidecar(sidecar_config(decode_mock.address, disaggregation_mode="decode")) as decode,
+        ):
             [prefill_chunk] = await collect(prefill, body, GenerateContext("pd-53"))
             handoff = prefill_chunk.disaggregated_params
             decode_body = dict(body, prefill_result={"disaggregated_params": handoff})
@@ -265,12 +267,17 @@ async def test_kv_events_reach_subscribers_of_the_validated_sources():
                 assert stored_tokens[:8] == prompt
                 assert len(stored_hashes) >= 2
                 # a different prompt that needs the whole pool evicts the cached blocks
-                other = {"token_ids": list(range(200, 216)), "stop_conditions": {"max_tokens": 1},
-                         "routing": {"dp_rank": 0}}
+                other = {
+                    "token_ids": list(range(200, 216)),
+                    "stop_conditions": {"max_tokens": 1},
+                    "routing": {"dp_rank": 0},
+                }
                 await collect(sidecar, other)
                 await _poll_until(
                     subscribers,
-                    lambda: set(stored_hashes[:2]) <= {h for e in sub0.events("BlockRemoved") for h in e["block_hashes"]},
+                    lambda: (
+                        set(stored_hashes[:2]) <= {h for e in sub0.events("BlockRemoved") for h in e["block_hashes"]}
+                    ),
                 )
         for sub in subscribers:
             sub.poll()

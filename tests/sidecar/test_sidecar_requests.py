@@ -344,17 +344,27 @@ async def test_a_finished_request_leaves_no_reference_cycle_behind(fake, face):
 BAD_BODIES = [
     ({"token_ids": []}, "token_ids must not be empty"),
     # An int beyond the f64 range (JSON has no limit): a typed error, not an OverflowError.
-    ({"token_ids": [1], "sampling_options": {"temperature": 10**400}},
-     "invalid PreprocessedRequest: integer too large to convert to a float @ $.sampling_options.temperature"),
-    ({"token_ids": [1], "sampling_options": {"min_p": -10**400}},
-     "invalid PreprocessedRequest: integer too large to convert to a float @ $.sampling_options.min_p"),
-    ({"token_ids": [1], "sampling_options": {"top_p": 10**400}},
-     "invalid PreprocessedRequest: integer too large to convert to a float @ $.sampling_options.top_p"),
+    (
+        {"token_ids": [1], "sampling_options": {"temperature": 10**400}},
+        "invalid PreprocessedRequest: integer too large to convert to a float @ $.sampling_options.temperature",
+    ),
+    (
+        {"token_ids": [1], "sampling_options": {"min_p": -(10**400)}},
+        "invalid PreprocessedRequest: integer too large to convert to a float @ $.sampling_options.min_p",
+    ),
+    (
+        {"token_ids": [1], "sampling_options": {"top_p": 10**400}},
+        "invalid PreprocessedRequest: integer too large to convert to a float @ $.sampling_options.top_p",
+    ),
     # vLLM's own checks and texts (docs/conformance.md), before any RPC.
-    ({"token_ids": [1], "sampling_options": {"temperature": float("nan")}},
-     "temperature must be a finite number, got NaN"),
-    ({"token_ids": [1], "sampling_options": {"repetition_penalty": float("-inf")}},
-     "repetition_penalty must be a finite number, got -inf"),
+    (
+        {"token_ids": [1], "sampling_options": {"temperature": float("nan")}},
+        "temperature must be a finite number, got NaN",
+    ),
+    (
+        {"token_ids": [1], "sampling_options": {"repetition_penalty": float("-inf")}},
+        "repetition_penalty must be a finite number, got -inf",
+    ),
 ]
 
 
@@ -474,7 +484,10 @@ async def test_eof_before_terminal_is_a_protocol_error(fake, face):
 
 @pytest.mark.parametrize(
     ("knob", "error_kind", "error_type"),
-    [("early_eof_after", ErrorKind.UNKNOWN, ProtocolError), ("read_error_after", ErrorKind.CANNOT_CONNECT, CannotConnect)],
+    [
+        ("early_eof_after", ErrorKind.UNKNOWN, ProtocolError),
+        ("read_error_after", ErrorKind.CANNOT_CONNECT, CannotConnect),
+    ],
 )
 async def test_stream_error_after_one_token_keeps_the_token(fake, face, knob, error_kind, error_type):
     fake.tokens = 5

@@ -213,7 +213,11 @@ async def test_discovery_rpc_past_the_deadline_is_a_connection_timeout(fake, rpc
 async def test_registration_data_comes_from_the_start_phase(fake):
     async with open_sidecar(sidecar_config(fake.endpoint)) as sidecar:
         config = sidecar.engine_config
-    assert (config.model, config.served_model_name, config.aliases) == ("model-source", "served-model", ("model-alias",))
+    assert (config.model, config.served_model_name, config.aliases) == (
+        "model-source",
+        "served-model",
+        ("model-alias",),
+    )
     assert (config.context_length, config.kv_cache_block_size, config.total_kv_blocks) == (8192, 16, 4096)
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (128, 2048)
     assert (config.data_parallel_size, config.data_parallel_start_rank) == (4, 0)

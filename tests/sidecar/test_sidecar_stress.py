@@ -21,8 +21,10 @@ async def test_mixed_cancellations_keep_every_invariant(seed):
     rng = random.Random(seed)
     engine_args = dict(FAST_ENGINE_ARGS, speedup_ratio=2.0, max_num_seqs=256)
     config = MockConfig(listen="127.0.0.1:0", seed=SEED, engine_args=engine_args, max_concurrent_requests=512)
-    plans = [(i, rng.choice(["full", "stop", "break", "scope"]), rng.randint(1, MAX_TOKENS - 1), rng.random())
-             for i in range(120)]
+    plans = [
+        (i, rng.choice(["full", "stop", "break", "scope"]), rng.randint(1, MAX_TOKENS - 1), rng.random())
+        for i in range(120)
+    ]
     outcomes: dict[str, tuple[str, list[int], object]] = {}
     async with open_mock_server(config) as mock:
         async with open_sidecar(sidecar_config(mock.address, grpc_connections=3)) as sidecar:

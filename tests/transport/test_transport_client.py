@@ -81,7 +81,9 @@ async def test_stream_without_a_response_type_yields_serialized_messages(channel
         async with channel.unary_stream(GENERATE_STREAM, request("stream", text="t", n=5), None) as stream:
             received = [m async for m in stream]
     assert len(received) == 5 and all(type(m) is bytes for m in received)
-    assert [(R.FromString(m).outputs.index, R.FromString(m).outputs.text) for m in received] == [(i, "t") for i in range(5)]
+    assert [(R.FromString(m).outputs.index, R.FromString(m).outputs.text) for m in received] == [
+        (i, "t") for i in range(5)
+    ]
 
 
 async def test_stream_error_after_messages_raises_after_them(channel):

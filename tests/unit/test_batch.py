@@ -44,8 +44,16 @@ def state(mode: DisaggregationMode = AGG, **options: Any) -> ResponseState:
     return ResponseState(request, build_generate_request(request, "r", "m", mode), mode)
 
 
-def out(tokens: list[int], *, text: str = "", num: int | None = None, index: int = 0, finish: int | None = None,
-        info: int | None = None, logprobs: list[float] | None = None) -> pb.GenerateResponse:
+def out(
+    tokens: list[int],
+    *,
+    text: str = "",
+    num: int | None = None,
+    index: int = 0,
+    finish: int | None = None,
+    info: int | None = None,
+    logprobs: list[float] | None = None,
+) -> pb.GenerateResponse:
     seq = pb.SequenceOutput(index=index, text=text, num_tokens=len(tokens) if num is None else num, token_ids=tokens)
     if logprobs is not None:
         seq.logprobs.extend(logprobs)
@@ -167,7 +175,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("mode", "options", "script", "batches", "steps"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    ("mode", "options", "script", "batches", "steps"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
 def test_ordinary_messages_are_batched(mode, options, script, batches, steps) -> None:
     st = state(mode, **options)
     builder = BatchBuilder(st, decode=mode is DECODE)
@@ -197,8 +207,11 @@ ENDINGS = [
         False,
         [out([7], text="a"), out([8], index=1)],
         [[tok(7)]],
-        {"server_ended": False, "error": "invalid vLLM gRPC response: received unsupported sequence index 1",
-         "warning": None},
+        {
+            "server_ended": False,
+            "error": "invalid vLLM gRPC response: received unsupported sequence index 1",
+            "warning": None,
+        },
         None,
     ),
     (
@@ -207,8 +220,10 @@ ENDINGS = [
         False,
         [out([7]), out([8, 9], finish=5)],
         [[tok(7, "")]],
-        {"server_ended": False,
-         "error": "invalid vLLM gRPC response: terminal num_output_tokens 5 does not match streamed count 3"},
+        {
+            "server_ended": False,
+            "error": "invalid vLLM gRPC response: terminal num_output_tokens 5 does not match streamed count 3",
+        },
         None,
     ),
     (
@@ -217,8 +232,7 @@ ENDINGS = [
         False,
         [out([7, 8], num=1)],
         [],
-        {"server_ended": False,
-         "error": "invalid vLLM gRPC response: num_tokens 1 does not match 2 token IDs"},
+        {"server_ended": False, "error": "invalid vLLM gRPC response: num_tokens 1 does not match 2 token IDs"},
         None,
     ),
     (
@@ -227,8 +241,7 @@ ENDINGS = [
         False,
         [out([7, 8], num=3)],
         [],
-        {"server_ended": False,
-         "error": "invalid vLLM gRPC response: num_tokens 3 does not match 2 token IDs"},
+        {"server_ended": False, "error": "invalid vLLM gRPC response: num_tokens 3 does not match 2 token IDs"},
         None,
     ),
     (
@@ -282,15 +295,16 @@ ENDINGS = [
         False,
         [prompt(), out([7], text="a"), out([], finish=1, text="")],
         [],
-        {"server_ended": False,
-         "error": "invalid vLLM gRPC response: prefill terminal is missing kv_transfer_params"},
+        {"server_ended": False, "error": "invalid vLLM gRPC response: prefill terminal is missing kv_transfer_params"},
         None,
     ),
 ]
 
 
 @pytest.mark.parametrize(
-    ("mode", "cancelled", "script", "batches", "expected", "final_usage"), [c[1:] for c in ENDINGS], ids=[c[0] for c in ENDINGS]
+    ("mode", "cancelled", "script", "batches", "expected", "final_usage"),
+    [c[1:] for c in ENDINGS],
+    ids=[c[0] for c in ENDINGS],
 )
 def test_endings(mode, cancelled, script, batches, expected, final_usage) -> None:
     builder = BatchBuilder(state(mode), decode=mode is DECODE)
@@ -388,8 +402,13 @@ def test_deliver_items_hands_over_what_chunk_batch_would_return_in_order() -> No
     while (chunk := batch.take()) is not None:
         expected.append(chunk)
     got = deliver(items)
-    assert got == [("tokens", [1], "a"), ("chunk", built), ("tokens", [2, 3, 4], ""), ("chunk", built),
-                   ("tokens", [7], "")]
+    assert got == [
+        ("tokens", [1], "a"),
+        ("chunk", built),
+        ("tokens", [2, 3, 4], ""),
+        ("chunk", built),
+        ("tokens", [7], ""),
+    ]
     as_chunks = [token_chunk(g[1], g[2]) if g[0] == "tokens" else g[1] for g in got]
     assert as_chunks == expected
 
@@ -417,7 +436,9 @@ def test_merged_tokens_equal_the_deltas_coalesced_by_the_bridge() -> None:
 
     items = [1, "a", [2, 3], "", 4, "c", [5], ""]
     [(_, ids, text)] = deliver(list(items))
-    one_by_one = [token_chunk([i] if type(i) is int else i, t).to_dict() for i, t in zip(items[::2], items[1::2])]
+    one_by_one = [
+        token_chunk([i] if type(i) is int else i, t).to_dict() for i, t in zip(items[::2], items[1::2], strict=True)
+    ]
     assert token_chunk(ids, text).to_dict() == take_merged(deque(one_by_one))
 
 

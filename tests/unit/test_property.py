@@ -9,10 +9,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from hypothesis import event, given, note
-from hypothesis import strategies as st
 from google.protobuf import struct_pb2
 from google.protobuf.message import DecodeError
+from hypothesis import event, given, note
+from hypothesis import strategies as st
 
 from trio_sidecar._proto.vllm import inference_pb2 as pb
 from trio_sidecar.config import DisaggregationMode
@@ -185,9 +185,15 @@ requests = st.fixed_dictionaries(
         "token_ids": junk_or(st.lists(u32, max_size=5)),
         "prompt_embeds": opt(st.just("AAAA")),
         "multi_modal_data": junk_or(
-            opt(st.dictionaries(st.sampled_from(["image_url", "video_url"]), st.lists(media_item, max_size=2), max_size=2))
+            opt(
+                st.dictionaries(
+                    st.sampled_from(["image_url", "video_url"]), st.lists(media_item, max_size=2), max_size=2
+                )
+            )
         ),
-        "multi_modal_uuids": junk_or(opt(st.fixed_dictionaries({"image_url": st.lists(st.text(max_size=3), max_size=2)}))),
+        "multi_modal_uuids": junk_or(
+            opt(st.fixed_dictionaries({"image_url": st.lists(st.text(max_size=3), max_size=2)}))
+        ),
         "mm_processor_kwargs": opt(st.just({})),
         "bootstrap_info": opt(st.just({})),
         "extra_args": junk_or(opt(extra_args)),
@@ -271,7 +277,9 @@ valid_requests = st.fixed_dictionaries(
 
 
 @given(req=requests | valid_requests | json_values, mode=MODES, request_id=st.sampled_from(["", "req-1"]))
-def test_property_request_conversion_raises_only_invalid_argument(req: Any, mode: DisaggregationMode, request_id: str) -> None:
+def test_property_request_conversion_raises_only_invalid_argument(
+    req: Any, mode: DisaggregationMode, request_id: str
+) -> None:
     try:
         request = structure_request(req)
         built = build_generate_request(request, request_id, "served-model", mode)
@@ -330,7 +338,7 @@ def _same(a: Any, b: Any) -> bool:
     if type(a) is not type(b):
         return False
     if isinstance(a, list):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     return a == b
@@ -347,7 +355,11 @@ def test_property_struct_round_trip_is_exact(value: dict[str, Any]) -> None:
 @st.composite
 def struct_values(draw: st.DrawFn, depth: int = 0) -> struct_pb2.Value:
     value = struct_pb2.Value()
-    kind = draw(st.sampled_from(["unset", "null", "bool", "num", "str", "list", "struct"] if depth < 2 else ["num", "str", "unset"]))
+    kind = draw(
+        st.sampled_from(
+            ["unset", "null", "bool", "num", "str", "list", "struct"] if depth < 2 else ["num", "str", "unset"]
+        )
+    )
     if kind == "null":
         value.null_value = struct_pb2.NULL_VALUE
     elif kind == "bool":
@@ -385,10 +397,10 @@ def test_property_struct_to_json_raises_only_protocol_error(fields: dict[str, st
 
 @st.composite
 def candidate_infos(draw: st.DrawFn) -> pb.CandidateTokenInfo:
-    tokens = draw(
-        st.lists(st.tuples(st.integers(0, 50), floats, st.integers(0, 5)), max_size=3)
+    tokens = draw(st.lists(st.tuples(st.integers(0, 50), floats, st.integers(0, 5)), max_size=3))
+    return pb.CandidateTokenInfo(
+        tokens=[pb.CandidateTokenInfo.TokenInfo(id=i, logprob=lp, rank=r) for i, lp, r in tokens]
     )
-    return pb.CandidateTokenInfo(tokens=[pb.CandidateTokenInfo.TokenInfo(id=i, logprob=lp, rank=r) for i, lp, r in tokens])
 
 
 @st.composite
@@ -447,7 +459,11 @@ def responses(draw: st.DrawFn) -> pb.GenerateResponse:
     stream=st.lists(responses(), max_size=8),
 )
 def test_property_response_conversion_raises_only_protocol_error(
-    mode: DisaggregationMode, logprobs: int | None, prompt_logprobs: int | None, media: bool, stream: list[pb.GenerateResponse]
+    mode: DisaggregationMode,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+    media: bool,
+    stream: list[pb.GenerateResponse],
 ) -> None:
     req: dict[str, Any] = {
         "token_ids": [1, 2, 3],
@@ -508,7 +524,9 @@ def token_responses(draw: st.DrawFn) -> pb.GenerateResponse:
     """The common message: tokens and text only (``ResponseState.convert_plain``'s fast path)."""
     k = draw(st.integers(1, 3))
     seq = pb.SequenceOutput(
-        text=draw(st.sampled_from(["", "a", " tok", "é"])), num_tokens=k, token_ids=draw(st.lists(u32, min_size=k, max_size=k))
+        text=draw(st.sampled_from(["", "a", " tok", "é"])),
+        num_tokens=k,
+        token_ids=draw(st.lists(u32, min_size=k, max_size=k)),
     )
     return pb.GenerateResponse(outputs=seq)
 
@@ -521,7 +539,11 @@ def token_responses(draw: st.DrawFn) -> pb.GenerateResponse:
     flushes=st.lists(st.booleans(), min_size=12, max_size=12),
 )
 def test_property_batch_builder_matches_one_message_at_a_time(
-    mode: DisaggregationMode, logprobs: int | None, request_cancelled: bool, stream: list[pb.GenerateResponse], flushes: list[bool]
+    mode: DisaggregationMode,
+    logprobs: int | None,
+    request_cancelled: bool,
+    stream: list[pb.GenerateResponse],
+    flushes: list[bool],
 ) -> None:
     """``BatchBuilder`` (fast path, compact batches) yields what converting each message on its own does."""
     decode = mode is DisaggregationMode.DECODE
@@ -569,7 +591,8 @@ def test_property_batch_builder_matches_one_message_at_a_time(
             while (chunk := batch.take()) is not None:
                 got.append(chunk.to_dict())
 
-    for resp, flush in zip(stream, flushes):
+    # (flushes: a flag for each of the stream's at most 12 messages; those past its end are unused)
+    for resp, flush in zip(stream, flushes, strict=False):
         if builder.add(resp.SerializeToString(), cancelled) is END:
             hand_over()
             ending = builder.ending
@@ -637,7 +660,9 @@ def near_plain_bytes(draw: st.DrawFn) -> bytes:
     def length(n: int) -> bytes:
         return varint(max(0, n + draw(st.sampled_from([-1, 1]))) if odd() else n, 1 if odd() else 0)
 
-    ids = draw(st.lists(st.integers(2**32, 2**35) if odd() else st.one_of(st.integers(0, 2**21), u32), min_size=1, max_size=4))
+    ids = draw(
+        st.lists(st.integers(2**32, 2**35) if odd() else st.one_of(st.integers(0, 2**21), u32), min_size=1, max_size=4)
+    )
     packed = b"".join(varint(i, draw(st.sampled_from([1, 5, 6, 10])) if odd() else 0) for i in ids)
     count = len(ids) + (draw(st.sampled_from([-1, 1])) if odd() else 0)
     text = draw(st.sampled_from([b"", b"a", b"tok", "é".encode()]))

@@ -127,7 +127,9 @@ def plain_token_fields(data: bytes) -> tuple[int | list[int], str | None] | None
         return None
 
 
-def _length_error(kind: str, expected: int, token_ids: int, logprobs: int, ranks: int, candidates: int) -> ProtocolError:
+def _length_error(
+    kind: str, expected: int, token_ids: int, logprobs: int, ranks: int, candidates: int
+) -> ProtocolError:
     return ProtocolError(
         f"{kind} logprob array lengths do not match expected count {expected}: token_ids={token_ids}, "
         f"logprobs={logprobs}, ranks={ranks}, candidate_tokens={candidates}"
@@ -277,13 +279,12 @@ class ResponseState:
         if not self.output_logprobs:
             return
         top: list[list[TopLogprob]] = []
-        for token_id, logprob, rank, candidates in zip(
-            outputs.token_ids, outputs.logprobs, outputs.ranks, outputs.candidate_tokens
+        for token_id, logprob, rank, candidates in zip(  # lengths checked above
+            outputs.token_ids, outputs.logprobs, outputs.ranks, outputs.candidate_tokens, strict=True
         ):
             # docs/reference/sidecar.md#per-message-checks: the server's candidates in its order; the sampled token first only if absent.
             position = [
-                TopLogprob(rank=c.rank, token_id=c.id, logprob=normalize_logprob(c.logprob))
-                for c in candidates.tokens
+                TopLogprob(rank=c.rank, token_id=c.id, logprob=normalize_logprob(c.logprob)) for c in candidates.tokens
             ]
             if all(c.id != token_id for c in candidates.tokens):
                 position.insert(0, TopLogprob(rank=rank, token_id=token_id, logprob=normalize_logprob(logprob)))

@@ -101,6 +101,7 @@ import attrs
 import trio
 
 from ..errors import EngineShutdown, SidecarError
+from ..protocol import token_chunk_dict
 from .coalesce import take_merged
 from .egress import Egress
 from .error_map import dynamo_exception
@@ -334,7 +335,7 @@ class _Sink:
         """``chunk(token_chunk(token_ids, text))`` without building the chunk: its dict directly (``text``
         always present, ``""`` included: see ``LLMEngineOutput``)."""
         if not self.ended:
-            self._item.emit({"token_ids": token_ids, "index": 0, "text": text})
+            self._item.emit(token_chunk_dict(token_ids, text))
 
     def end(self, final: Any, error: BaseException | None) -> None:
         """The request's last output, then the end sentinel; only the first call counts. Never raises."""
