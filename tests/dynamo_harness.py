@@ -154,16 +154,7 @@ class Deployment:
         name: str = "trio-sidecar",
         env: dict[str, str] | None = None,
     ) -> local.Process:
-        proc = local.start_trio_sidecar(
-            self.workdir,
-            {**self.env, **(env or {})},
-            mock.address,
-            namespace=namespace or self.namespace,
-            extra=extra,
-            name=name,
-        )
-        self.processes.append(proc)
-        return proc
+        return self._sidecar(local.start_trio_sidecar, mock, extra, namespace, name, env)
 
     def native_sidecar(
         self,
@@ -173,14 +164,19 @@ class Deployment:
         name: str = "native-sidecar",
         env: dict[str, str] | None = None,
     ) -> local.Process:
-        proc = local.start_native_sidecar(
-            self.workdir,
-            {**self.env, **(env or {})},
-            mock.address,
-            namespace=namespace or self.namespace,
-            extra=extra,
-            name=name,
-        )
+        return self._sidecar(local.start_native_sidecar, mock, extra, namespace, name, env)
+
+    def _sidecar(
+        self,
+        start: Callable[..., local.Process],
+        mock: MockThread,
+        extra: tuple[str, ...],
+        namespace: str | None,
+        name: str,
+        env: dict[str, str] | None,
+    ) -> local.Process:
+        env = {**self.env, **(env or {})}
+        proc = start(self.workdir, env, mock.address, namespace=namespace or self.namespace, extra=extra, name=name)
         self.processes.append(proc)
         return proc
 

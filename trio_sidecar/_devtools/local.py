@@ -270,22 +270,7 @@ def start_trio_sidecar(
     extra: Sequence[str] = (),
     name: str = "trio-sidecar",
 ) -> Process:
-    argv = [
-        sys.executable,
-        "-m",
-        "trio_sidecar",
-        "run",
-        "--grpc-endpoint",
-        grpc_endpoint,
-        "--discovery-backend",
-        "file",
-        "--request-plane",
-        "tcp",
-        "--namespace",
-        namespace,
-        *extra,
-    ]
-    return Process(name, argv, env=env, log_path=workdir / f"{name}.log")
+    return _start_sidecar(("trio_sidecar", "run"), workdir, env, grpc_endpoint, namespace, extra, name)
 
 
 def start_native_sidecar(
@@ -298,20 +283,21 @@ def start_native_sidecar(
     name: str = "native-sidecar",
 ) -> Process:
     """Dynamo's own Rust sidecar (``python -m dynamo.vllm.sidecar``), the differential-test oracle."""
-    argv = [
-        sys.executable,
-        "-m",
-        "dynamo.vllm.sidecar",
-        "--grpc-endpoint",
-        grpc_endpoint,
-        "--discovery-backend",
-        "file",
-        "--request-plane",
-        "tcp",
-        "--namespace",
-        namespace,
-        *extra,
-    ]
+    return _start_sidecar(("dynamo.vllm.sidecar",), workdir, env, grpc_endpoint, namespace, extra, name)
+
+
+def _start_sidecar(
+    module: Sequence[str],
+    workdir: Path,
+    env: Mapping[str, str],
+    grpc_endpoint: str,
+    namespace: str,
+    extra: Sequence[str],
+    name: str,
+) -> Process:
+    """Either sidecar with the same flags: file discovery, the TCP request plane, the given namespace."""
+    argv = [sys.executable, "-m", *module, "--grpc-endpoint", grpc_endpoint]
+    argv += ["--discovery-backend", "file", "--request-plane", "tcp", "--namespace", namespace, *extra]
     return Process(name, argv, env=env, log_path=workdir / f"{name}.log")
 
 
