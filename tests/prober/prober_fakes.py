@@ -12,6 +12,7 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 import attrs
+import fakes
 import trio
 import trio_util
 
@@ -31,31 +32,10 @@ WAIT = 20.0
 
 
 def model_info(**overrides) -> control_pb2.ModelInfo:
-    fields = dict(
-        model_id="org/model",
-        served_model_name="served-model",
-        served_model_aliases=["alias-a"],
-        supports_token_ids_input=True,
-        supports_text_input=True,
-    )
-    fields.update(overrides)
-    return control_pb2.ModelInfo(**fields)
+    return fakes.model_info(**{"served_model_aliases": ["alias-a"], "supports_text_input": True, **overrides})
 
 
-def server_info(*, instance_id: str = "instance-1", dp_size: int = 1) -> control_pb2.ServerInfo:
-    return control_pb2.ServerInfo(
-        engine_version="0.32.0",
-        api_version="vllm",
-        instance_id=instance_id,
-        parallelism=control_pb2.ParallelismInfo(
-            tensor_parallel_size=1, pipeline_parallel_size=1, data_parallel_size=dp_size, data_parallel_rank=0
-        ),
-        max_model_len=4096,
-        kv_block_size=16,
-        total_kv_blocks=1024,
-        max_running_requests=16,
-        max_batched_tokens=2048,
-    )
+server_info = fakes.server_info
 
 
 def kv_source(endpoint: str, rank: int = 0) -> control_pb2.KvEventSource:
@@ -182,9 +162,9 @@ class ProberHarness:
 
 
 def prober_config(port: int, **overrides) -> SidecarConfig:
-    fields = dict(grpc_endpoint=f"127.0.0.1:{port}", connect_attempt_timeout=15.0, retry_interval=0.05)
-    fields.update(overrides)
-    return SidecarConfig(**fields)
+    return fakes.sidecar_config(
+        f"127.0.0.1:{port}", **{"grpc_connections": 8, "connect_attempt_timeout": 15.0, **overrides}
+    )
 
 
 @asynccontextmanager

@@ -20,6 +20,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 import attrs
+import fakes
 import trio
 
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
@@ -102,21 +103,11 @@ def check_all(outcomes: Sequence[Outcome], expected: int) -> None:
 
 
 def model_info() -> control_pb2.ModelInfo:
-    return control_pb2.ModelInfo(model_id="org/fake", served_model_name="fake-model", supports_token_ids_input=True)
+    return fakes.model_info(model_id="org/fake", served_model_name="fake-model")
 
 
 def server_info() -> control_pb2.ServerInfo:
-    return control_pb2.ServerInfo(
-        engine_version="0.32.0",
-        api_version="vllm",
-        instance_id="fake-1",
-        parallelism=control_pb2.ParallelismInfo(data_parallel_size=1),
-        max_model_len=4096,
-        kv_block_size=16,
-        total_kv_blocks=1024,
-        max_running_requests=64,
-        max_batched_tokens=2048,
-    )
+    return fakes.server_info(instance_id="fake-1", max_running_requests=64)
 
 
 def token(
@@ -408,17 +399,8 @@ FAST_ENGINE_ARGS = {
 
 
 def sidecar_config(address: str, **overrides):
-    from trio_sidecar.config import SidecarConfig
-
-    fields = dict(
-        grpc_endpoint=address,
-        grpc_connections=2,
-        connect_attempt_timeout=15.0,  # generous: a first Watch status may be slow on a loaded machine
-        retry_interval=0.05,
-        startup_deadline=30.0,
-    )
-    fields.update(overrides)
-    return SidecarConfig(**fields)
+    # generous: a first Watch status may be slow on a loaded machine
+    return fakes.sidecar_config(address, **{"connect_attempt_timeout": 15.0, "startup_deadline": 30.0, **overrides})
 
 
 def mock_config(*, engine_args: dict | None = None, **overrides):
@@ -442,10 +424,7 @@ def sidecar_in_flight(sidecar) -> int:
     return sidecar.engine.in_flight
 
 
-async def wait_until(predicate, *, timeout: float = 30.0, interval: float = 0.01) -> None:
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(interval)
+wait_until = fakes.wait_until
 
 
 def mock_request(max_tokens: int, prompt: Sequence[int] = (11, 22, 33, 44), **options) -> dict:

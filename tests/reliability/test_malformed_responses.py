@@ -15,31 +15,17 @@ from reliability_fakes import (
     check_all,
     drive,
     request_for,
+    sidecar_config,
     sidecar_in_flight,
+    wait_until,
 )
 
 from trio_sidecar.config import DisaggregationMode, SidecarConfig
 from trio_sidecar.errors import PROTOCOL_ERROR_PREFIX, ProtocolError
 
-WAIT = 30.0
-
 
 def config_for(port: int, **overrides) -> SidecarConfig:
-    fields = dict(
-        grpc_endpoint=f"127.0.0.1:{port}",
-        grpc_connections=2,
-        connect_attempt_timeout=15.0,
-        retry_interval=0.05,
-        startup_deadline=30.0,
-    )
-    fields.update(overrides)
-    return SidecarConfig(**fields)
-
-
-async def wait_until(predicate, *, timeout: float = WAIT) -> None:
-    with trio.fail_after(timeout):
-        while not predicate():
-            await trio.sleep(0.01)
+    return sidecar_config(f"127.0.0.1:{port}", **overrides)
 
 
 async def test_each_malformed_response_fails_only_its_request(nursery):

@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import fakes
 import trio
 from google.protobuf import struct_pb2
 
@@ -84,17 +85,8 @@ def usage(chunk: Any) -> tuple[int, int, int]:
 
 def sidecar_config(endpoint: str, **overrides: Any) -> SidecarConfig:
     """Test defaults: 2 connections, short timeouts, no prober (tests that need it turn it on)."""
-    fields: dict[str, Any] = dict(
-        grpc_endpoint=endpoint,
-        grpc_connections=2,
-        connect_attempt_timeout=2.0,
-        retry_interval=0.05,
-        startup_deadline=5.0,
-        health_prober=False,
-        abort_timeout=2.0,
-    )
-    fields.update(overrides)
-    return SidecarConfig(**fields)
+    defaults = dict(connect_attempt_timeout=2.0, startup_deadline=5.0, health_prober=False, abort_timeout=2.0)
+    return fakes.sidecar_config(endpoint, **{**defaults, **overrides})
 
 
 def reference_model_info(**overrides: Any) -> control_pb2.ModelInfo:
