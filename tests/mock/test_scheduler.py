@@ -73,7 +73,7 @@ async def wait_idle(engine: RankEngine) -> Metrics:
 # --- streaming and shape ------------------------------------------------------------------------------
 
 
-async def test_tokens_follow_the_plan_and_the_last_one_completes():
+async def test_tokens_follow_the_plan_and_the_last_one_completes(autojump_clock):
     async with running_engine() as engine:
         with trio.fail_after(10):
             signals = await drain(engine.submit(sim("a", n=7)))
@@ -92,7 +92,7 @@ async def test_tokens_follow_the_plan_and_the_last_one_completes():
     assert "a" not in engine
 
 
-async def test_a_slow_reader_gets_every_token_from_its_buffer():
+async def test_a_slow_reader_gets_every_token_from_its_buffer(autojump_clock):
     async with running_engine() as engine:
         with trio.fail_after(10):
             receive = engine.submit(sim("a", n=50))
@@ -101,7 +101,7 @@ async def test_a_slow_reader_gets_every_token_from_its_buffer():
     assert len(signals) == 50 and signals[-1].completed
 
 
-async def test_submit_rejections():
+async def test_submit_rejections(autojump_clock):
     async with running_engine(block_size=4, num_gpu_blocks=1) as engine:
         with pytest.raises(CapacityError) as info:
             engine.submit(sim("big", prompt=range(5)))
@@ -208,7 +208,7 @@ async def test_prefill_and_decode_share_a_pass(autojump_clock):
 # --- batching, admission ------------------------------------------------------------------------------
 
 
-async def test_hundreds_of_requests_are_batched_per_pass():
+async def test_hundreds_of_requests_are_batched_per_pass(autojump_clock):
     async with running_engine(max_num_seqs=256, max_num_batched_tokens=8192) as engine:
         results: dict[str, list[OutputSignal]] = {}
 
@@ -379,7 +379,7 @@ async def test_cancel_a_waiting_request(autojump_clock):
             assert await drain(b) == []
 
 
-async def test_a_closed_reader_cancels_its_request():
+async def test_a_closed_reader_cancels_its_request(autojump_clock):
     async with running_engine(speedup_ratio=0.0) as engine:
         receive = engine.submit(sim("a", n=10_000))
         with trio.fail_after(10):
@@ -417,7 +417,7 @@ async def test_an_idle_engine_does_not_spin(autojump_clock):
 # --- KV events through the engine ---------------------------------------------------------------------
 
 
-async def test_one_message_per_pass_with_prompt_and_generated_blocks():
+async def test_one_message_per_pass_with_prompt_and_generated_blocks(autojump_clock):
     publisher = RecordingPublisher()
     async with running_engine(publisher, enable_prefix_caching=True) as engine:
         with trio.fail_after(10):
@@ -433,7 +433,7 @@ async def test_one_message_per_pass_with_prompt_and_generated_blocks():
     assert second.parent_block_hash == first.block_hashes[-1]
 
 
-async def test_reuse_emits_nothing_and_salt_separates_prefixes():
+async def test_reuse_emits_nothing_and_salt_separates_prefixes(autojump_clock):
     publisher = RecordingPublisher()
     async with running_engine(publisher, enable_prefix_caching=True) as engine:
         with trio.fail_after(10):
@@ -448,7 +448,7 @@ async def test_reuse_emits_nothing_and_salt_separates_prefixes():
     assert set(salted.block_hashes).isdisjoint(publisher.messages[0][0].block_hashes)
 
 
-async def test_eviction_is_published_as_removed():
+async def test_eviction_is_published_as_removed(autojump_clock):
     publisher = RecordingPublisher()
     async with running_engine(publisher, enable_prefix_caching=True, num_gpu_blocks=3) as engine:
         with trio.fail_after(10):
@@ -459,7 +459,7 @@ async def test_eviction_is_published_as_removed():
     assert removed.block_hashes == tuple(reversed(stored_a.block_hashes))
 
 
-async def test_no_events_without_prefix_caching():
+async def test_no_events_without_prefix_caching(autojump_clock):
     publisher = RecordingPublisher()
     async with running_engine(publisher, enable_prefix_caching=False) as engine:
         with trio.fail_after(10):
@@ -483,7 +483,7 @@ async def test_metrics_report_the_rank_and_usage(autojump_clock):
 
 
 @pytest.mark.parametrize("seed", range(12))
-async def test_random_workloads_deliver_every_plan_exactly_once(seed):
+async def test_random_workloads_deliver_every_plan_exactly_once(seed, autojump_clock):
     import random
 
     rng = random.Random(seed)
