@@ -11,25 +11,43 @@ from typing import Protocol
 import trio
 
 from .protocol import LLMEngineOutput
+from .tracecontext import trace_metadata
 
 __all__ = ["ChunkSink", "GenerateContext"]
 
 
 class GenerateContext:
-    """Per-request context of the embedded API (docs/reference/sidecar.md#embedded-api): the request id and
-    the client's cancellation signal.
+    """Per-request context of the embedded API (docs/reference/sidecar.md#embedded-api): the request id, the
+    client's cancellation signal and the request's trace context.
 
     Args:
         request_id: sent as ``GenerateRequest.request_id``; empty → a fresh UUID4 string.
         on_first_token: called where upstream calls ``notify_first_token()`` (decode deferral,
             docs/reference/sidecar.md#decode-deferral).
+        traceparent: a W3C ``traceparent`` header value, sent to vLLM as ``GenerateStream`` metadata so its
+            OpenTelemetry spans join the request's trace (docs/reference/sidecar.md#trace-context).
+        tracestate: the W3C ``tracestate`` value sent with it (ignored without ``traceparent``).
+
+    Raises:
+        ValueError: a trace header value gRPC metadata cannot carry (not printable ASCII).
 
     ``stop()`` may be called from any Trio task of the same run, before or during the request.
     """
 
-    def __init__(self, request_id: str = "", *, on_first_token: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str = "",
+        *,
+        on_first_token: Callable[[], None] | None = None,
+        traceparent: str | None = None,
+        tracestate: str | None = None,
+    ) -> None:
         self.request_id = request_id
         self.on_first_token = on_first_token
+        self.traceparent = traceparent
+        self.tracestate = tracestate
+        #: The trace context's ``GenerateStream`` metadata; ``()`` without ``traceparent``.
+        self.trace_metadata = trace_metadata(traceparent, tracestate)
         self._stopped = trio.Event()
         self._listeners: list[Callable[[], None]] = []
 

@@ -150,6 +150,9 @@ class RequestTask:
                     channel = await pool.channel("GenerateStream")
                     await trio.lowlevel.checkpoint_if_cancelled()  # biased
                     sent = True
+                    metadata = self.built.metadata
+                    if self.ctx.trace_metadata:  # docs/reference/sidecar.md#trace-context
+                        metadata += self.ctx.trace_metadata
                     # the pool is the one edge for gRPC errors: a transport RpcError leaving the block is
                     # raised as the SidecarError status_to_error makes of it
                     async with pool.stream(
@@ -157,7 +160,7 @@ class RequestTask:
                         GENERATE_STREAM,
                         self.built.message,
                         None,  # serialized messages: the builder parses only those it has to
-                        metadata=self.built.metadata,
+                        metadata=metadata,
                         channel=channel,
                     ) as stream:
                         self.opened.set()

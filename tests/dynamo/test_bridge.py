@@ -84,9 +84,11 @@ class FakeDynamoContext:
 class FakeGenerateContext:
     """Stands in for ``trio_sidecar.api.GenerateContext`` (Trio side)."""
 
-    def __init__(self, request_id: str, on_first_token) -> None:
+    def __init__(self, request_id: str, on_first_token, *, traceparent=None, tracestate=None) -> None:
         self.request_id = request_id
         self.on_first_token = on_first_token
+        self.traceparent = traceparent
+        self.tracestate = tracestate
         self.stopped = False
         self.stop_calls = 0
         self._event = trio.Event()

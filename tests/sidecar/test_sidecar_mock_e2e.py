@@ -314,3 +314,18 @@ async def test_connection_lost_mid_stream_keeps_the_token_and_the_slot_reconnect
                 assert again[-1].finish_reason == "length"
                 assert sidecar.engine.pool.reconnects == 1
             nursery.cancel_scope.cancel()
+
+
+async def test_the_contexts_trace_headers_reach_vllm_as_generatestream_metadata():
+    traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
+    body = {"token_ids": [1, 2, 3], "stop_conditions": {"max_tokens": 2}}
+    async with open_mock_server(mock_config(engine_args={"dp_size": 2})) as mock:
+        async with open_sidecar(sidecar_config(mock.address)) as sidecar:
+            ctx = GenerateContext("traced", traceparent=traceparent, tracestate="rojo=00f067aa0ba902b7")
+            with trio.fail_after(10):
+                await collect(sidecar, dict(body, routing={"dp_rank": 1}), ctx)
+                await collect(sidecar, body, GenerateContext("untraced"))
+    assert mock.trace_headers == {"traced": {"traceparent": traceparent, "tracestate": "rojo=00f067aa0ba902b7"}}
+    # alongside the DP-rank metadata, which still routes the request
+    traced_metadata = dict(mock.recorded_requests[0][2])
+    assert traced_metadata["x-data-parallel-rank"] == "1" and traced_metadata["traceparent"] == traceparent

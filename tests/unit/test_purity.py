@@ -25,6 +25,7 @@ PURE = {
     "multimodal",
     "routing",
     "sampling_checks",
+    "tracecontext",
 }
 FORBIDDEN_TOP = {"trio", "trio_util", "anyio", "asyncio", "socket", "purerpc", "h2", "zmq", "subprocess", "threading"}
 

@@ -319,10 +319,15 @@ def get_json(port: int, path: str, *, timeout: float = 10.0) -> tuple[int, Any]:
         conn.close()
 
 
-def post_json(port: int, path: str, payload: Mapping[str, Any], *, timeout: float = 60.0) -> tuple[int, Any]:
+def post_json(
+    port: int, path: str, payload: Mapping[str, Any], *, timeout: float = 60.0, headers: Mapping[str, str] | None = None
+) -> tuple[int, Any]:
+    """POST ``payload`` as JSON (with extra request ``headers``); returns the status and the decoded body."""
     conn = _connection(port, timeout)
     try:
-        conn.request("POST", path, body=json.dumps(payload), headers={"content-type": "application/json"})
+        conn.request(
+            "POST", path, body=json.dumps(payload), headers={"content-type": "application/json", **(headers or {})}
+        )
         resp = conn.getresponse()
         body = resp.read()
         try:

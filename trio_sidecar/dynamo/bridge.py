@@ -102,6 +102,7 @@ import trio
 
 from ..errors import EngineShutdown, SidecarError
 from ..protocol import token_chunk_dict
+from ..tracecontext import TRACEPARENT, TRACESTATE, is_metadata_value
 from .coalesce import take_merged
 from .egress import Egress
 from .error_map import dynamo_exception
@@ -179,6 +180,8 @@ class RequestItem:
     emit: Callable[[Any], None]  # thread-safe; puts a chunk dict, an exception, or END
     handle: CancelHandle
     on_first_token: Callable[[], None]  # thread-safe; marshals notify_first_token() to the loop
+    traceparent: str | None = None  # the request's W3C trace context (``context.trace_headers()``)
+    tracestate: str | None = None
 
 
 class Outbox:
@@ -362,14 +365,14 @@ class RequestBridge:
 
     Args:
         thread: the running :class:`AsyncioThread`.
-        make_context: ``make_context(request_id, on_first_token) -> ctx`` with ``ctx.stop()``; by default
-            :class:`trio_sidecar.api.GenerateContext`.
+        make_context: ``make_context(request_id, on_first_token, traceparent=..., tracestate=...) -> ctx``
+            with ``ctx.stop()``; by default :class:`trio_sidecar.api.GenerateContext`.
     """
 
     def __init__(
         self,
         thread: AsyncioThread,
-        make_context: Callable[[str, Callable[[], None]], Any] | None = None,
+        make_context: Callable[..., Any] | None = None,
     ) -> None:
         self._thread = thread
         self._make_context = make_context or _default_context
@@ -426,7 +429,8 @@ class RequestBridge:
             except trio.RunFinishedError:
                 pass
 
-        item = RequestItem(request, request_id, emit, handle, on_first_token)
+        traceparent, tracestate = _trace_context(context)
+        item = RequestItem(request, request_id, emit, handle, on_first_token, traceparent, tracestate)
         try:
             token.run_sync_soon(self._dispatch, item)
         except trio.RunFinishedError:
@@ -521,7 +525,9 @@ class RequestBridge:
         if len(self.in_flight) == 1:
             self._idle = trio.Event()
         try:
-            ctx = self._make_context(item.request_id, item.on_first_token)
+            ctx = self._make_context(
+                item.request_id, item.on_first_token, traceparent=item.traceparent, tracestate=item.tracestate
+            )
             item.handle.bind(ctx)
             self._submit(item.request, ctx, sink)
         except SidecarError as exc:
@@ -609,7 +615,32 @@ def _notify_first_token(context: Any) -> None:
         LOGGER.debug("notify_first_token failed", exc_info=True)
 
 
-def _default_context(request_id: str, on_first_token: Callable[[], None]) -> Any:
+def _trace_context(context: Any) -> tuple[str | None, str | None]:
+    """The request's W3C ``traceparent``/``tracestate`` from Dynamo's ``context.trace_headers()`` (``None``
+    without a trace context; docs/reference/worker.md#trace-context). A value gRPC metadata cannot carry is
+    dropped (tracing must not fail a request)."""
+    trace_headers = getattr(context, "trace_headers", None)
+    if trace_headers is None:  # (a context without the 1.6.1 tracing surface)
+        return None, None
+    try:
+        headers = trace_headers()
+    except Exception:  # noqa: BLE001 - tracing is best effort
+        LOGGER.debug("context.trace_headers() failed", exc_info=True)
+        return None, None
+    if not headers:
+        return None, None
+    traceparent = headers.get(TRACEPARENT)
+    if not traceparent or not is_metadata_value(traceparent):
+        return None, None
+    tracestate = headers.get(TRACESTATE)
+    if tracestate is not None and not is_metadata_value(tracestate):
+        tracestate = None
+    return traceparent, tracestate
+
+
+def _default_context(
+    request_id: str, on_first_token: Callable[[], None], *, traceparent: str | None, tracestate: str | None
+) -> Any:
     from ..api import GenerateContext
 
-    return GenerateContext(request_id, on_first_token=on_first_token)
+    return GenerateContext(request_id, on_first_token=on_first_token, traceparent=traceparent, tracestate=tracestate)

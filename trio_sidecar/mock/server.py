@@ -399,6 +399,10 @@ class MockServer:
         #: Every Control call as ``(rpc name, request)``, in arrival order (a test hook, like
         #: ``recorded_requests``; kept only with ``record_requests``).
         self.control_calls: list[tuple[str, Any]] = []
+        #: request id -> the W3C ``traceparent``/``tracestate`` metadata its generation call carried, for the
+        #: calls that carried either (a test hook, like ``recorded_requests``; kept only with
+        #: ``record_requests``; the last call of an id wins).
+        self.trace_headers: dict[str, dict[str, str]] = {}
         #: The adapter table (``lora.enabled`` is false without ``max_loras``) and the RL state.
         self.lora = prepared.policy.lora if prepared.policy.lora is not None else _lora.LoraTable(0, ())
         self.rl = _rl.RlState(_rl_capabilities(prepared.args))
@@ -475,6 +479,9 @@ class MockServer:
         metadata = tuple(getattr(context, "metadata", ()))
         if self._record:
             self.recorded_requests.append((rpc, request, metadata, getattr(context, "peer", None)))
+            trace = {key: value for key, value in metadata if key in _TRACE_KEYS}
+            if trace:
+                self.trace_headers[request.request_id] = trace
         if self._shutting_down:
             raise RpcError(StatusCode.UNAVAILABLE, SHUTTING_DOWN)
         try:
@@ -661,6 +668,9 @@ def _byte_text_encoder(options: OutputOptions, detokenizer: ByteDetokenizer) -> 
         return frame(message.SerializeToString())
 
     return framed
+
+
+_TRACE_KEYS = frozenset(("traceparent", "tracestate"))
 
 
 def _recorded(handler: Callable[..., Any]) -> Callable[..., Any]:
