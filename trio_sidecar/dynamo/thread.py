@@ -15,6 +15,7 @@ calls, so neither loop ever blocks on the other:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 from collections.abc import Awaitable, Callable
@@ -132,8 +133,9 @@ class AsyncioThread:
 
         done = trio.Event()
         self._waiting.add(done)
+        coro = invoke()
         try:
-            future = asyncio.run_coroutine_threadsafe(invoke(), self.loop)
+            future = asyncio.run_coroutine_threadsafe(coro, self.loop)
             future.add_done_callback(lambda _f: self._notify_trio(done.set))
             try:
                 await done.wait()
@@ -144,5 +146,9 @@ class AsyncioThread:
             self._waiting.discard(done)
         if not future.done() or future.cancelled():  # (only the loop going away cancels it on that side)
             future.cancel()
+            # The loop is gone, so nothing will ever run or close the coroutine: close it here, or the garbage
+            # collector warns that it was never awaited (or runs its cleanup at some later, arbitrary point).
+            with contextlib.suppress(RuntimeError):  # (a coroutine that refuses to close is left as it is)
+                coro.close()
             raise RuntimeError(LOOP_ENDED) from self._error
         return future.result()
