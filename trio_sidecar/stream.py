@@ -127,9 +127,6 @@ class ChunkStream:
             chunk = batch.take()
             if chunk is not None:
                 return chunk
-        return await self._next()
-
-    async def _next(self) -> LLMEngineOutput:
         if self._finished:
             raise StopAsyncIteration
         state = self._state
