@@ -22,7 +22,6 @@ paused again (decode mode keeps reading until the KV transfer completed).
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Any
 
 from trio.lowlevel import Abort, RaiseCancelT, Task, current_task, reschedule, wait_task_rescheduled
@@ -65,7 +64,7 @@ class ChunkStream:
         self.request_id = ""
         self._state: ResponseState | None = None  # the request's usage (bound by the engine)
         self._batch: ChunkBatch | None = None  # the run being returned (empty once taken)
-        self._queued: deque[ChunkBatch] = deque()  # the runs after it
+        self._queued: list[ChunkBatch] = []  # the runs after it (rarely more than one: cheaper than a deque)
         self._final: LLMEngineOutput | None = None
         self._error: BaseException | None = None
         self._cancelled = False  # the request is cancelled (client or shutdown)
@@ -140,9 +139,6 @@ class ChunkStream:
             chunk = batch.take()
             if chunk is not None:
                 return chunk
-        return await self._next()
-
-    async def _next(self) -> LLMEngineOutput:
         if self._finished:
             raise StopAsyncIteration
         state = self._state
@@ -159,7 +155,7 @@ class ChunkStream:
                 if chunk is not None:
                     return chunk
                 # The caller starts on the next run: a paused request reads on.
-                self._batch = self._queued.popleft() if self._queued else None
+                self._batch = self._queued.pop(0) if self._queued else None
                 if self._paused is not None:
                     self._wake_paused()
                 continue
@@ -185,7 +181,7 @@ class ChunkStream:
         """Drop a run the caller took all of, when another follows."""
         current = self._batch
         if current is not None and not current and self._queued:
-            self._batch = self._queued.popleft()
+            self._batch = self._queued.pop(0)
 
     def _drop(self) -> None:
         """The request is cancelled: forget the chunks not taken; the cancelled chunk does not count them."""
