@@ -4,7 +4,14 @@ per-module deployment. It sits beside the root conftest, whose directory pytest 
 from __future__ import annotations
 
 import importlib.util
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -242,3 +249,47 @@ def start_pair(dep, mode_args: dict[str, tuple[str, ...]], mocks) -> Pair:
     for port in pair.ports.values():
         local.wait_for_models(port, ["tiny"], timeout=180, watch=dep.processes)
     return pair
+
+
+def run_on_a_tty(
+    args: list[str],
+    env: dict[str, str],
+    *,
+    until: Callable[[bytes], bool] = lambda _out: False,
+    timeout: float = 60.0,
+    then_signal: signal.Signals | None = None,
+) -> tuple[int, str]:
+    """``python -m trio_sidecar ARGS`` with its output on a pseudo-terminal (so it draws as for a person).
+
+    Reads until ``until(output)`` holds, the process exits or ``timeout`` passes; then sends ``then_signal``
+    (if any) and waits up to 30 s. Returns the exit code and the output; the process is killed by PID if it
+    is still running at the end.
+    """
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trio_sidecar", *args],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=slave,
+        stderr=slave,
+    )
+    os.close(slave)
+    out = b""
+    try:
+        deadline = time.monotonic() + timeout
+        while not until(out) and proc.poll() is None and time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.2)
+            if ready:
+                try:
+                    out += os.read(master, 65536)
+                except OSError:
+                    break
+        if then_signal is not None and proc.poll() is None:
+            proc.send_signal(then_signal)
+        code = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    return code, out.decode(errors="replace")

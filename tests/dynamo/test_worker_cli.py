@@ -10,7 +10,7 @@ import signal
 import time
 
 import pytest
-from dynamo_harness import FAST_ENGINE_ARGS, MockThread, require_dynamo
+from dynamo_harness import FAST_ENGINE_ARGS, MockThread, require_dynamo, run_on_a_tty
 
 from trio_sidecar._devtools import local
 
@@ -91,57 +91,19 @@ def test_a_registration_failure_exits_1_with_dynamos_message(workdir, tiny_model
 
 
 def test_on_a_tty_startup_phases_the_model_table_and_the_ready_line_are_shown(workdir, tiny_model):
-    import os
-    import pty
-    import select
-    import signal as _signal
-    import subprocess
-    import sys
-
     mock = MockThread(model=str(tiny_model), served_model_name="tiny", engine_args=FAST_ENGINE_ARGS).start()
     env = {**local.dynamo_env(workdir / "kv"), "COLUMNS": "120", "TERM": "xterm"}
     env.pop("NO_COLOR", None)
-    master, slave = pty.openpty()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "trio_sidecar",
-            "run",
-            "--grpc-endpoint",
-            mock.address,
-            "--discovery-backend",
-            "file",
-            "--namespace",
-            "tty",
-        ],
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=slave,
-        stderr=slave,
-    )
-    os.close(slave)
-    out = b""
     try:
-        deadline = time.monotonic() + 120
-        while b"ready: serving" not in out and time.monotonic() < deadline:
-            ready, _, _ = select.select([master], [], [], 0.2)
-            if ready:
-                try:
-                    out += os.read(master, 65536)
-                except OSError:
-                    break
-            if proc.poll() is not None:
-                break
-        proc.send_signal(_signal.SIGTERM)
-        code = proc.wait(30)
+        code, text = run_on_a_tty(
+            ["run", "--grpc-endpoint", mock.address, "--discovery-backend", "file", "--namespace", "tty"],
+            env,
+            until=lambda out: b"ready: serving" in out,
+            timeout=120,
+            then_signal=signal.SIGTERM,
+        )
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        os.close(master)
         mock.stop()
-    text = out.decode(errors="replace")
     assert code == 0, text[-3000:]
     for expected in (
         "bootstrap discovery (deadline 1800s)",

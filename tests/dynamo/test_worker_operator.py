@@ -7,7 +7,6 @@ within 2 s with one notice line and 128 + the signal number; never a traceback, 
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -16,7 +15,7 @@ import time
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from dynamo_harness import FAST_ENGINE_ARGS, MockThread, require_dynamo
+from dynamo_harness import FAST_ENGINE_ARGS, MockThread, require_dynamo, run_on_a_tty
 
 from trio_sidecar._devtools import local
 
@@ -240,48 +239,13 @@ def test_an_endpoint_without_a_port_warns_that_port_80_is_used(workdir):
 
 
 def test_on_a_tty_the_wait_is_a_live_status_line(workdir):
-    import pty
-    import select
-
     env = {**local.dynamo_env(workdir / "kv"), "COLUMNS": "160", "TERM": "xterm"}
     env.pop("NO_COLOR", None)
-    master, slave = pty.openpty()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "trio_sidecar",
-            "run",
-            "--grpc-endpoint",
-            f"127.0.0.1:{_closed_port()}",
-            "--discovery-backend",
-            "file",
-            "--grpc-startup-deadline-secs",
-            "4",
-        ],
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=slave,
-        stderr=slave,
+    code, text = run_on_a_tty(
+        ["run", "--grpc-endpoint", f"127.0.0.1:{_closed_port()}", "--discovery-backend", "file"]
+        + ["--grpc-startup-deadline-secs", "4"],
+        env,
     )
-    os.close(slave)
-    out = b""
-    try:
-        deadline = time.monotonic() + 60
-        while proc.poll() is None and time.monotonic() < deadline:
-            ready, _, _ = select.select([master], [], [], 0.2)
-            if ready:
-                try:
-                    out += os.read(master, 65536)
-                except OSError:
-                    break
-        code = proc.wait(30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        os.close(master)
-    text = out.decode(errors="replace")
     assert code == 1, text[-3000:]
     assert "still waiting for vLLM at http://127.0.0.1:" in text and "last: connection refused" in text, text[-3000:]
     assert "\x1b[" in text  # drawn for the terminal, not logged
