@@ -1,46 +1,92 @@
-"""Dynamo's endpoint handler over ``Sidecar.submit``, on one thread (docs/reference/worker.md#the-request-bridge).
+"""The asyncio-thread bridge between Dynamo's runtime and the Trio sidecar (docs/reference/worker.md#the-asyncio-thread-bridge).
 
 Theory of operation
 -------------------
 
-Dynamo's runtime uses trio-asyncio's asyncio loop, which runs inside Trio (:mod:`.host`), so the Dynamo
-handler and the Trio sidecar run on the same thread and exchange a request and its chunks by plain calls.
+Dynamo's Python bindings only work on asyncio, and every Dynamo object must be touched on the loop that
+created it. Trio owns the process; one dedicated thread runs an asyncio loop that owns every Dynamo
+object. The two sides talk only through non-blocking, thread-safe scheduling calls, so neither loop ever
+blocks on the other:
 
-Per request (:meth:`RequestBridge.handler`, an async generator Dynamo's runtime drives on the loop):
+* asyncio → Trio: ``trio_token.run_sync_soon(fn, *args)``. It raises ``trio.RunFinishedError`` once the
+  Trio run is over, which the asyncio side catches.
+* Trio → asyncio: ``loop.call_soon_threadsafe(fn, *args)``, or for a coroutine
+  ``asyncio.run_coroutine_threadsafe``; Trio waits for the resulting future through a done-callback that
+  sets a ``trio.Event`` via ``run_sync_soon`` (:meth:`.thread.AsyncioThread.run`).
 
-1. the handler creates the request's ``GenerateContext`` and calls ``sidecar.submit(request, ctx, call)``
-   at once (it starts the engine's request task; a refusal — conversion, admission, shutdown — is raised
-   from the handler as Dynamo's typed exception, :mod:`.error_map`);
-2. a watcher on Dynamo's ``context.async_killed_or_stopped()`` calls ``ctx.stop()``. The context exists
-   before the watcher does, so a cancel that comes before the engine's request task has even started is
-   never lost: the engine sees ``ctx`` stopped when the task starts;
-3. the engine delivers the chunks to the request's :class:`_Call` (a ``ChunkSink``) as their messages are
-   read, from the connection's reader task; the :class:`_Call` hands each to Dynamo right there (push
-   egress, below) and ends the handler with the final chunk or the error;
-4. if the runtime closes the handler first (the client went away), or the response stream is gone,
-   ``ctx.stop()`` ends the request (an Abort is queued by the engine).
+Per request (:meth:`RequestBridge.handler`, on the asyncio thread):
+
+1. an unbounded :class:`Outbox` (a deque) and an ``emit`` function that Trio calls to append to it
+   (see "Wake-ups" below);
+2. a :class:`CancelHandle`: a flag plus, later, the request's ``GenerateContext``. The handle is only ever
+   read or written on the Trio thread, so it needs no lock;
+3. the request is handed to Trio with ``run_sync_soon(bridge._dispatch, item)``;
+4. a watcher on ``context.async_killed_or_stopped()`` requests stop on the handle (via ``run_sync_soon``);
+5. the handler hands queued chunks to Dynamo (see "Egress"), raises a queued exception, and ends on the
+   end sentinel;
+6. if the runtime closes the generator before the end sentinel, or the response stream is gone, stop is
+   requested on the handle.
+
+``run_sync_soon`` callbacks run in FIFO order, so the hand-over always reaches Trio before any stop request
+for the same request. If :meth:`RequestBridge.run_dispatcher` is not running yet, the request waits in a
+list and the stop only records the flag; :meth:`CancelHandle.bind` calls ``ctx.stop()`` as soon as the
+request's context exists — a cancel that arrives before the Trio side starts the request is never lost (a
+naive "list that will later hold the cancel scope" loses it).
+
+Trio side: ``_dispatch`` (the ``run_sync_soon`` callback itself) creates the request's context, binds the
+handle and calls ``sidecar.submit(request, ctx, sink)``, which starts the engine's request task; there is no
+task per request on this side and no hand-over between tasks. The engine delivers the chunks to the
+request's :class:`_Sink` as their messages are read (from the connection's reader task:
+``ResponseStream.listen``; those of messages read together at the end of their run, consecutive plain token
+chunks as one), which emits ``chunk.to_dict()``; then the final chunk or the error (a
+:class:`~trio_sidecar.errors.SidecarError` as an exception object), and always the end sentinel. A request
+that ``submit`` refuses (conversion, admission) ends at once with its error.
+
+Wake-ups: one ``call_soon_threadsafe`` per chunk (a self-pipe write and a loop wake-up each) cost about
+30% of the Trio thread under load. So ``emit`` only appends to the request's deque; when the handler is
+parked waiting for it, the parked future goes on a shared ready list, and one ``call_soon_threadsafe`` per
+*batch* (scheduled only if none is pending) resolves every ready future on the loop. That call is made by
+the dispatcher task (``_poke``), which runs after the Trio tasks that were ready with it: with several gRPC
+connections, the reads that complete in one Trio scheduling batch share one loop wake-up (paced end to end:
+~1 per request instead of ~3.4). The handshake needs
+no lock under the GIL: the handler publishes its waiter *then* re-checks the deque; ``emit`` appends *then*
+reads the waiter, so at least one of them sees the other. A stale wake-up of an already-resumed waiter is
+harmless (``done()`` is checked).
 
 Egress: how output reaches Dynamo. Dynamo 1.6.1 has two paths, chosen per handler by its signature.
 
-* Push (what Dynamo's TRT-LLM workers use, and what :meth:`RequestBridge.handler` declares with its
-  ``response_sender`` parameter): the runtime advances the handler once per request, and
-  ``response_sender.send(d)`` encodes ``d`` on the calling thread and queues the bytes on the request's
-  bounded response channel (128 frames). ≈ 6 µs per item, like the native sidecar.
-* Pull (callers without a sender, e.g. in-process callers): the handler yields each output dict.
+* Pull (the default for Python handlers): the handler is an async generator and the runtime pulls each
+  item with ``__anext__``: a tokio thread takes the GIL, schedules the step on this loop with
+  ``call_soon_threadsafe`` (an ``asyncio.Task`` per item), waits for it, takes the GIL again to convert the
+  item. Measured with a worker that does nothing else (``bench/e2e.py --ceiling``): ≈ 60 µs of CPU per
+  item with asyncio's loop, ≈ 30 µs with uvloop, against ≈ 6 µs per item for the native Rust sidecar.
+* Push (what Dynamo's TRT-LLM workers use): a handler that declares a ``response_sender`` parameter gets a
+  ``ResponseSender``; the runtime advances its generator once per request, and ``response_sender.send(d)``
+  encodes ``d`` on the calling thread under the GIL it already holds and queues the bytes on the request's
+  bounded response channel (128 frames). ≈ 6 µs per item, like the native sidecar. :meth:`handler`
+  declares the parameter, so the runtime serves it with push ("serving endpoint with push egress" in its
+  log); calls without a sender (in-process callers) still get the pull generator.
 
 ``ResponseSender.send`` **blocks** its caller (with the GIL released) while the request's channel is full,
-i.e. when its consumer stopped reading; on the loop that would stall every request. So a request's first
-:data:`PUSH_INLINE_FRAMES` frames (fewer than the channel holds, so they can never block) are sent inline,
-from the Trio task that read them; later ones by a Trio task of the bridge's (one per request, only while
-it has frames queued) that sends each in a worker thread (``trio.to_thread``, daemon threads that Trio
-starts on demand and retires when idle): a full channel parks that thread, never the loop, and never
-another request's frames. The chunks that queue meanwhile go out merged (:mod:`.coalesce`), so a lagging
-consumer pays Dynamo's per-item cost once per batch, not per token.
+i.e. when its consumer stopped reading (a client that stops reading a long stream); on this loop that would
+stall every request. So a request's first :data:`PUSH_INLINE_FRAMES` frames (fewer than the channel holds,
+so they can never block) are sent inline on the loop, and later ones by daemon egress threads
+(:class:`.egress.Egress`, started on demand), one frame of a request at a time: a full channel then only parks an
+egress thread, never the loop, and never another request's frames. Chunks queued meanwhile are merged (below), so a request that is past its window
+still pays one hand-off per batch, not per token.
 
-Lifetime: :meth:`RequestBridge.run` is the bridge's part of the worker's nursery tree: the requests' egress
-tasks run in its nursery, and when it is cancelled every request still open ends at once with
-``EngineShutdown("trio-sidecar is shutting down")`` (so does a request handed over later). Admission and drain
-belong to the engine (``stop_admission``, ``wait_idle``, ``in_flight``, ``cancel_in_flight``).
+Within the window the handler is not even resumed per batch: while it is parked, the loop's flush calls its
+``drain`` (:class:`Outbox`), which sends the queued outputs right there and leaves the handler parked. The
+handler only runs again for the end, an error, a failed send, or an output past its window (paced end to
+end: the asyncio thread's CPU per completion fell by about a quarter).
+
+Coalescing: when several plain token chunks of one request are already queued when the handler resumes,
+they are handed over as one multi-token delta (:func:`.coalesce.take_merged`), so a lagging consumer pays Dynamo's
+per-item cost once per batch instead of once per token. Without back-pressure every chunk goes as is.
+
+Back-pressure: the per-request outbox is unbounded (chunks are small and vLLM's output rate is bounded);
+a queue that grows past :data:`QUEUE_WARN_THRESHOLD` items means the consumer stalled, and is logged once
+per request.
 """
 
 from __future__ import annotations
@@ -48,70 +94,42 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
+import attrs
 import trio
 
 from ..errors import EngineShutdown, SidecarError
 from ..protocol import token_chunk_dict
 from ..tracecontext import TRACEPARENT, TRACESTATE, is_metadata_value
 from .coalesce import take_merged
+from .egress import Egress
 from .error_map import dynamo_exception
-
-if TYPE_CHECKING:
-    from ..api import GenerateContext
-    from ..protocol import LLMEngineOutput
+from .thread import AsyncioThread
 
 __all__ = [
-    "PUSH_INLINE_FRAMES",
-    "QUEUE_WARN_THRESHOLD",
+    "CancelHandle",
     "RequestBridge",
+    "RequestItem",
+    "QUEUE_WARN_THRESHOLD",
     "SHUTTING_DOWN",
     "dynamo_exception",
 ]
 
 LOGGER = logging.getLogger("trio_sidecar.dynamo.bridge")
 
-SHUTTING_DOWN = "trio-sidecar is shutting down"
 QUEUE_WARN_THRESHOLD = 1024
-# Frames of one request sent inline (see "Egress" above). Dynamo 1.6.1 gives each push-egress request a
-# response channel of 128 frames (RESPONSE_CHANNEL_DEPTH; `mpsc::channel(0x80)` in
+# Frames of one request pushed from the loop itself ("Egress" above). Dynamo 1.6.1 gives each push-egress
+# request a response channel of 128 frames (RESPONSE_CHANNEL_DEPTH; `mpsc::channel(0x80)` in
 # PythonPushEngine::generate) and ResponseSender.send blocks while it is full, so no send within a request's
-# first 128 can block; later frames go through a worker thread.
+# first 128 can block; later frames go through the egress threads (egress.py).
 PUSH_INLINE_FRAMES = 96
-# At most this many requests' frames in worker threads at once (each parked on a stalled consumer holds one).
-EGRESS_THREADS = 256
-
-Output = dict[str, Any]
-
-
-class DynamoContext(Protocol):
-    """What the bridge uses of Dynamo's per-request ``Context``."""
-
-    def id(self) -> str: ...
-
-    def async_killed_or_stopped(self) -> Awaitable[object]: ...
-
-    def notify_first_token(self) -> None: ...
-
-
-class ResponseSender(Protocol):
-    """Dynamo's push-egress ``ResponseSender``."""
-
-    def send(self, output: Output) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class Submit(Protocol):
-    """``Sidecar.submit``: start a request whose chunks go to ``sink`` (synchronous; raises if not started)."""
-
-    def __call__(self, request: dict[str, Any], ctx: GenerateContext, sink: _Call) -> None: ...
+SHUTTING_DOWN = "trio-sidecar is shutting down"
 
 
 class _End:
-    """The end of a request's queued output (its handler returns)."""
+    """The end-of-stream sentinel (one per request, always emitted last)."""
 
     def __repr__(self) -> str:
         return "<end of stream>"
@@ -120,331 +138,477 @@ class _End:
 END = _End()
 
 
-class _Call:
-    """One request between Dynamo's handler and the engine: the engine's ``ChunkSink`` for it.
+class _StopContext(Protocol):
+    def stop(self) -> None: ...
 
-    Push: outputs are sent inline while the window lasts and nothing is queued, else queued for the
-    request's egress task; ``done`` resolves when the handler must return (or raise). Pull: outputs are
-    queued and ``waiter`` wakes the parked handler.
+
+class CancelHandle:
+    """Per-request cancellation handle. Trio thread only.
+
+    ``request_stop()`` may come before the request task exists (the flag is kept) or after it bound its
+    context (``ctx.stop()`` at once).
     """
 
-    __slots__ = ("_bridge", "request_id", "ctx", "sender", "items", "inline", "done", "waiter",
-                 "pumping", "scheduled", "ended", "closed", "warned")
+    __slots__ = ("stop_requested", "_ctx")
 
-    def __init__(self, bridge: RequestBridge, request_id: str, ctx: GenerateContext,
-                 sender: ResponseSender | None, done: asyncio.Future[None]) -> None:
-        self._bridge = bridge
+    def __init__(self) -> None:
+        self.stop_requested = False
+        self._ctx: _StopContext | None = None
+
+    def request_stop(self) -> None:
+        if self.stop_requested:
+            return
+        self.stop_requested = True
+        if self._ctx is not None:
+            self._ctx.stop()
+
+    def bind(self, ctx: _StopContext) -> None:
+        self._ctx = ctx
+        if self.stop_requested:
+            ctx.stop()
+
+    def __repr__(self) -> str:
+        return f"<CancelHandle stop_requested={self.stop_requested} bound={self._ctx is not None}>"
+
+
+@attrs.frozen
+class RequestItem:
+    """What the asyncio handler hands to Trio for one request."""
+
+    request: dict
+    request_id: str
+    emit: Callable[[Any], None]  # thread-safe; puts a chunk dict, an exception, or END
+    handle: CancelHandle
+    on_first_token: Callable[[], None]  # thread-safe; marshals notify_first_token() to the loop
+    traceparent: str | None = None  # the request's W3C trace context (``context.trace_headers()``)
+    tracestate: str | None = None
+
+
+class Outbox:
+    """One request's chunk deque plus the handler's parked waiter (see "Wake-ups" above).
+
+    ``drain``, set while a push handler is parked: the loop's flush calls it instead of resuming the handler
+    (it sends what is queued inline and returns True when the handler must take over).
+    """
+
+    __slots__ = ("drain", "items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: deque[Any] = deque()
+        self.waiter: asyncio.Future | None = None
+        self.drain: Callable[[], bool] | None = None
+
+
+class _Waker:
+    """Resolves parked handler futures on the loop, one ``call_soon_threadsafe`` per batch.
+
+    ``poke()`` (Trio thread) is called once per batch, on its first ready waiter; it calls :meth:`wake_loop`
+    now or, from the bridge's dispatcher task, once the Trio tasks that are ready now have run (see
+    "Wake-ups" in the module docstring).
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, poke: Callable[[], None]) -> None:
+        self._loop = loop
+        self._poke = poke
+        self._ready: deque[tuple[Outbox, asyncio.Future]] = deque()
+        self._scheduled = False
+
+    def emit(self, outbox: Outbox, item: Any) -> None:  # the Trio thread
+        outbox.items.append(item)
+        waiter = outbox.waiter
+        if waiter is not None:
+            outbox.waiter = None
+            self._ready.append((outbox, waiter))
+            if not self._scheduled:
+                self._scheduled = True
+                self._poke()
+
+    def wake_loop(self) -> None:  # the Trio thread
+        try:
+            self._loop.call_soon_threadsafe(self._flush)
+        except RuntimeError:  # the loop is closed: no handler waits any more
+            pass
+
+    def _flush(self) -> None:  # the loop's thread
+        self._scheduled = False  # before draining: a waiter appended after this schedules a new flush
+        ready = self._ready
+        while ready:
+            outbox, waiter = ready.popleft()
+            if waiter.done():
+                continue
+            drain = outbox.drain
+            if drain is None or drain():
+                waiter.set_result(None)
+                continue
+            # Sent inline; the handler stays parked. Re-publish its waiter, then re-check: an emit that came
+            # while it was unpublished did not queue it (the same handshake as _Stream.wait).
+            outbox.waiter = waiter
+            if outbox.items:
+                outbox.waiter = None
+                ready.append((outbox, waiter))
+
+
+class _Stream:
+    """One request on the asyncio side: its outbox, stop request and cancellation watcher."""
+
+    __slots__ = ("loop", "outbox", "request_id", "request_stop", "watcher", "ended", "warned")
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        outbox: Outbox,
+        request_id: str,
+        request_stop: Callable[[], None],
+        watcher: asyncio.Future,
+    ) -> None:
+        self.loop = loop
+        self.outbox = outbox
         self.request_id = request_id
-        self.ctx = ctx
-        self.sender = sender
-        self.items: deque[Output | _End | BaseException] = deque()
-        self.inline = bridge.push_inline_frames
-        self.done = done
-        self.waiter: asyncio.Future[None] | None = None
-        self.pumping = False  # its egress task runs
-        self.scheduled = False  # due in the bridge's next flush
-        self.ended = False  # the engine called end()
-        self.closed = False  # nothing more goes to Dynamo (finished, or the handler left)
+        self.request_stop = request_stop
+        self.watcher = watcher
+        self.ended = False
         self.warned = False
 
-    # -- the engine's ChunkSink ------------------------------------------------------------------------
+    async def wait(self, drain: Callable[[], bool] | None = None) -> None:
+        """Park until Trio emits (the waiter handshake in "Wake-ups" above); with ``drain`` (push), until an
+        emit that ``drain`` cannot handle inline (see :class:`Outbox`)."""
+        outbox = self.outbox
+        waiter = self.loop.create_future()
+        outbox.drain = drain
+        outbox.waiter = waiter
+        if outbox.items:  # emitted between the caller's check and publishing the waiter
+            outbox.waiter = None
+            # The emit may have queued this waiter for a flush: cancelled, that flush skips it instead of
+            # draining for it and re-publishing it over the waiter this handler parks on next.
+            waiter.cancel()
+            return
+        await waiter
 
-    def chunk(self, chunk: LLMEngineOutput) -> None:
-        self._put(chunk.to_dict())
+    def take(self) -> Any:
+        """The next output dict (queued plain token deltas merged into it), or END; raises a queued error."""
+        items = self.outbox.items
+        out = items[0]
+        if not self.warned and len(items) > QUEUE_WARN_THRESHOLD:
+            self.warned = True
+            LOGGER.warning(
+                "request %s: %d output chunks are queued for Dynamo; the consumer is stalled",
+                self.request_id,
+                len(items),
+            )
+        if out is END:
+            items.popleft()
+            self.ended = True
+            return out
+        if isinstance(out, BaseException):
+            items.popleft()
+            self.ended = True
+            raise dynamo_exception(out)
+        return take_merged(items)
+
+    def close(self) -> None:
+        """Leave the request: stop the Trio side unless it already ended."""
+        self.outbox.waiter = None
+        self.outbox.drain = None
+        self.watcher.cancel()
+        if not self.ended:
+            self.request_stop()
+
+
+class _Submit(Protocol):
+    """``Sidecar.submit``: start a request whose chunks go to ``sink`` (synchronous; raises if not started)."""
+
+    def __call__(self, request: dict, ctx: Any, sink: Any) -> None: ...
+
+
+class _Sink:
+    """One request's :class:`~trio_sidecar.engine.ChunkSink`: chunk dicts onto its outbox (Trio thread)."""
+
+    __slots__ = ("_bridge", "_item", "ended")
+
+    def __init__(self, bridge: RequestBridge, item: RequestItem) -> None:
+        self._bridge = bridge
+        self._item = item
+        self.ended = False
+
+    def chunk(self, chunk: Any) -> None:
+        if not self.ended:
+            self._item.emit(chunk.to_dict())
 
     def tokens(self, token_ids: list[int], text: str) -> None:
         """``chunk(token_chunk(token_ids, text))`` without building the chunk: its dict directly (``text``
         always present, ``""`` included: see ``LLMEngineOutput``)."""
-        self._put(token_chunk_dict(token_ids, text))
+        if not self.ended:
+            self._item.emit(token_chunk_dict(token_ids, text))
 
-    def end(self, final: LLMEngineOutput | None, error: BaseException | None) -> None:
-        """The request's last output, then its end; only the first call counts. Never raises."""
+    def end(self, final: Any, error: BaseException | None) -> None:
+        """The request's last output, then the end sentinel; only the first call counts. Never raises."""
         if self.ended:
             return
         self.ended = True
-        self._bridge._live.discard(self)
+        item = self._item
         try:
             if final is not None:
-                self._put(final.to_dict())
-            elif error is not None and not isinstance(error, SidecarError):
-                LOGGER.error("request %s failed unexpectedly: %r", self.request_id, error)
-        except Exception:  # noqa: BLE001 - the end must still go out
-            LOGGER.exception("request %s: could not hand over its last output", self.request_id)
-        self._put(END if final is not None or error is None else error)
-
-    # -- delivery --------------------------------------------------------------------------------------
-
-    def _put(self, out: Output | _End | BaseException) -> None:
-        if self.closed:
-            return
-        sender = self.sender
-        items = self.items
-        if sender is None:
-            items.append(out)
-            self._warn_if_stalled()
-            waiter = self.waiter
-            if waiter is not None:
-                self.waiter = None
-                if not waiter.done():
-                    waiter.set_result(None)
-            return
-        items.append(out)
-        if self.pumping:
-            self._warn_if_stalled()
-        elif not self.scheduled:
-            self.scheduled = True
-            self._bridge._schedule(self)
-
-    def flush(self) -> None:
-        """Send what is queued (merged) inline while the window lasts; past it, start the egress task. Run by
-        the bridge's flush, once per Trio batch that produced output for this request."""
-        self.scheduled = False
-        items = self.items
-        sender = self.sender
-        assert sender is not None
-        while items and not self.closed and not self.pumping:
-            head = items[0]
-            if type(head) is not dict:
-                items.popleft()
-                self._finish(head)  # type: ignore[arg-type]  # (END or an error)
-                return
-            if not self.inline:
-                self._bridge._start_egress(self)
-                return
-            out = take_merged(items)
-            self.inline -= 1
-            try:
-                sender.send(out)
-            except RuntimeError as exc:  # the response stream is closed: nobody reads it any more
-                self._gone(exc)
-            except Exception as exc:  # noqa: BLE001 - raised by the handler
-                self._fail(exc)
-
-    def _warn_if_stalled(self) -> None:
-        if not self.warned and len(self.items) > QUEUE_WARN_THRESHOLD:
-            self.warned = True
-            LOGGER.warning("request %s: %d output chunks are queued for Dynamo; the consumer is stalled",
-                           self.request_id, len(self.items))
-
-    async def egress(self, limiter: trio.CapacityLimiter) -> None:
-        """Send the queued outputs one at a time in a worker thread, merged (push, past the window)."""
-        items = self.items
-        sender = self.sender
-        assert sender is not None
-        try:
-            while items and not self.closed:
-                head = items[0]
-                if type(head) is not dict:
-                    items.popleft()
-                    self._finish(head)  # type: ignore[arg-type]
-                    return
-                out = take_merged(items)
-                try:
-                    await trio.to_thread.run_sync(sender.send, out, limiter=limiter, abandon_on_cancel=True)
-                except RuntimeError as exc:  # the response stream is closed
-                    self._gone(exc)
-                except Exception as exc:  # noqa: BLE001 - raised by the handler
-                    self._fail(exc)
+                item.emit(final.to_dict())
+            elif error is not None:
+                if not isinstance(error, SidecarError):
+                    LOGGER.error("request %s failed unexpectedly: %r", item.request_id, error)
+                item.emit(error)
+        except Exception:  # noqa: BLE001 - the end sentinel must still go out
+            LOGGER.exception("request %s: could not hand over its last output", item.request_id)
         finally:
-            self.pumping = False
-            if items and not self.closed:  # cancelled: the bridge is shutting down
-                self.ctx.stop()
-                self._finish(EngineShutdown(SHUTTING_DOWN))
-
-    # -- endings ---------------------------------------------------------------------------------------
-
-    def _finish(self, last: _End | BaseException) -> None:
-        """The handler's end: return (``END``) or raise the error as Dynamo's typed exception."""
-        self.closed = True
-        self.items.clear()
-        if last is END:
-            if self.sender is not None:
-                self.sender.close()  # never blocks: it only drops the channel's sending end
-            self._resolve(None)
-        else:
-            assert isinstance(last, BaseException)
-            self._resolve(dynamo_exception(last))
-
-    def _gone(self, exc: RuntimeError) -> None:
-        LOGGER.debug("request %s: %s", self.request_id, exc)
-        self.closed = True
-        self.items.clear()
-        self.ctx.stop()
-        self._resolve(None)
-
-    def _fail(self, exc: Exception) -> None:
-        self.closed = True
-        self.items.clear()
-        self.ctx.stop()
-        self._resolve(exc)
-
-    def _resolve(self, error: BaseException | None) -> None:
-        done = self.done
-        if done.done():
-            return
-        if error is None:
-            done.set_result(None)
-        else:
-            done.set_exception(error)
-
-    def leave(self) -> None:
-        """The handler is leaving: stop the request unless it already ended."""
-        if not self.closed:
-            self.closed = True
-            self.items.clear()
-            self.ctx.stop()
-        if not self.done.done():
-            self.done.cancel()
-
-    def __repr__(self) -> str:
-        return f"<_Call {self.request_id!r} queued={len(self.items)} ended={self.ended} closed={self.closed}>"
+            item.emit(END)
+            self._bridge._finished(item)
 
 
 class RequestBridge:
-    """Carries requests from Dynamo's handler to ``Sidecar.submit`` and their chunks back, on one thread.
+    """Carries requests from Dynamo's handler (asyncio thread) to Trio request tasks and chunks back.
 
     Args:
-        submit: ``Sidecar.submit``.
-        make_context: ``make_context(request_id, on_first_token) -> ctx``; by default
-            :class:`trio_sidecar.api.GenerateContext`.
+        thread: the running :class:`AsyncioThread`.
+        make_context: ``make_context(request_id, on_first_token, traceparent=..., tracestate=...) -> ctx``
+            with ``ctx.stop()``; by default :class:`trio_sidecar.api.GenerateContext`.
     """
 
     def __init__(
         self,
-        submit: Submit,
-        make_context: Callable[..., GenerateContext] | None = None,
+        thread: AsyncioThread,
+        make_context: Callable[..., Any] | None = None,
     ) -> None:
-        self._submit = submit
+        self._thread = thread
         self._make_context = make_context or _default_context
-        self._nursery: trio.Nursery | None = None  # while run() runs
-        self._live: set[_Call] = set()  # submitted, not ended yet: ended at once when run() ends
-        self._limiter = trio.CapacityLimiter(EGRESS_THREADS)
-        self._loop: asyncio.AbstractEventLoop | None = None  # the host loop (set by the first request)
-        self._due: list[_Call] = []  # requests with output queued since the last flush
+        self._submit: _Submit | None = None  # set while run_dispatcher() runs
+        self._dispatcher_done = False  # run_dispatcher() ended: requests handed over now are refused
+        self._pending: list[RequestItem] = []  # handed over before run_dispatcher() ran
+        self._sinks: dict[str, _Sink] = {}  # request id -> its sink, while in flight
+        self._flusher: Any = None  # the dispatcher task, while parked waiting for a poke
+        self._wake_due = False  # poked: the dispatcher wakes the loop
+        self.in_flight: dict[str, CancelHandle] = {}  # request id -> handle (Trio thread)
+        self._idle = trio.Event()
+        self._idle.set()
+        self.completed = 0
+        self._waker: _Waker | None = None  # created on the loop by the first request
+        self._egress: Egress | None = None  # created on the loop by the first push request past its window
         self.push_inline_frames = PUSH_INLINE_FRAMES
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Serve requests until cancelled (their egress tasks run in here); then end every open request with
-        ``EngineShutdown("trio-sidecar is shutting down")`` and refuse later ones the same way."""
-        try:
-            async with trio.open_nursery() as nursery:
-                self._nursery = nursery
-                task_status.started()
-                await trio.sleep_forever()
-        finally:
-            self._nursery = None
-            for call in list(self._live):
-                call.ctx.stop()
-                call.end(None, EngineShutdown(SHUTTING_DOWN))
+    # -- asyncio side ----------------------------------------------------------------------------------
 
-    # -- the Dynamo handler (asyncio side of the same thread) -------------------------------------------
+    def handler(self, request: dict, context: Any = None, response_sender: Any = None):
+        """The Dynamo endpoint handler: returns the request's async generator (run on the asyncio thread).
 
-    def handler(self, request: dict[str, Any], context: DynamoContext,
-                response_sender: ResponseSender | None = None) -> AsyncIterator[Output]:
-        """The Dynamo endpoint handler: the request's async generator.
-
-        Dynamo 1.6.1 serves a handler that declares a ``response_sender`` parameter on its *push egress*:
-        the runtime passes a ``ResponseSender`` and advances the generator once per request (see "Egress"
-        in the module docstring). Calls without a sender get an async generator that yields the outputs.
+        Dynamo 1.6.1 serves a handler that declares a ``response_sender`` parameter on its *push egress*
+        (the path of its own TRT-LLM workers): the runtime passes a ``ResponseSender`` and advances the
+        generator once per request; each output dict is handed over with ``response_sender.send`` under the
+        GIL the loop already holds (see "Egress" in the module docstring). Calls without a sender (the pull
+        egress, e.g. in-process callers) get an async generator that yields the output dicts.
         """
         if response_sender is None:
             return self._pull(request, context)
         return self._push(request, context, response_sender)
 
-    def _open(self, request: dict[str, Any], context: DynamoContext,
-              sender: ResponseSender | None) -> tuple[_Call, asyncio.Future[object]]:
-        """Submit the request and watch Dynamo's context for its cancellation."""
-        if self._nursery is None:
-            raise dynamo_exception(EngineShutdown(SHUTTING_DOWN))
-        loop = self._loop = asyncio.get_running_loop()
-        request_id = str(context.id())
-        traceparent, tracestate = _trace_context(context)
-        ctx = self._make_context(
-            request_id, lambda: _notify_first_token(context), traceparent=traceparent, tracestate=tracestate
-        )
-        call = _Call(self, request_id, ctx, sender, loop.create_future())
-        try:
-            self._submit(request, ctx, call)
-        except SidecarError as exc:
-            translated = dynamo_exception(exc)
-            if translated is exc:  # (no Dynamo installed)
-                raise
-            raise translated from exc
-        except Exception:
-            LOGGER.exception("request %s failed unexpectedly", request_id)
-            raise
-        if not call.ended:
-            self._live.add(call)
-        watcher = asyncio.ensure_future(context.async_killed_or_stopped())
-        watcher.add_done_callback(lambda f: None if f.cancelled() else ctx.stop())
-        return call, watcher
-
-    async def _push(self, request: dict[str, Any], context: DynamoContext,
-                    sender: ResponseSender) -> AsyncIterator[Output]:
-        call, watcher = self._open(request, context, sender)
-        try:
-            await call.done
-        finally:
-            watcher.cancel()
-            call.leave()
-        if False:  # pragma: no cover - makes this an async generator, which the push egress requires
-            yield {}
-
-    async def _pull(self, request: dict[str, Any], context: DynamoContext) -> AsyncIterator[Output]:
-        call, watcher = self._open(request, context, None)
-        items = call.items
+    def _open(self, request: dict, context: Any) -> _Stream:
+        """Hand the request to Trio and watch for its cancellation (on the asyncio thread)."""
         loop = asyncio.get_running_loop()
+        waker = self._waker
+        if waker is None:
+            waker = self._waker = _Waker(loop, self._poke)
+        outbox = Outbox()
+        request_id = str(context.id())
+        handle = CancelHandle()
+        token = self._thread._token
+        assert token is not None
+
+        def emit(item: Any) -> None:
+            waker.emit(outbox, item)
+
+        def on_first_token() -> None:
+            loop.call_soon_threadsafe(_notify_first_token, context)
+
+        def request_stop() -> None:
+            try:
+                token.run_sync_soon(handle.request_stop)
+            except trio.RunFinishedError:
+                pass
+
+        traceparent, tracestate = _trace_context(context)
+        item = RequestItem(request, request_id, emit, handle, on_first_token, traceparent, tracestate)
+        try:
+            token.run_sync_soon(self._dispatch, item)
+        except trio.RunFinishedError:
+            raise dynamo_exception(EngineShutdown(SHUTTING_DOWN)) from None
+
+        watcher = asyncio.ensure_future(context.async_killed_or_stopped())
+        watcher.add_done_callback(lambda f: None if f.cancelled() else request_stop())
+        return _Stream(loop, outbox, request_id, request_stop, watcher)
+
+    async def _pull(self, request: dict, context: Any):
+        stream = self._open(request, context)
+        items = stream.outbox.items
         try:
             while True:
                 if not items:
-                    call.waiter = loop.create_future()
-                    await call.waiter
+                    await stream.wait()
                     continue
-                head = items[0]
-                if head is END:
-                    call.closed = True
+                out = stream.take()
+                if out is END:
                     return
-                if isinstance(head, BaseException):
-                    items.popleft()
-                    call.closed = True
-                    raise dynamo_exception(head)
-                yield take_merged(items)
+                yield out
         finally:
-            watcher.cancel()
-            call.waiter = None
-            call.leave()
+            stream.close()
 
-    # -- Trio side ---------------------------------------------------------------------------------------
+    async def _push(self, request: dict, context: Any, sender: Any):
+        stream = self._open(request, context)
+        items = stream.outbox.items
+        send = sender.send
+        inline = self.push_inline_frames
+        failed: Exception | None = None
 
-    def _schedule(self, call: _Call) -> None:
-        """Flush ``call`` once the Trio tasks that are ready now have run: the chunks of one request that
-        several reads deliver in one Trio batch go to Dynamo as one output (a plain ``call_soon``: the
-        flush runs when trio-asyncio's loop task next runs, after the Trio tasks that are ready now)."""
-        due = self._due
-        due.append(call)
-        if len(due) == 1:
-            assert self._loop is not None
-            self._loop.call_soon(self._flush)
+        def drain() -> bool:
+            """Send the queued outputs inline (on the loop) while the window lasts; True when the handler must
+            take over: the end sentinel or an error is next, the window is used up, or a send failed. Called
+            by the handler and, while it is parked, by the loop's flush (no task step per wake-up)."""
+            nonlocal inline, failed
+            if failed is not None:  # (a send that failed during a flush: the handler deals with it first)
+                return True
+            while items:
+                head = items[0]
+                if not inline or head is END or isinstance(head, BaseException):
+                    return True
+                out = stream.take()
+                inline -= 1
+                try:
+                    send(out)
+                except Exception as exc:  # noqa: BLE001 - raised by the handler, outside the flush
+                    failed = exc
+                    return True
+            return False
 
-    def _flush(self) -> None:
-        due, self._due = self._due, []
-        for call in due:
-            call.flush()
+        try:
+            while True:
+                if not drain():
+                    await stream.wait(drain)
+                    continue
+                if failed is not None:
+                    if isinstance(failed, RuntimeError):  # the response stream is closed: nobody reads it any more
+                        LOGGER.debug("request %s: %s", stream.request_id, failed)
+                        return
+                    raise failed
+                out = stream.take()  # the end, an error (raised), or an output past the window
+                if out is END:
+                    sender.close()  # never blocks: it only drops the channel's sending end
+                    return
+                egress = self._egress
+                if egress is None:
+                    egress = self._egress = Egress(stream.loop)
+                try:
+                    await egress.send(send, out)
+                except RuntimeError as exc:  # the response stream is closed: nobody reads this request any more
+                    LOGGER.debug("request %s: %s", stream.request_id, exc)
+                    return
+        finally:
+            stream.close()
+        if False:  # pragma: no cover - makes this an async generator, which the push egress requires
+            yield
 
-    def _start_egress(self, call: _Call) -> None:
-        nursery = self._nursery
-        if nursery is None:  # shutting down: nothing sends any more
-            call.ctx.stop()
-            call._finish(EngineShutdown(SHUTTING_DOWN))
+    # -- Trio side -------------------------------------------------------------------------------------
+
+    def _dispatch(self, item: RequestItem) -> None:
+        """Start a handed-over request (Trio thread, a ``run_sync_soon`` callback: never raises)."""
+        if self._submit is None and not self._dispatcher_done:
+            self._pending.append(item)  # before run_dispatcher(): started when it runs
             return
-        call.pumping = True
-        nursery.start_soon(call.egress, self._limiter, name=f"dynamo-egress {call.request_id}")
+        sink = _Sink(self, item)
+        if self._submit is None:  # after run_dispatcher() ended
+            sink.end(None, EngineShutdown(SHUTTING_DOWN))
+            return
+        self.in_flight[item.request_id] = item.handle
+        self._sinks[item.request_id] = sink
+        if len(self.in_flight) == 1:
+            self._idle = trio.Event()
+        try:
+            ctx = self._make_context(
+                item.request_id, item.on_first_token, traceparent=item.traceparent, tracestate=item.tracestate
+            )
+            item.handle.bind(ctx)
+            self._submit(item.request, ctx, sink)
+        except SidecarError as exc:
+            sink.end(None, exc)
+        except Exception as exc:  # noqa: BLE001 - the frontend turns it into HTTP 500
+            LOGGER.exception("request %s failed unexpectedly", item.request_id)
+            sink.end(None, exc)
+
+    def _poke(self) -> None:
+        """Wake the loop (``_Waker.wake_loop``) once the Trio tasks that are ready now have run (Trio thread).
+
+        Several connections' reads often complete in one Trio scheduling batch (vLLM answers all its
+        streams at once); their emits then cost one ``call_soon_threadsafe`` (an eventfd write and a loop
+        wake-up) instead of one each. Without a running dispatcher, the loop is woken at once.
+        """
+        if self._submit is None:
+            self._wake_loop()
+            return
+        self._wake_due = True
+        task = self._flusher
+        if task is not None:
+            self._flusher = None
+            trio.lowlevel.reschedule(task)
+
+    def _wake_loop(self) -> None:
+        self._wake_due = False
+        assert self._waker is not None  # (created with the first request, before anything is emitted)
+        self._waker.wake_loop()
+
+    def _unpark(self, _raise_cancel: Any) -> trio.lowlevel.Abort:
+        self._flusher = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    def _finished(self, item: RequestItem) -> None:
+        if self.in_flight.pop(item.request_id, None) is not None:
+            self._sinks.pop(item.request_id, None)
+            self.completed += 1
+            if not self.in_flight:
+                self._idle.set()
+
+    async def run_dispatcher(self, submit: _Submit) -> None:
+        """Start every handed-over request with ``submit`` (``Sidecar.submit``), until cancelled.
+
+        Requests are started straight from the ``run_sync_soon`` callback that hands them over (no task of
+        their own on this side: the engine's request task delivers their chunks to a :class:`_Sink`); those
+        handed over before this runs are started now. When cancelled, every request still in flight gets
+        stop requested and ends at once with ``EngineShutdown("trio-sidecar is shutting down")``, and so does
+        any request handed over later.
+        """
+        self._submit = submit
+        pending, self._pending = self._pending, []
+        for item in pending:
+            self._dispatch(item)
+        try:
+            while True:  # the loop wake-ups, deferred by _poke
+                if self._wake_due:
+                    self._wake_loop()
+                self._flusher = trio.lowlevel.current_task()
+                await trio.lowlevel.wait_task_rescheduled(self._unpark)
+        finally:
+            self._submit = None
+            self._dispatcher_done = True
+            self._flusher = None
+            if self._wake_due:
+                self._wake_loop()
+            for request_id, sink in list(self._sinks.items()):
+                handle = self.in_flight.get(request_id)
+                if handle is not None:
+                    handle.request_stop()
+                sink.end(None, EngineShutdown(SHUTTING_DOWN))
+
+    async def wait_idle(self) -> None:
+        """Return once no handed-over request is open (the worker's drain waits for the engine instead)."""
+        while self.in_flight:
+            await self._idle.wait()
 
     def __repr__(self) -> str:
-        return f"<RequestBridge [{'serving' if self._nursery is not None else 'closed'} | {len(self._live)} open]>"
+        return f"<RequestBridge [{len(self.in_flight)} in flight, {self.completed} completed]>"
 
 
-def _notify_first_token(context: DynamoContext) -> None:
+def _notify_first_token(context: Any) -> None:
     try:
         context.notify_first_token()
     except Exception:  # noqa: BLE001 - a best-effort signal to Dynamo
@@ -476,7 +640,7 @@ def _trace_context(context: Any) -> tuple[str | None, str | None]:
 
 def _default_context(
     request_id: str, on_first_token: Callable[[], None], *, traceparent: str | None, tracestate: str | None
-) -> GenerateContext:
+) -> Any:
     from ..api import GenerateContext
 
     return GenerateContext(request_id, on_first_token=on_first_token, traceparent=traceparent, tracestate=tracestate)

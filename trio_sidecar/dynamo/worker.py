@@ -33,6 +33,7 @@ ends within 1.5 s even if Dynamo's runtime is stuck (e.g. waiting for an etcd th
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -51,10 +52,10 @@ from ..errors import SidecarError, format_duration
 from ..progress import StartupProgress, tracking
 from ..transport import collapse_single_exception
 from .bridge import RequestBridge
-from .host import HostLoop, open_host_loop
 from .plan import WorkerPlan, endpoint_path, plan_registration
 from .reporter import Reporter
 from .runtime import DynamoSide
+from .thread import AsyncioThread
 
 if TYPE_CHECKING:
     from ..api import Sidecar
@@ -214,15 +215,16 @@ async def _run(config: SidecarConfig, options: WorkerOptions, state: _Shutdown, 
     if scope.cancelled_caught:
         return _interrupted(state)
 
+    thread = AsyncioThread(loop_factory=_loop_factory())
     dynamo = DynamoSide(options)
-    async with open_host_loop() as thread:
-        try:
-            return await _run_with_runtime(
-                config, options, state, reporter, thread, dynamo, bootstrap, endpoint_path(config, options), vllm
-            )
-        finally:
-            with trio.CancelScope(shield=True):
-                await _stop_runtime(thread, dynamo)
+    await thread.start()
+    try:
+        return await _run_with_runtime(
+            config, options, state, reporter, thread, dynamo, bootstrap, endpoint_path(config, options), vllm
+        )
+    finally:
+        with trio.CancelScope(shield=True):
+            await _stop_runtime(thread, dynamo)
 
 
 def _interrupted(state: _Shutdown) -> int:
@@ -247,7 +249,7 @@ async def _run_with_runtime(
     options: WorkerOptions,
     state: _Shutdown,
     reporter: Reporter,
-    thread: HostLoop,
+    thread: AsyncioThread,
     dynamo: DynamoSide,
     bootstrap: DiscoveredModel,
     endpoint_path: str,
@@ -291,6 +293,7 @@ async def _run_with_runtime(
     if scope.cancelled_caught:
         return _interrupted(state)
 
+    bridge = RequestBridge(thread)
     code = 0
     with state.startup() as scope:
         state.phase = "start phase"
@@ -302,9 +305,8 @@ async def _run_with_runtime(
                         async with open_sidecar(config, expected=bootstrap) as sidecar:
                             await waiting.stop()
                             reporter.phase_done(state.phase)
-                            bridge = RequestBridge(sidecar.submit)
                             async with trio.open_nursery() as requests:
-                                await requests.start(bridge.run)
+                                requests.start_soon(bridge.run_dispatcher, sidecar.submit)
                                 code = await _register_and_serve(
                                     config, options, state, reporter, thread, dynamo, bridge, sidecar
                                 )
@@ -325,7 +327,7 @@ async def _register_and_serve(
     options: WorkerOptions,
     state: _Shutdown,
     reporter: Reporter,
-    thread: HostLoop,
+    thread: AsyncioThread,
     dynamo: DynamoSide,
     bridge: RequestBridge,
     sidecar: Sidecar,
@@ -364,7 +366,7 @@ async def _set_when(event: trio.Event, scope: trio.CancelScope) -> None:
     scope.cancel()
 
 
-async def _watch_serving(thread: HostLoop, dynamo: DynamoSide, ended: trio.Event) -> None:
+async def _watch_serving(thread: AsyncioThread, dynamo: DynamoSide, ended: trio.Event) -> None:
     try:
         await thread.run(dynamo.wait_serving_ended)
     except Exception as exc:  # noqa: BLE001
@@ -372,7 +374,7 @@ async def _watch_serving(thread: HostLoop, dynamo: DynamoSide, ended: trio.Event
     ended.set()
 
 
-async def _drain(options: WorkerOptions, thread: HostLoop, dynamo: DynamoSide, sidecar: Sidecar) -> None:
+async def _drain(options: WorkerOptions, thread: AsyncioThread, dynamo: DynamoSide, sidecar: Sidecar) -> None:
     """Graceful shutdown: unregister at once, drain up to ``drain_timeout``, then stop the rest (docs/reference/worker.md#graceful-shutdown-and-drain).
 
     Admission and the in-flight requests are the engine's: it refuses new requests from here on
@@ -396,7 +398,7 @@ async def _drain(options: WorkerOptions, thread: HostLoop, dynamo: DynamoSide, s
 
 async def _supervise_health(
     options: WorkerOptions,
-    thread: HostLoop,
+    thread: AsyncioThread,
     dynamo: DynamoSide,
     sidecar: Sidecar,
     plan: WorkerPlan,
@@ -445,15 +447,31 @@ async def _supervise_health(
                 LOGGER.error("register_endpoint_instance failed: %s", exc)
 
 
-async def _stop_runtime(thread: HostLoop, dynamo: DynamoSide) -> None:
-    """Idempotent final teardown: publishers, ``runtime.shutdown()``, the serve future."""
+async def _stop_runtime(thread: AsyncioThread, dynamo: DynamoSide) -> None:
+    """Idempotent final teardown: publishers, ``runtime.shutdown()``, the serve future, the thread."""
+    if thread.loop is not None:
+        try:
+            with trio.move_on_after(STOP_GRACE):
+                await thread.run(_call_sync, dynamo.shutdown_publishers)
+                await thread.run(dynamo.shutdown)
+                await thread.run(dynamo.wait_serving_ended)
+        except Exception:  # noqa: BLE001 - the runtime is going away regardless
+            LOGGER.debug("Dynamo runtime shutdown failed", exc_info=True)
+    await thread.stop()
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop for the asyncio thread, like Dynamo's own Python workers (``uvloop.run``).
+
+    ``ai-dynamo-runtime`` depends on uvloop. Dynamo's bindings call ``call_soon_threadsafe`` and
+    ``create_future`` on this loop from tokio threads for every request; uvloop's are C, asyncio's are
+    Python frames run under the GIL on those threads. Without uvloop, the default asyncio loop is used.
+    """
     try:
-        with trio.move_on_after(STOP_GRACE):
-            await thread.run(_call_sync, dynamo.shutdown_publishers)
-            await thread.run(dynamo.shutdown)
-            await thread.run(dynamo.wait_serving_ended)
-    except Exception:  # noqa: BLE001 - the runtime is going away regardless
-        LOGGER.debug("Dynamo runtime shutdown failed", exc_info=True)
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 async def _call_sync(fn: Callable[[], T]) -> T:
