@@ -1,0 +1,205 @@
+"""The embedded LoRA API (docs/lora.md#embedded-api): ``Sidecar.list_loras`` / ``load_lora`` /
+``unload_lora`` against the mock, the Control calls each makes, generation with an adapter, and the reload
+of the adapters after the mock is restarted on the same port (docs/lora.md#reconciliation).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import trio
+
+from trio_sidecar import GenerateContext, open_sidecar
+from trio_sidecar.config import SidecarConfig
+from trio_sidecar.errors import InvalidArgument, ProtocolError
+from trio_sidecar.lora import LORA_UNSUPPORTED, LoadResult, LoraAdapter
+from trio_sidecar.prober import HealthKind
+
+ENGINE_ARGS = {"block_size": 4, "enable_prefix_caching": False, "speedup_ratio": 0.0}
+WAIT = 30.0
+
+
+class _Mock:
+    """A mock "vLLM process" on a fixed 127.0.0.1 port that can be stopped and started again."""
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self.nursery = nursery
+        self.port = 0
+        self.mock = None
+        self._stop = trio.Event()
+        self._done = trio.Event()
+
+    async def start(self, max_loras: int = 2) -> object:
+        from trio_sidecar.mock import MockConfig, open_mock_server
+
+        config = MockConfig(
+            listen=f"127.0.0.1:{self.port}",
+            model="mocker-model",
+            served_model_name="tiny",
+            engine_args={**ENGINE_ARGS, "max_loras": max_loras},
+        )
+        self._stop, self._done = trio.Event(), trio.Event()
+        stop, done = self._stop, self._done
+
+        async def run(task_status=trio.TASK_STATUS_IGNORED):
+            try:
+                async with open_mock_server(config) as mock:
+                    task_status.started(mock)
+                    await stop.wait()
+            finally:
+                done.set()
+
+        self.mock = await self.nursery.start(run)
+        self.port = self.mock.port
+        return self.mock
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await self._done.wait()
+
+    def calls(self, start: int = 0) -> list[tuple[str, ...]]:
+        out = []
+        for name, request in self.mock.control_calls[start:]:
+            if name == "LoadLora":
+                out.append((name, request.lora_name, request.source_path))
+            elif name == "UnloadLora":
+                out.append((name, request.lora_name))
+            elif name in ("ListLoras",):
+                out.append((name,))
+        return out
+
+
+def config_for(port: int, **overrides) -> SidecarConfig:
+    fields = dict(
+        grpc_endpoint=f"127.0.0.1:{port}",
+        grpc_connections=1,
+        connect_attempt_timeout=15.0,
+        retry_interval=0.05,
+        startup_deadline=30.0,
+    )
+    fields.update(overrides)
+    return SidecarConfig(**fields)
+
+
+@pytest.fixture
+def adapter(tmp_path: Path) -> Path:
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA"}))
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    return tmp_path
+
+
+async def generate(sidecar, lora_name: str | None, request_id: str) -> list:
+    body: dict = {"token_ids": [11, 22, 33], "stop_conditions": {"max_tokens": 2, "ignore_eos": True}}
+    if lora_name is not None:
+        body["routing"] = {"lora_name": lora_name}
+    async with sidecar.generate(body, GenerateContext(request_id)) as stream:
+        return [chunk async for chunk in stream]
+
+
+async def test_load_list_generate_unload_through_the_embedded_api(nursery, adapter):
+    runner = _Mock(nursery)
+    mock = await runner.start()
+    with trio.fail_after(60):
+        async with open_sidecar(config_for(runner.port, health_prober=False)) as sidecar:
+            start = len(mock.control_calls)
+            assert await sidecar.list_loras() == []
+            result = await sidecar.load_lora("a", str(adapter))
+            assert result == LoadResult(LoraAdapter("a", 1, str(adapter)), already_loaded=False)
+            # The first call also reconciles (one more ListLoras); later ones do not.
+            assert runner.calls(start) == [
+                ("ListLoras",),
+                ("ListLoras",),
+                ("ListLoras",),
+                ("LoadLora", "a", str(adapter)),
+            ]
+            again = await sidecar.load_lora("a", f"file://{adapter}/other")
+            assert again == LoadResult(LoraAdapter("a", 1, str(adapter)), already_loaded=True)
+            assert await sidecar.list_loras() == [LoraAdapter("a", 1, str(adapter))]
+
+            chunks = await generate(sidecar, "a", "with-a")
+            assert sum(len(c.token_ids) for c in chunks) == 2
+            request = next(
+                r for rpc, r, *_ in mock.recorded_requests if rpc == "GenerateStream" and r.request_id == "with-a"
+            )
+            assert (request.lora_name, request.model) == ("a", "tiny")
+            with pytest.raises(InvalidArgument) as unknown:
+                await generate(sidecar, "zz", "with-zz")
+            assert str(unknown.value) == "GenerateStream: LoRA adapter `zz` is not loaded (NotFound)"
+
+            start = len(mock.control_calls)
+            assert await sidecar.unload_lora("a") == LoraAdapter("a", 1, str(adapter))
+            assert runner.calls(start) == [("ListLoras",), ("UnloadLora", "a")]
+            with pytest.raises(InvalidArgument) as missing:
+                await sidecar.unload_lora("a")
+            assert str(missing.value) == "LoRA adapter 'a' not found. Available LoRAs: []"
+
+
+async def test_the_embedded_api_refuses_with_the_native_texts(nursery, adapter, tmp_path):
+    runner = _Mock(nursery)
+    mock = await runner.start(max_loras=1)
+    with trio.fail_after(60):
+        async with open_sidecar(config_for(runner.port, health_prober=False)) as sidecar:
+            await sidecar.list_loras()
+            start = len(mock.control_calls)
+            with pytest.raises(InvalidArgument) as conflict:
+                await sidecar.load_lora("tiny", str(adapter))
+            assert str(conflict.value) == "LoRA adapter `tiny` conflicts with the base model name or one of its aliases"
+            with pytest.raises(ProtocolError) as nope:
+                await sidecar.load_lora("b", f"{tmp_path}/nope")
+            assert str(nope.value).endswith(f"Local LoRA not found: file://{tmp_path}/nope")
+            with pytest.raises(InvalidArgument) as relative:
+                await sidecar.load_lora("b", "file://relative/x")
+            assert "absolute local path" in str(relative.value)
+            assert "LoadLora" not in [call[0] for call in runner.calls(start)]
+            await sidecar.load_lora("a", str(adapter))
+            with pytest.raises(InvalidArgument) as full:
+                await sidecar.load_lora("b", str(adapter))
+            assert str(full.value) == "LoRA capacity exceeded: at most 1 adapter(s) may be loaded"
+            sidecar.lora.hot_swap = True
+            with pytest.raises(InvalidArgument) as swap:
+                await sidecar.load_lora("a", str(adapter))
+            assert "hot swap is not supported by the gRPC backend" in str(swap.value)
+
+
+async def test_without_lora_support_the_api_refuses_and_lora_name_is_rejected_locally(nursery, adapter):
+    runner = _Mock(nursery)
+    mock = await runner.start(max_loras=0)
+    with trio.fail_after(60):
+        async with open_sidecar(config_for(runner.port, health_prober=False)) as sidecar:
+            for call in (sidecar.list_loras(), sidecar.load_lora("a", str(adapter)), sidecar.unload_lora("a")):
+                with pytest.raises(InvalidArgument) as info:
+                    await call
+                assert str(info.value) == LORA_UNSUPPORTED
+            with pytest.raises(InvalidArgument) as info:
+                await generate(sidecar, "a", "no-lora")
+            assert str(info.value) == "LoRA request selection is not supported by vLLM gRPC v0.25.1"
+    assert runner.calls() == []
+
+
+async def test_adapters_loaded_through_the_sidecar_are_loaded_again_after_a_vllm_restart(nursery, adapter, caplog):
+    caplog.set_level(logging.INFO, logger="trio_sidecar.lora")
+    runner = _Mock(nursery)
+    await runner.start()
+    with trio.fail_after(90):
+        async with open_sidecar(config_for(runner.port)) as sidecar:
+            await sidecar.load_lora("a", str(adapter))
+            await sidecar.load_lora("b", str(adapter))
+            await runner.stop()
+            with trio.fail_after(WAIT):
+                await sidecar.health.wait_value(lambda s: s.kind is not HealthKind.SERVING)
+            mock = await runner.start()
+            with trio.fail_after(WAIT):
+                while [a.lora_name for a in mock.lora] != ["a", "b"]:
+                    await trio.sleep(0.02)
+            assert runner.calls() == [
+                ("ListLoras",),
+                ("LoadLora", "a", str(adapter)),
+                ("LoadLora", "b", str(adapter)),
+            ]
+            chunks = await generate(sidecar, "b", "after-restart")
+            assert sum(len(c.token_ids) for c in chunks) == 2
+            assert [a.name for a in await sidecar.list_loras()] == ["a", "b"]
+    assert "loaded 2 LoRA adapter(s) again after the vLLM restart: a, b" in caplog.text
