@@ -109,9 +109,7 @@ def _load(name: str, uri: str) -> dict:
 
 
 def test_start_up_control_calls_end_with_list_loras_like_native(sides):
-    views = {
-        side: [name for name, _ in sides[side].calls_since(0) if name != "Abort"][:6] for side in SIDES
-    }
+    views = {side: [name for name, _ in sides[side].calls_since(0) if name != "Abort"][:6] for side in SIDES}
     assert views["trio"] == views["native"]
     assert views["trio"][-1] == "ListLoras"
 
@@ -168,7 +166,9 @@ def test_a_loaded_adapter_is_a_model_and_its_requests_carry_lora_name_like_nativ
     for side in SIDES:
         s = sides[side]
         _wait_model(s.http_port, "d", present=True)
-        status, body = local.post_json(s.http_port, "/v1/completions", {"model": "d", "prompt": [5, 6, 7], "max_tokens": 3})
+        status, body = local.post_json(
+            s.http_port, "/v1/completions", {"model": "d", "prompt": [5, 6, 7], "max_tokens": 3}
+        )
         completions[side] = (status, body.get("model"), body.get("usage", {}).get("completion_tokens"))
         rpc, request, _, _ = s.mock.recorded()[-1]
         assert (rpc, request.lora_name, request.model) == ("GenerateStream", "d", "tiny"), side

@@ -166,7 +166,7 @@ async def test_the_embedded_api_refuses_with_the_native_texts(nursery, adapter, 
 
 async def test_without_lora_support_the_api_refuses_and_lora_name_is_rejected_locally(nursery, adapter):
     runner = _Mock(nursery)
-    mock = await runner.start(max_loras=0)
+    await runner.start(max_loras=0)
     with trio.fail_after(60):
         async with open_sidecar(config_for(runner.port, health_prober=False)) as sidecar:
             for call in (sidecar.list_loras(), sidecar.load_lora("a", str(adapter)), sidecar.unload_lora("a")):
