@@ -11,6 +11,7 @@ from __future__ import annotations
 import http.client
 import json
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +27,28 @@ SIDES = ("native", "trio")
 
 
 class _Side:
-    def __init__(self, mock, system_port: int, http_port: int) -> None:
+    def __init__(self, mock, system_port: int, http_port: int, namespace: str, file_kv: Path) -> None:
         self.mock = mock
         self.system_port = system_port
         self.http_port = http_port
+        self.namespace = namespace
+        self.file_kv = file_kv
+
+    def adapter_card(self, name: str) -> dict:
+        """The model card this side published for adapter ``name`` (``v1/mdc/{ns}/backend/generate/{hex}/{name}``),
+        without what legitimately differs: the card's instance and the native-only parts of ``runtime_config``
+        (docs/lora.md#discovery)."""
+        for path in (self.file_kv / "v1" / "mdc").glob("*"):
+            key = urllib.parse.unquote(path.name)
+            if key.startswith(f"{self.namespace}/") and key.endswith(f"/{name}"):
+                record = json.loads(path.read_text())
+                runtime = record["card_json"]["runtime_config"]
+                runtime["runtime_data"].pop("vllm_inference_v1_generate", None)
+                for ignored in ("kv_event_publishing_enabled", "max_gpu_lora_count"):
+                    runtime.pop(ignored, None)
+                del record["namespace"], record["instance_id"]
+                return record
+        raise AssertionError(f"no card for adapter {name!r} in {self.namespace}")
 
     def calls(self) -> int:
         return self.mock.call(lambda: len(self.mock.mock.control_calls))
@@ -81,7 +100,7 @@ def sides(deployment_factory) -> dict[str, _Side]:
         env = {"DYN_SYSTEM_PORT": str(system_port), "DYN_LORA_ENABLED": "true"}
         start = dep.native_sidecar if side == "native" else dep.trio_sidecar
         start(mock, namespace=namespace, name=f"{side}-lora", env=env)
-        out[side] = _Side(mock, system_port, dep.http_port)
+        out[side] = _Side(mock, system_port, dep.http_port, namespace, dep.file_kv)
     for side in SIDES:
         local.wait_for_models(out[side].http_port, ["tiny"], timeout=180, watch=dep.processes)
     return out
@@ -173,6 +192,10 @@ def test_a_loaded_adapter_is_a_model_and_its_requests_carry_lora_name_like_nativ
         rpc, request, _, _ = s.mock.recorded()[-1]
         assert (rpc, request.lora_name, request.model) == ("GenerateStream", "d", "tiny"), side
     assert completions["trio"] == completions["native"] == (200, "d", 3)
+    card = sides["trio"].adapter_card("d")
+    assert card == sides["native"].adapter_card("d")
+    assert card["card_json"]["lora"] == {"name": "d", "max_gpu_lora_count": MAX_LORAS}
+    assert card["model_suffix"] == "d"
     assert _same(sides, "DELETE", "/v1/loras/d")[0] == 200
     for side in SIDES:
         s = sides[side]

@@ -58,7 +58,7 @@ class DynamoLoraPublisher:
 
     async def publish(self, adapter: LoraAdapter, max_loras: int) -> None:
         try:
-            await self._thread.run(self._dynamo.register_lora, self._plan, adapter.name, max_loras)
+            await self._thread.run(self._dynamo.register_lora, self._plan, adapter.name, adapter.lora_id, max_loras)
         except Exception as exc:  # noqa: BLE001 - Dynamo raises plain exceptions
             raise UnknownError(f"failed to publish the discovery record of LoRA `{adapter.name}`: {exc}") from exc
 
@@ -115,6 +115,7 @@ async def start_lora(
     lifecycle = sidecar.lora
     lifecycle.hot_swap = hot_swap_requested(environ)
     lifecycle.publisher = DynamoLoraPublisher(thread, dynamo, plan)
+    dynamo.lora_enabled = True
     calls = TrioCalls(trio.lowlevel.current_trio_token(), nursery)
 
     async def register() -> None:

@@ -38,6 +38,9 @@ class DynamoSide:
         self.endpoint: Endpoint | None = None
         self.serve: asyncio.Future[None] | None = None
         self.publishers: list[KvEventPublisher] = []
+        # Set by the LoRA surface before registration: the cards then say that a request for an adapter may
+        # only go to workers that registered it (``runtime_data.lora_requires_registration``, as native's).
+        self.lora_enabled = False
 
     async def create_runtime(self, endpoint_path: str) -> None:
         from dynamo.runtime import DistributedRuntime
@@ -73,6 +76,8 @@ class DynamoSide:
         rc = ModelRuntimeConfig()
         for key, value in plan.runtime_config.items():
             setattr(rc, key, value)
+        if self.lora_enabled:
+            rc.set_engine_specific("lora_requires_registration", "true")
         model_type = getattr(ModelType, plan.model_types[0])
         for type_name in plan.model_types[1:]:
             model_type = model_type | getattr(ModelType, type_name)
@@ -90,10 +95,15 @@ class DynamoSide:
             **extra,
         )
 
-    async def register_lora(self, plan: WorkerPlan, lora_name: str, max_loras: int) -> None:
+    async def register_lora(self, plan: WorkerPlan, lora_name: str, lora_id: int, max_loras: int) -> None:
         """A model record for one loaded adapter (``model=<adapter>`` routes here; docs/lora.md#discovery)."""
         await self._register_model(
-            plan, lora_name, lora_name=lora_name, base_model_path=plan.model_path, max_gpu_lora_count=max_loras
+            plan,
+            lora_name,
+            lora_name=lora_name,
+            base_model_path=plan.model_path,
+            max_gpu_lora_count=max_loras,
+            user_data={"lora_adapter": True, "lora_id": lora_id},
         )
 
     async def unregister_lora(self, lora_name: str) -> None:
