@@ -106,7 +106,7 @@ class Sidecar:
         (``LoadResult.already_loaded``; any path).
 
         Raises:
-            InvalidArgument, ProtocolError, SidecarError: see docs/lora.md#errors.
+            InvalidArgument, ProtocolError, SidecarError: see docs/lora.md#routes (the same texts).
         """
         uri = f"file://{source}" if source.startswith("/") else source
         return await self.lora.load(name, uri)

@@ -231,7 +231,12 @@ class LoraLifecycle:
     # -- reconciliation ---------------------------------------------------------------------------------
 
     def request_reconcile(self) -> None:
-        """Ask :meth:`run_reconciler` for a pass that also reloads (called synchronously on a vLLM recovery)."""
+        """Ask :meth:`run_reconciler` for a pass that also reloads (called synchronously on a vLLM recovery).
+
+        Nothing to do (no Control call) while no adapter was loaded or published through this sidecar.
+        """
+        if not (self.loaded_here or self.published):
+            return
         self._reconciled = False
         self._reconcile_wanted.set()
 
