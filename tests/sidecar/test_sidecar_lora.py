@@ -14,7 +14,7 @@ import trio
 
 from trio_sidecar import GenerateContext, open_sidecar
 from trio_sidecar.config import SidecarConfig
-from trio_sidecar.errors import InvalidArgument, ProtocolError
+from trio_sidecar.errors import InvalidArgument, ProtocolError, UnknownError
 from trio_sidecar.lora import LORA_UNSUPPORTED, LoadResult, LoraAdapter
 from trio_sidecar.prober import HealthKind
 
@@ -203,3 +203,32 @@ async def test_adapters_loaded_through_the_sidecar_are_loaded_again_after_a_vllm
             assert sum(len(c.token_ids) for c in chunks) == 2
             assert [a.name for a in await sidecar.list_loras()] == ["a", "b"]
     assert "loaded 2 LoRA adapter(s) again after the vLLM restart: a, b" in caplog.text
+
+
+class _FailingPublisher:
+    """Fault injection: the discovery record cannot be written."""
+
+    def __init__(self) -> None:
+        self.unpublished: list[str] = []
+
+    async def publish(self, adapter: LoraAdapter, max_loras: int) -> None:
+        raise UnknownError(f"failed to publish the discovery record of LoRA `{adapter.name}`: discovery is down")
+
+    async def unpublish(self, name: str) -> None:
+        self.unpublished.append(name)
+
+
+async def test_a_load_whose_discovery_record_cannot_be_published_is_rolled_back(nursery, adapter):
+    runner = _Mock(nursery)
+    mock = await runner.start()
+    with trio.fail_after(60):
+        async with open_sidecar(config_for(runner.port, health_prober=False)) as sidecar:
+            await sidecar.list_loras()
+            sidecar.lora.publisher = _FailingPublisher()
+            start = len(mock.control_calls)
+            with pytest.raises(UnknownError) as info:
+                await sidecar.load_lora("a", str(adapter))
+            assert str(info.value) == "failed to publish the discovery record of LoRA `a`: discovery is down"
+            assert runner.calls(start) == [("ListLoras",), ("LoadLora", "a", str(adapter)), ("UnloadLora", "a")]
+            assert list(mock.lora) == []
+            assert sidecar.lora.loaded_here == {} and sidecar.lora.published == set()
