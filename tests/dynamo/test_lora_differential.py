@@ -206,8 +206,9 @@ def test_a_loaded_adapter_is_a_model_and_its_requests_carry_lora_name_like_nativ
         )
 
 
-def test_hot_swap_and_no_lora_support_answer_like_native(deployment_factory, adapter):
-    """``DYN_LORA_HOTSWAP_ENABLED`` refuses a reload; a server with ``max_loras`` 0 gets no LoRA handlers."""
+def test_hot_swap_no_lora_support_and_lora_off_answer_like_native(deployment_factory, adapter):
+    """``DYN_LORA_HOTSWAP_ENABLED`` refuses a reload; a server with ``max_loras`` 0 gets no LoRA handlers;
+    without ``DYN_LORA_ENABLED`` the system port has no LoRA routes at all."""
     dep = deployment_factory()
     ports: dict[tuple[str, str], int] = {}
     for side in SIDES:
@@ -216,9 +217,12 @@ def test_hot_swap_and_no_lora_support_answer_like_native(deployment_factory, ada
             "lora": dep.mock(served_model_name="tiny", engine_args={**FAST_ENGINE_ARGS, "max_loras": MAX_LORAS}),
             "none": dep.mock(served_model_name="tiny", engine_args=FAST_ENGINE_ARGS),
         }
+        mocks["off"] = mocks["lora"]  # a second worker on the LoRA server, started without DYN_LORA_ENABLED
         for kind, mock in mocks.items():
             port = free_system_port()
-            env = {"DYN_SYSTEM_PORT": str(port), "DYN_LORA_ENABLED": "true", "DYN_LORA_HOTSWAP_ENABLED": "true"}
+            env = {"DYN_SYSTEM_PORT": str(port), "DYN_LORA_HOTSWAP_ENABLED": "true"}
+            if kind != "off":
+                env["DYN_LORA_ENABLED"] = "true"
             start(mock, namespace=f"{dep.namespace}-{side}-{kind}", name=f"{side}-{kind}", env=env)
             ports[side, kind] = port
     deadline = time.monotonic() + 120
@@ -242,6 +246,8 @@ def test_hot_swap_and_no_lora_support_answer_like_native(deployment_factory, ada
         got[side].append(_request(none, "GET", "/v1/loras", None))
         got[side].append(_request(none, "POST", "/v1/loras", body))
         got[side].append(_request(none, "DELETE", "/v1/loras/h", None))
+        got[side].append(_request(ports[side, "off"], "GET", "/v1/loras", None))
     assert got["trio"] == got["native"]
     assert got["trio"][1][0] == 500 and "hot swap is not supported" in got["trio"][1][1]["message"]
     assert got["trio"][3][0] == 500 and "LoRA management not available" in got["trio"][3][1]["message"]
+    assert got["trio"][6][0] == 404
