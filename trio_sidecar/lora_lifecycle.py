@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import trio
 
 from ._proto.vllm import control_pb2
-from .errors import EngineShutdown, InvalidArgument, ProtocolError, SidecarError
+from .errors import EngineShutdown, ErrorKind, InvalidArgument, ProtocolError, SidecarError
 from .lora import (
     LORA_UNSUPPORTED,
     LoadResult,
@@ -34,10 +34,14 @@ from .lora import (
 )
 from .model import DiscoveredModel
 from .pool import ChannelPool
+from .status import StatusCode
 
 __all__ = ["LoraLifecycle", "LoraPublisher", "NoPublisher"]
 
 LOGGER = logging.getLogger("trio_sidecar.lora")
+
+# A failed call whose outcome on the server is unknown (the connection went away, or the call timed out).
+_AMBIGUOUS = (ErrorKind.CANNOT_CONNECT, ErrorKind.CONNECTION_TIMEOUT)
 
 LIST_LORAS = "/vllm.Control/ListLoras"
 LOAD_LORA = "/vllm.Control/LoadLora"
@@ -183,7 +187,17 @@ class LoraLifecycle:
                 return LoadResult(existing, already_loaded=True)
             check_capacity(len(loaded), max_loras)
             path = resolve_local_source(request)
-            adapter = await self._load(pool, request.name, path)
+            try:
+                adapter = await self._load(pool, request.name, path)
+            except SidecarError as exc:
+                observed = await self._after_failed_load(pool, request.name, path, exc)
+                if observed is None:
+                    raise
+                adapter, already = observed
+                if already:
+                    await self._publish(adapter, max_loras)
+                    self._reconciled = was_reconciled
+                    return LoadResult(adapter, already_loaded=True)
             try:
                 await self._publish(adapter, max_loras)
             except BaseException as exc:
@@ -215,14 +229,81 @@ class LoraLifecycle:
             if existing is None:
                 raise not_loaded(name, [a.name for a in loaded])
             # Stop routing new requests to the adapter before vLLM drops it.
-            if name in self.published:
+            was_published = name in self.published
+            if was_published:
                 await self.publisher.unpublish(name)
                 self.published.discard(name)
-            self.loaded_here.pop(name, None)
-            removed = await self._unload(pool, name)
+            path = self.loaded_here.pop(name, None)
+            try:
+                removed = await self._unload(pool, name)
+            except SidecarError as exc:
+                still = await self._after_failed_unload(pool, existing, exc)
+                if still is not None:
+                    # vLLM still holds it: route to it again, as before this request.
+                    if path is not None:
+                        self.loaded_here[name] = path
+                    if was_published:
+                        with trio.CancelScope(shield=True):
+                            try:
+                                await self._publish(still, self._max_loras())
+                            except SidecarError as undo:
+                                LOGGER.warning("republishing LoRA %r after a failed unload failed: %s", name, undo)
+                    raise
+                removed = existing
             self._reconciled = was_reconciled
             LOGGER.info("unloaded LoRA adapter %r (lora_id %d)", name, removed.lora_id)
             return removed
+
+    def _max_loras(self) -> int:
+        model = self._model()
+        return model.server_info.max_loras if model is not None else 0
+
+    async def _find(self, pool: ChannelPool, name: str) -> LoraAdapter | None:
+        return next((a for a in await self._list(pool) if a.name == name), None)
+
+    async def _after_failed_load(
+        self, pool: ChannelPool, name: str, path: str, error: SidecarError
+    ) -> tuple[LoraAdapter, bool] | None:
+        """What a failed ``LoadLora`` left behind, as the native sidecar decides it.
+
+        ``ALREADY_EXISTS`` (another client loaded the name meanwhile): "already loaded" when ``ListLoras``
+        shows it. A lost connection or a timeout (the outcome is unknown): loaded when ``ListLoras`` shows
+        it from the same directory. Returns ``(adapter, already_loaded)``, or None to raise ``error``.
+        """
+        if error.grpc_code is StatusCode.ALREADY_EXISTS:
+            observed = await self._find(pool, name)
+            if observed is None:
+                raise ProtocolError(
+                    f"LoadLora reported `{name}` as already loaded but ListLoras does not report it"
+                ) from error
+            return observed, True
+        if error.kind in _AMBIGUOUS:
+            LOGGER.warning("LoadLora outcome for LoRA %r is ambiguous (%s); reconciling", name, error)
+            observed = await self._find(pool, name)
+            if observed is None:
+                return None
+            if observed.source_path != path:
+                raise ProtocolError(
+                    f"LoRA adapter `{name}` is loaded from `{observed.source_path}` but this load requested "
+                    f"`{path}`; vLLM and Dynamo disagree about adapter state"
+                ) from error
+            return observed, False
+        return None
+
+    async def _after_failed_unload(
+        self, pool: ChannelPool, existing: LoraAdapter, error: SidecarError
+    ) -> LoraAdapter | None:
+        """The adapter vLLM still holds after a failed ``UnloadLora`` (None: it is gone, the unload counts).
+
+        ``NOT_FOUND``: gone. A lost connection or a timeout: ``ListLoras`` decides. Any other status: vLLM
+        refused, the adapter is still loaded.
+        """
+        if error.grpc_code is StatusCode.NOT_FOUND:
+            return None
+        if error.kind in _AMBIGUOUS:
+            LOGGER.warning("UnloadLora outcome for LoRA %r is ambiguous (%s); reconciling", existing.name, error)
+            return await self._find(pool, existing.name)
+        return existing
 
     async def _publish(self, adapter: LoraAdapter, max_loras: int) -> None:
         await self.publisher.publish(adapter, max_loras)

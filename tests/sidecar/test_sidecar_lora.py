@@ -14,9 +14,11 @@ import trio
 
 from trio_sidecar import GenerateContext, open_sidecar
 from trio_sidecar.config import SidecarConfig
-from trio_sidecar.errors import InvalidArgument, ProtocolError, UnknownError
+from trio_sidecar.errors import CannotConnect, InvalidArgument, ProtocolError, UnknownError, status_to_error
 from trio_sidecar.lora import LORA_UNSUPPORTED, LoadResult, LoraAdapter
+from trio_sidecar.lora_lifecycle import LoraLifecycle
 from trio_sidecar.prober import HealthKind
+from trio_sidecar.status import StatusCode
 
 ENGINE_ARGS = {"block_size": 4, "enable_prefix_caching": False, "speedup_ratio": 0.0}
 WAIT = 30.0
@@ -232,3 +234,83 @@ async def test_a_load_whose_discovery_record_cannot_be_published_is_rolled_back(
             assert runner.calls(start) == [("ListLoras",), ("LoadLora", "a", str(adapter)), ("UnloadLora", "a")]
             assert list(mock.lora) == []
             assert sidecar.lora.loaded_here == {} and sidecar.lora.published == set()
+
+
+class _RecordingPublisher:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str]] = []
+
+    async def publish(self, adapter: LoraAdapter, max_loras: int) -> None:
+        self.events.append(("publish", adapter.name))
+
+    async def unpublish(self, name: str) -> None:
+        self.events.append(("unpublish", name))
+
+
+class _FaultyPool:
+    """Fault injection around the engine's pool: the next call of an RPC runs on the server (or not) and
+    then fails with the given status, as a lost answer or a refusal would."""
+
+    def __init__(self, pool) -> None:
+        self._pool = pool
+        self.faults: dict[str, tuple[bool, StatusCode, str]] = {}
+
+    async def unary(self, rpc, method, request, response_type, **kw):
+        fault = self.faults.pop(rpc, None)
+        if fault is None:
+            return await self._pool.unary(rpc, method, request, response_type, **kw)
+        run_first, code, message = fault
+        if run_first:
+            await self._pool.unary(rpc, method, request, response_type, **kw)
+        raise status_to_error(rpc, code, message)
+
+
+async def _lifecycle(sidecar) -> tuple[LoraLifecycle, _FaultyPool, _RecordingPublisher]:
+    pool = _FaultyPool(sidecar.engine.pool)
+    publisher = _RecordingPublisher()
+    lifecycle = LoraLifecycle(lambda: pool, lambda: sidecar.model, publisher=publisher)
+    await lifecycle.reconcile()
+    return lifecycle, pool, publisher
+
+
+async def test_a_load_whose_answer_is_lost_or_that_raced_another_load_is_decided_by_list_loras(nursery, adapter):
+    runner = _Mock(nursery)
+    mock = await runner.start()
+    with trio.fail_after(60):
+        async with open_sidecar(config_for(runner.port, health_prober=False)) as sidecar:
+            lifecycle, pool, publisher = await _lifecycle(sidecar)
+            # The server loaded it, the answer was lost: ListLoras shows it from the same directory.
+            pool.faults["LoadLora"] = (True, StatusCode.UNAVAILABLE, "connection reset")
+            result = await lifecycle.load("a", f"file://{adapter}")
+            assert result == LoadResult(LoraAdapter("a", 1, str(adapter)), already_loaded=False)
+            assert publisher.events == [("publish", "a")] and lifecycle.loaded_here == {"a": str(adapter)}
+            # The load was refused and nothing was loaded: the error stands.
+            pool.faults["LoadLora"] = (False, StatusCode.UNAVAILABLE, "connection reset")
+            with pytest.raises(CannotConnect):
+                await lifecycle.load("b", f"file://{adapter}")
+            assert [a.lora_name for a in mock.lora] == ["a"] and "b" not in lifecycle.loaded_here
+            # Another client loaded the name between our ListLoras and LoadLora.
+            pool.faults["LoadLora"] = (True, StatusCode.ALREADY_EXISTS, "LoRA adapter `c` is already loaded")
+            raced = await lifecycle.load("c", f"file://{adapter}")
+            assert raced.already_loaded and raced.adapter.name == "c"
+
+
+async def test_a_failed_unload_keeps_the_adapter_routable_and_a_lost_answer_counts_as_done(nursery, adapter):
+    runner = _Mock(nursery)
+    mock = await runner.start()
+    with trio.fail_after(60):
+        async with open_sidecar(config_for(runner.port, health_prober=False)) as sidecar:
+            lifecycle, pool, publisher = await _lifecycle(sidecar)
+            await lifecycle.load("a", f"file://{adapter}")
+            publisher.events.clear()
+            pool.faults["UnloadLora"] = (False, StatusCode.INTERNAL, "engine busy")
+            with pytest.raises(UnknownError) as info:
+                await lifecycle.unload("a")
+            assert str(info.value) == "UnloadLora: engine busy (Internal)"
+            assert publisher.events == [("unpublish", "a"), ("publish", "a")]
+            assert lifecycle.published == {"a"} and lifecycle.loaded_here == {"a": str(adapter)}
+            publisher.events.clear()
+            pool.faults["UnloadLora"] = (True, StatusCode.UNAVAILABLE, "connection reset")
+            assert await lifecycle.unload("a") == LoraAdapter("a", 1, str(adapter))
+            # (The failed unload left the state unsure: this call began with a reconciliation, which republished.)
+            assert publisher.events == [("publish", "a"), ("unpublish", "a")] and list(mock.lora) == []
