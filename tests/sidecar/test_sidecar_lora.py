@@ -314,3 +314,25 @@ async def test_a_failed_unload_keeps_the_adapter_routable_and_a_lost_answer_coun
             assert await lifecycle.unload("a") == LoraAdapter("a", 1, str(adapter))
             # (The failed unload left the state unsure: this call began with a reconciliation, which republished.)
             assert publisher.events == [("publish", "a"), ("unpublish", "a")] and list(mock.lora) == []
+
+
+async def test_concurrent_loads_cannot_overshoot_max_loras(nursery, adapter):
+    runner = _Mock(nursery)
+    mock = await runner.start(max_loras=1)
+    outcomes: dict[str, object] = {}
+    with trio.fail_after(60):
+        async with open_sidecar(config_for(runner.port, health_prober=False)) as sidecar:
+
+            async def load(name: str) -> None:
+                try:
+                    outcomes[name] = await sidecar.load_lora(name, str(adapter))
+                except InvalidArgument as exc:
+                    outcomes[name] = str(exc)
+
+            async with trio.open_nursery() as loads:
+                for name in ("a", "b", "c"):
+                    loads.start_soon(load, name)
+    refused = [v for v in outcomes.values() if isinstance(v, str)]
+    assert refused == ["LoRA capacity exceeded: at most 1 adapter(s) may be loaded"] * 2
+    assert len(list(mock.lora)) == 1
+    assert [c[0] for c in runner.calls()].count("LoadLora") == 1
