@@ -99,6 +99,7 @@ class LoraLifecycle:
         self.published: set[str] = set()
         self._reconcile_wanted = trio.Event()
         self._reconciled = False
+        self._reload_pending = False  # a vLLM recovery asked for a reload that has not completed yet
 
     # -- Control calls ----------------------------------------------------------------------------------
 
@@ -150,7 +151,7 @@ class LoraLifecycle:
         if self._reconciled:
             return
         try:
-            await self.reconcile()
+            await self.reconcile(reload=self._reload_pending)
         except SidecarError as exc:
             LOGGER.warning("LoRA reconciliation is still failing: %s; continuing with the requested operation", exc)
 
@@ -319,6 +320,7 @@ class LoraLifecycle:
         if not (self.loaded_here or self.published):
             return
         self._reconciled = False
+        self._reload_pending = True
         self._reconcile_wanted.set()
 
     async def run_reconciler(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -328,7 +330,7 @@ class LoraLifecycle:
             await self._reconcile_wanted.wait()
             self._reconcile_wanted = trio.Event()
             try:
-                await self.reconcile(reload=True)
+                await self.reconcile(reload=self._reload_pending)
             except SidecarError as exc:
                 LOGGER.warning(
                     "LoRA reconciliation after the vLLM restart failed: %s; it is retried on the next operation", exc
@@ -361,8 +363,11 @@ class LoraLifecycle:
                 self.published.discard(name)
             for adapter in held.values():
                 await self._publish(adapter, model.server_info.max_loras)
-            self.loaded_here = {name: path for name, path in self.loaded_here.items() if name in held}
+            if reload or not self._reload_pending:  # (a pending reload keeps what it is to load again)
+                self.loaded_here = {name: path for name, path in self.loaded_here.items() if name in held}
             self._reconciled = True
+            if reload:
+                self._reload_pending = False
         if reloaded:
             LOGGER.info(
                 "loaded %d LoRA adapter(s) again after the vLLM restart: %s", len(reloaded), ", ".join(reloaded)

@@ -336,3 +336,19 @@ async def test_concurrent_loads_cannot_overshoot_max_loras(nursery, adapter):
     assert refused == ["LoRA capacity exceeded: at most 1 adapter(s) may be loaded"] * 2
     assert len(list(mock.lora)) == 1
     assert [c[0] for c in runner.calls()].count("LoadLora") == 1
+
+
+async def test_a_reload_that_failed_is_retried_by_the_next_operation(nursery, adapter):
+    runner = _Mock(nursery)
+    mock = await runner.start()
+    with trio.fail_after(60):
+        async with open_sidecar(config_for(runner.port, health_prober=False)) as sidecar:
+            lifecycle, pool, _ = await _lifecycle(sidecar)
+            await lifecycle.load("a", f"file://{adapter}")
+            mock.lora.unload("a")  # vLLM lost it (as a restarted vLLM would)
+            lifecycle.request_reconcile()  # what the prober's recovery does
+            pool.faults["ListLoras"] = (False, StatusCode.UNAVAILABLE, "connection reset")
+            assert await lifecycle.list_adapters() == []  # the reload pass failed; this call's own list answers
+            assert lifecycle.loaded_here == {"a": str(adapter)}
+            assert [a.name for a in await lifecycle.list_adapters()] == ["a"]  # retried, and loaded again
+            assert [a.lora_name for a in mock.lora] == ["a"]
