@@ -27,13 +27,15 @@ from .config import SidecarConfig, validate_sidecar_config
 from .context import ChunkSink, GenerateContext
 from .discovery import discover
 from .engine import SidecarEngine
+from .lora import LoadResult, LoraAdapter
+from .lora_lifecycle import LoraLifecycle
 from .model import DiscoveredModel, EngineConfig
 from .prober import HealthState, run_health_prober
 from .protocol import LLMEngineOutput, PreprocessedRequest
 from .routing import KvEventSource
 from .transport import collapse_single_exception
 
-__all__ = ["open_sidecar", "discover", "Sidecar", "ChunkSink", "GenerateContext"]
+__all__ = ["open_sidecar", "discover", "Sidecar", "ChunkSink", "GenerateContext", "LoadResult", "LoraAdapter"]
 
 
 @attrs.define(eq=False)
@@ -49,6 +51,8 @@ class Sidecar:
             is open only while it is ``SERVING``.
         engine: the underlying :class:`SidecarEngine`, the owner of admission and drain (``in_flight``,
             ``stop_admission()``, ``wait_idle()``, ``cancel_in_flight()``, ``drain(timeout)``).
+        lora: the LoRA adapter lifecycle (docs/lora.md); :meth:`list_loras`, :meth:`load_lora` and
+            :meth:`unload_lora` are its entry points.
     """
 
     engine: SidecarEngine
@@ -56,6 +60,7 @@ class Sidecar:
     engine_config: EngineConfig
     kv_event_sources: tuple[KvEventSource, ...]
     health: trio_util.AsyncValue[HealthState]
+    lora: LoraLifecycle
 
     def __repr__(self) -> str:
         return (
@@ -84,12 +89,44 @@ class Sidecar:
         """
         self.engine.submit(request, ctx, sink)
 
+    async def list_loras(self) -> list[LoraAdapter]:
+        """The adapters vLLM holds (``ListLoras``), in its order (docs/lora.md#embedded-api).
+
+        Raises:
+            InvalidArgument: the server does not advertise LoRA support with ``max_loras`` > 0.
+            SidecarError: the mapped gRPC status of ``ListLoras``; ``EngineShutdown`` after the block.
+        """
+        return await self.lora.list_adapters()
+
+    async def load_lora(self, name: str, source: str) -> LoadResult:
+        """Load the adapter directory ``source`` (an absolute path or a ``file://`` URI) as ``name``.
+
+        Control calls: ``ListLoras``, then ``LoadLora`` unless refused by the checks of docs/lora.md (same
+        texts as the ``/v1/loras`` answers, without the ``InvalidRequest:`` prefix) or already loaded
+        (``LoadResult.already_loaded``; any path).
+
+        Raises:
+            InvalidArgument, ProtocolError, SidecarError: see docs/lora.md#routes (the same texts).
+        """
+        uri = f"file://{source}" if source.startswith("/") else source
+        return await self.lora.load(name, uri)
+
+    async def unload_lora(self, name: str) -> LoraAdapter:
+        """Unload adapter ``name`` (``ListLoras``, ``UnloadLora``) and return what vLLM removed.
+
+        Raises:
+            InvalidArgument: ``LoRA adapter 'x' not found. Available LoRAs: [...]``, or no LoRA support.
+        """
+        return await self.lora.unload(name)
+
     def _on_recovered(self, model: DiscoveredModel, kv_sources: tuple[KvEventSource, ...]) -> None:
         # The prober already logged a changed source list (docs/reference/sidecar.md#recovery); this only swaps the state.
         self.model = model
         self.engine.model = model
         self.kv_event_sources = kv_sources
         self.engine.kv_event_sources = kv_sources
+        if model.supports_lora:
+            self.lora.request_reconcile()  # a restarted vLLM may have lost the adapters (docs/lora.md#reconciliation)
 
 
 @asynccontextmanager
@@ -123,7 +160,10 @@ async def open_sidecar(config: SidecarConfig, *, expected: DiscoveredModel | Non
                     engine_config=engine_config,
                     kv_event_sources=engine.kv_event_sources,
                     health=engine.health,
+                    lora=LoraLifecycle(lambda: engine.pool, lambda: engine.model),
                 )
+                if sidecar.model.supports_lora:
+                    await nursery.start(sidecar.lora.run_reconciler)
                 if config.health_prober:
                     await nursery.start(
                         functools.partial(

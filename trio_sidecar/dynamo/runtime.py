@@ -38,6 +38,9 @@ class DynamoSide:
         self.endpoint: Endpoint | None = None
         self.serve: asyncio.Future[None] | None = None
         self.publishers: list[KvEventPublisher] = []
+        # Set by the LoRA surface before registration: the cards then say that a request for an adapter may
+        # only go to workers that registered it (``runtime_data.lora_requires_registration``, as native's).
+        self.lora_enabled = False
 
     async def create_runtime(self, endpoint_path: str) -> None:
         from dynamo.runtime import DistributedRuntime
@@ -59,33 +62,58 @@ class DynamoSide:
         return self.endpoint
 
     async def serve_and_register(self, plan: WorkerPlan, handler: Handler) -> None:
-        from dynamo.llm import ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
-
         # serve_endpoint returns a Future, not a coroutine (docs/reference/worker.md#pitfalls).
         self.serve = asyncio.ensure_future(
             self._endpoint().serve_endpoint(handler, health_check_payload=plan.health_check_payload)
         )
+        await self._register_model(plan, plan.served_model_name, model_aliases=list(plan.aliases) or None)
+        if self.serve.done():  # serving failed at once (e.g. the request plane could not bind)
+            self.serve.result()
+
+    async def _register_model(self, plan: WorkerPlan, name: str, **extra: Any) -> None:
+        from dynamo.llm import ModelInput, ModelRuntimeConfig, ModelType, WorkerType, register_model
+
         rc = ModelRuntimeConfig()
-        for name, value in plan.runtime_config.items():
-            setattr(rc, name, value)
+        for key, value in plan.runtime_config.items():
+            setattr(rc, key, value)
+        if self.lora_enabled:
+            rc.set_engine_specific("lora_requires_registration", "true")
         model_type = getattr(ModelType, plan.model_types[0])
-        for name in plan.model_types[1:]:
-            model_type = model_type | getattr(ModelType, name)
+        for type_name in plan.model_types[1:]:
+            model_type = model_type | getattr(ModelType, type_name)
         await register_model(
             ModelInput.Tokens,
             model_type,
             self._endpoint(),
             plan.model_path,
-            plan.served_model_name,
+            name,
             worker_type=getattr(WorkerType, plan.worker_type),
-            needs=[[getattr(WorkerType, name) for name in group] for group in plan.needs] or None,
+            needs=[[getattr(WorkerType, n) for n in group] for group in plan.needs] or None,
             kv_cache_block_size=plan.kv_cache_block_size,
             runtime_config=rc,
-            model_aliases=list(plan.aliases) or None,
             custom_template_path=plan.custom_template_path,
+            **extra,
         )
-        if self.serve.done():  # serving failed at once (e.g. the request plane could not bind)
-            self.serve.result()
+
+    async def register_lora(self, plan: WorkerPlan, lora_name: str, lora_id: int, max_loras: int) -> None:
+        """A model record for one loaded adapter (``model=<adapter>`` routes here; docs/lora.md#discovery)."""
+        await self._register_model(
+            plan,
+            lora_name,
+            lora_name=lora_name,
+            base_model_path=plan.model_path,
+            max_gpu_lora_count=max_loras,
+            user_data={"lora_adapter": True, "lora_id": lora_id},
+        )
+
+    async def unregister_lora(self, lora_name: str) -> None:
+        from dynamo.llm import unregister_model
+
+        await unregister_model(self._endpoint(), lora_name=lora_name)
+
+    def register_engine_route(self, route: str, callback: Callable[[dict[str, Any]], Any]) -> None:
+        """``/engine/{route}`` on the system port (the runtime calls ``callback`` on this loop)."""
+        self._runtime().register_engine_route(route, callback)
 
     async def replace_publishers(self, plan: WorkerPlan, sources: Sequence[KvEventSource]) -> int:
         """Shut down the current KV publishers and create one per source (docs/reference/worker.md#kv-events)."""

@@ -52,6 +52,7 @@ from ..errors import SidecarError, format_duration
 from ..progress import StartupProgress, tracking
 from ..transport import collapse_single_exception
 from .bridge import RequestBridge
+from .lora_routes import publish_held, start_lora
 from .plan import WorkerPlan, endpoint_path, plan_registration
 from .reporter import Reporter
 from .runtime import DynamoSide
@@ -308,7 +309,7 @@ async def _run_with_runtime(
                             async with trio.open_nursery() as requests:
                                 requests.start_soon(bridge.run_dispatcher, sidecar.submit)
                                 code = await _register_and_serve(
-                                    config, options, state, reporter, thread, dynamo, bridge, sidecar
+                                    config, options, state, reporter, thread, dynamo, bridge, sidecar, requests
                                 )
                                 requests.cancel_scope.cancel()
         except SidecarError as exc:
@@ -331,12 +332,17 @@ async def _register_and_serve(
     dynamo: DynamoSide,
     bridge: RequestBridge,
     sidecar: Sidecar,
+    requests: trio.Nursery,
 ) -> int:
     sources = tuple(sidecar.kv_event_sources)
     plan = plan_registration(config, options, sidecar.engine_config, sources)
     state.phase = "registration with Dynamo"
     reporter.phase(state.phase)
+    # The LoRA routes go in before the model is listed, so a client that saw it can manage adapters.
+    lora = await start_lora(thread, dynamo, plan, sidecar, requests)
     await thread.run(dynamo.serve_and_register, plan, bridge.handler)
+    if lora:
+        await publish_held(sidecar.lora)
     count = await thread.run(dynamo.replace_publishers, plan, sources)
     await thread.run(dynamo.set_ready, True)
     reporter.phase_done(state.phase)
