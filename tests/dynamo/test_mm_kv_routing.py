@@ -243,3 +243,49 @@ def test_both_sidecars_resolve_the_models_image_token_id(sides):
         for proc in side.logs:
             found = pattern.findall(ANSI.sub("", proc.log()))
             assert found == [str(IMAGE_TOKEN_ID)], (name, proc.name, found)
+
+
+# --- the worker's resolution step on its own (DynamoSide.resolve_image_token_id) -------------------------------
+
+
+def _resolve(model: str, supports_multimodal: bool) -> tuple[int | None, int | None]:
+    """Run the step on a fresh asyncio loop (as on the worker's asyncio thread); the id and what it kept."""
+    import asyncio
+
+    from trio_sidecar.config import WorkerOptions
+    from trio_sidecar.dynamo.runtime import DynamoSide
+
+    side = DynamoSide(WorkerOptions())
+    side.image_token_id = 7  # a stale value: every call starts over
+    token = asyncio.run(side.resolve_image_token_id(model, supports_multimodal))
+    return token, side.image_token_id
+
+
+def test_the_worker_resolves_a_local_multimodal_models_placeholder_and_keeps_it(tmp_path, caplog):
+    require_dynamo()
+    model = str(make_tiny_vl_model(tmp_path / "tiny-vl"))
+    with caplog.at_level("INFO", logger="trio_sidecar.dynamo.runtime"):
+        assert _resolve(model, True) == (IMAGE_TOKEN_ID, IMAGE_TOKEN_ID)
+    assert f"Resolved image placeholder token for multimodal KV routing (model={model}, image_token_id=31999)" in (
+        caplog.text
+    )
+
+
+def test_a_model_without_multimodal_support_is_not_looked_at(tmp_path, caplog):
+    require_dynamo()
+    model = str(make_tiny_vl_model(tmp_path / "tiny-vl"))
+    with caplog.at_level("DEBUG", logger="trio_sidecar.dynamo.runtime"):
+        assert _resolve(model, False) == (None, None)
+    assert caplog.text == ""
+
+
+def test_a_model_whose_configuration_cannot_be_fetched_only_disables_exact_routing(monkeypatch, caplog):
+    require_dynamo()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # a cache lookup only: no network
+    with caplog.at_level("WARNING", logger="trio_sidecar.dynamo.runtime"):
+        assert _resolve("acme/missing-vl", True) == (None, None)
+    assert (
+        "Unable to fetch model configuration; exact multimodal KV routing is disabled "
+        "(model=acme/missing-vl, fetch_timeout_secs=30, error=" in caplog.text
+    )
+    assert "acme/missing-vl" in caplog.text.split("error=", 1)[1]
