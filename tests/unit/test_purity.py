@@ -23,6 +23,7 @@ PURE = {
     "convert.response",
     "convert.batch",
     "multimodal",
+    "mm_routing",
     "routing",
     "sampling_checks",
     "tracecontext",

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from .. import mm_routing
 from ..config import WorkerOptions
 
 if TYPE_CHECKING:
@@ -41,6 +43,8 @@ class DynamoSide:
         # Set by the LoRA surface before registration: the cards then say that a request for an adapter may
         # only go to workers that registered it (``runtime_data.lora_requires_registration``, as native's).
         self.lora_enabled = False
+        # The image placeholder the publishers key image blocks on (resolve_image_token_id); None = raw ids.
+        self.image_token_id: int | None = None
 
     async def create_runtime(self, endpoint_path: str) -> None:
         from dynamo.runtime import DistributedRuntime
@@ -115,6 +119,34 @@ class DynamoSide:
         """``/engine/{route}`` on the system port (the runtime calls ``callback`` on this loop)."""
         self._runtime().register_engine_route(route, callback)
 
+    async def resolve_image_token_id(self, model: str, supports_multimodal: bool) -> int | None:
+        """The image placeholder of a multimodal model, as the native sidecar resolves it (docs/reference/worker.md#multimodal-kv-routing).
+
+        Kept in :attr:`image_token_id` for every later :meth:`replace_publishers`. A text-only model is not
+        looked at; any failure only leaves exact multimodal routing off (logged), never the worker.
+        """
+        self.image_token_id = None
+        if not supports_multimodal:
+            return None
+        model_dir = _local_model_dir(model)
+        if model_dir is None:
+            from dynamo.llm import fetch_model
+
+            try:
+                model_dir = await asyncio.wait_for(
+                    fetch_model(model, ignore_weights=True), mm_routing.FETCH_TIMEOUT_SECONDS
+                )
+            except TimeoutError:
+                return self._settle(mm_routing.fetch_failed(model, mm_routing.FETCH_TIMED_OUT))
+            except Exception as exc:  # noqa: BLE001 - any fetch failure only disables exact routing
+                return self._settle(mm_routing.fetch_failed(model, str(exc)))
+        return self._settle(mm_routing.resolve_image_token(model, str(model_dir), _resolver()))
+
+    def _settle(self, outcome: mm_routing.ImageTokenOutcome) -> int | None:
+        LOGGER.log(outcome.level, "%s", outcome.message)
+        self.image_token_id = outcome.image_token_id
+        return outcome.image_token_id
+
     async def replace_publishers(self, plan: WorkerPlan, sources: Sequence[KvEventSource]) -> int:
         """Shut down the current KV publishers and create one per source (docs/reference/worker.md#kv-events)."""
         from dynamo.llm import KvEventPublisher
@@ -134,6 +166,7 @@ class DynamoSide:
                     enable_local_indexer=plan.local_indexer,
                     zmq_endpoint=source.endpoint,
                     zmq_topic=source.topic,
+                    image_token_id=self.image_token_id,
                 )
             )
         return len(self.publishers)
@@ -170,3 +203,20 @@ class DynamoSide:
         """``runtime.shutdown()``: unregister at once, then the runtime drains in-flight handlers."""
         if self.runtime is not None:
             self.runtime.shutdown()
+
+
+def _local_model_dir(model: str) -> str | None:
+    """``model`` when it names a local directory (used as is, like native), else None (fetched).
+
+    One ``stat`` at startup, on the asyncio thread: nothing is serving yet."""
+    return model if os.path.isdir(model) else None
+
+
+def _resolver() -> mm_routing.Resolver:
+    """Dynamo's resolver; bindings built without the ``mm-routing`` feature lack it, and then the frontend
+    skips exact multimodal routing too, so resolving nothing is consistent."""
+    try:
+        from dynamo._core import resolve_routing_image_token_id
+    except ImportError:
+        return lambda _model, _model_dir: None
+    return resolve_routing_image_token_id

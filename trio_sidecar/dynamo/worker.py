@@ -338,6 +338,8 @@ async def _register_and_serve(
     plan = plan_registration(config, options, sidecar.engine_config, sources)
     state.phase = "registration with Dynamo"
     reporter.phase(state.phase)
+    # Before registering, as native: its outcome is logged even when registration then fails.
+    await thread.run(dynamo.resolve_image_token_id, plan.model_path, sidecar.model.supports_multimodal)
     # The LoRA routes go in before the model is listed, so a client that saw it can manage adapters.
     lora = await start_lora(thread, dynamo, plan, sidecar, requests)
     await thread.run(dynamo.serve_and_register, plan, bridge.handler)
