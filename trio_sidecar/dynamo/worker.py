@@ -50,12 +50,14 @@ from ..config import SidecarConfig, WorkerOptions
 from ..diagnostics import startup_hint
 from ..errors import SidecarError, format_duration
 from ..progress import StartupProgress, tracking
+from ..rl import parse_admin_base_url, rl_endpoint_name, rl_world_size, system_port_required
 from ..transport import collapse_single_exception
 from .bridge import RequestBridge
 from .plan import WorkerPlan, endpoint_path, plan_registration
 from .reporter import Reporter
 from .runtime import DynamoSide
-from .thread import AsyncioThread
+from .rl_routes import RlSurface
+from .thread import AsyncioThread, TrioCalls
 
 if TYPE_CHECKING:
     from ..api import Sidecar
@@ -336,7 +338,41 @@ async def _register_and_serve(
     plan = plan_registration(config, options, sidecar.engine_config, sources)
     state.phase = "registration with Dynamo"
     reporter.phase(state.phase)
+    async with trio.open_nursery() as control_calls:  # the engine routes' Control calls (docs/rl.md)
+        code = await _serve_with_controls(
+            config, options, state, reporter, thread, dynamo, bridge, sidecar, plan, sources, control_calls
+        )
+        control_calls.cancel_scope.cancel()
+    return code
+
+
+async def _serve_with_controls(
+    config: SidecarConfig,
+    options: WorkerOptions,
+    state: _Shutdown,
+    reporter: Reporter,
+    thread: AsyncioThread,
+    dynamo: DynamoSide,
+    bridge: RequestBridge,
+    sidecar: Sidecar,
+    plan: WorkerPlan,
+    sources: tuple[KvEventSource, ...],
+    control_calls: trio.Nursery,
+) -> int:
+    rl_endpoint = await _rl_endpoint_path(options, thread, dynamo, plan)
     await thread.run(dynamo.serve_and_register, plan, bridge.handler)
+    surface = RlSurface(
+        dynamo,
+        sidecar,
+        TrioCalls(trio.lowlevel.current_trio_token(), control_calls),
+        lora=False,  # the LoRA surface, when on, registers its three routes itself and makes this True
+        world_size=rl_world_size(sidecar.model.server_info, options.vllm_rl_world_size),
+        admin_base_url=parse_admin_base_url(options.vllm_http_endpoint) if options.vllm_http_endpoint else None,
+    )
+    await thread.run(_call_sync, lambda: dynamo.register_engine_routes(surface.callbacks()))
+    if rl_endpoint is not None:
+        await thread.run(dynamo.serve_rl_endpoint, rl_endpoint, surface.rl_handler)
+        LOGGER.info("serving the RL routes on %s: %s", rl_endpoint, ", ".join(surface.routes))
     count = await thread.run(dynamo.replace_publishers, plan, sources)
     await thread.run(dynamo.set_ready, True)
     reporter.phase_done(state.phase)
@@ -359,6 +395,22 @@ async def _register_and_serve(
         return 1
     await _drain(options, thread, dynamo, sidecar)
     return 0
+
+
+async def _rl_endpoint_path(
+    options: WorkerOptions, thread: AsyncioThread, dynamo: DynamoSide, plan: WorkerPlan
+) -> str | None:
+    """``ns.component.rl`` with ``--enable-rl`` (``DYN_RL_ENDPOINT`` renames it), else None.
+
+    Raises:
+        InvalidArgument: ``RL endpoint configuration: …`` (a bad ``DYN_RL_ENDPOINT``, or no system server).
+    """
+    if not options.enable_rl:
+        return None
+    name = rl_endpoint_name(os.environ)
+    if not await thread.run(_call_sync, dynamo.system_url):
+        raise system_port_required()
+    return f"{plan.endpoint_path.rsplit('.', 1)[0]}.{name}"
 
 
 async def _set_when(event: trio.Event, scope: trio.CancelScope) -> None:
@@ -438,6 +490,8 @@ async def _supervise_health(
                 sources = current
             except Exception as exc:  # noqa: BLE001
                 LOGGER.error("re-creating the KV publishers failed: %s", exc)
+        if not registered and dynamo.rl_withdrawn:
+            registered = True  # paused or asleep through the RL controls: their resume puts it back
         if not registered:
             try:
                 await thread.run(dynamo.register)
