@@ -48,9 +48,7 @@ __all__ = [
 
 CONTROL_BODY_NOT_OBJECT = "engine control request body must be a JSON object"
 UPDATE_BODY_NOT_OBJECT = "engine update request body must be a JSON object"
-SYSTEM_PORT_REQUIRED = (
-    "RL discovery requires the Dynamo system server; set DYN_SYSTEM_PORT to 0 or a positive port"
-)
+SYSTEM_PORT_REQUIRED = "RL discovery requires the Dynamo system server; set DYN_SYSTEM_PORT to 0 or a positive port"
 RL_ENDPOINT_PREFIX = "RL endpoint configuration: "
 DEFAULT_RL_ENDPOINT = "rl"
 TOPOLOGY_TAINT_PREFIX = "dynamo.topology/"
@@ -80,15 +78,16 @@ LORA_ROUTES = ("update/list_loras", "update/load_lora", "update/unload_lora")
 
 
 class PauseMode(enum.Enum):
-    """``vllm.PauseMode`` (the proto value is ``proto``)."""
+    """A pause mode; ``proto`` is its ``vllm.PauseMode`` name."""
 
     ABORT = "abort"
     WAIT = "wait"
     KEEP = "keep"
 
     @property
-    def proto(self) -> int:
-        return {PauseMode.ABORT: 1, PauseMode.WAIT: 2, PauseMode.KEEP: 3}[self]
+    def proto(self) -> str:
+        """The ``vllm.PauseMode`` value's name (``PAUSE_MODE_ABORT`` …)."""
+        return f"PAUSE_MODE_{self.name}"
 
 
 @attrs.frozen(kw_only=True)
@@ -293,7 +292,11 @@ def rl_dispatch(request: object, describe: Callable[[], dict[str, Any]]) -> dict
     if not isinstance(method, str):
         return {"status": "error", "message": "rl_dispatch: missing 'method' (str)"}
     if method != "routes":
-        return {"status": "error", "method": method, "message": "rl request-plane endpoint only supports method='routes'"}
+        return {
+            "status": "error",
+            "method": method,
+            "message": "rl request-plane endpoint only supports method='routes'",
+        }
     return describe()
 
 

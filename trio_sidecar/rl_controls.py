@@ -58,7 +58,9 @@ class RlControls:
 
     async def resume_generation(self) -> WakeState:
         """``ResumeGeneration``; on a server with sleep mode also ``IsSleeping`` (a resumed engine may still sleep)."""
-        await self._call("ResumeGeneration", control_pb2.ResumeGenerationRequest(), control_pb2.ResumeGenerationResponse)
+        await self._call(
+            "ResumeGeneration", control_pb2.ResumeGenerationRequest(), control_pb2.ResumeGenerationResponse
+        )
         return WakeState(await self.is_sleeping() if self.sleep_mode else None)
 
     async def is_paused(self) -> bool:

@@ -107,7 +107,9 @@ def test_rl_workers_are_described_alike(sides):
         [worker] = body["workers"]
         assert worker["system_url"] == f"http://{local.LOOPBACK}:{by_side[side]['system_port']}"
         assert worker["request_plane_url"] == f"dyn://{by_side[side]['namespace']}.backend.rl"
-        workers[side] = {k: worker[k] for k in ("component", "endpoint", "admin_base_url", "model", "routes", "world_size")}
+        workers[side] = {
+            k: worker[k] for k in ("component", "endpoint", "admin_base_url", "model", "routes", "world_size")
+        }
     assert workers["trio"] == workers["native"]
     assert workers["native"]["admin_base_url"] == "http://localhost/"
     assert workers["native"]["world_size"] == 1  # the mock reports it; the flag only fills in when it does not
@@ -115,7 +117,14 @@ def test_rl_workers_are_described_alike(sides):
 
 def test_rl_request_plane_endpoint_answers_alike(sides):
     dep, by_side = sides
-    payloads = [{"method": "routes"}, {"method": "is_paused"}, {"method": ""}, {"method": 5}, {}, {"method": "routes", "kwargs": 5}]
+    payloads = [
+        {"method": "routes"},
+        {"method": "is_paused"},
+        {"method": ""},
+        {"method": 5},
+        {},
+        {"method": "routes", "kwargs": 5},
+    ]
     script = textwrap.dedent(
         """
         import asyncio, json, sys
@@ -155,7 +164,10 @@ def test_rl_request_plane_endpoint_answers_alike(sides):
 def test_pause_resume_and_discovery_alike(sides):
     assert _both(sides, "control/pause_generation", {"mode": "bogus"})[:2] == (
         200,
-        {"status": "error", "message": "InvalidRequest: pause_generation mode must be abort, wait, or keep; got `bogus`"},
+        {
+            "status": "error",
+            "message": "InvalidRequest: pause_generation mode must be abort, wait, or keep; got `bogus`",
+        },
     )
     _both(sides, "control/pause_generation", {"mode": 5})
     _both(sides, "control/pause_generation", {"mode": "abort", "clear_cache": "x"})
@@ -190,13 +202,18 @@ def test_sleep_and_wake_up_alike(sides):
     for body in ({"tags": "weights"}, {"tags": [1]}, {"tags": ["bogus"]}):
         assert _both(sides, "control/wake_up", body)[0] == 200
     assert _both(sides, "control/sleep", {"level": 2})[2] == [("Sleep", "level: 2 mode: PAUSE_MODE_ABORT")]
-    assert _both(sides, "control/wake_up", {"tags": ["weights"]})[1] == {"status": "partially_awake", "is_sleeping": True}
+    assert _both(sides, "control/wake_up", {"tags": ["weights"]})[1] == {
+        "status": "partially_awake",
+        "is_sleeping": True,
+    }
     assert _both(sides, "control/resume_generation", {})[1] == {"status": "resumed", "is_sleeping": True}
     assert _models(sides) == {"native": [], "trio": []}  # still asleep: still withdrawn
     assert _both(sides, "control/wake_up", {})[1] == {"status": "awake"}
     local.wait_for_models(sides[1]["trio"]["http_port"], ["tiny"], timeout=60)
     local.wait_for_models(sides[1]["native"]["http_port"], ["tiny"], timeout=60)
-    assert _both(sides, "control/sleep", {"level": 0, "mode": "wait"})[2] == [("Sleep", "level: 0 mode: PAUSE_MODE_WAIT")]
+    assert _both(sides, "control/sleep", {"level": 0, "mode": "wait"})[2] == [
+        ("Sleep", "level: 0 mode: PAUSE_MODE_WAIT")
+    ]
     assert _both(sides, "control/wake_up", {"tags": ["kv_cache", "weights", "scheduling"]})[1] == {"status": "awake"}
 
 

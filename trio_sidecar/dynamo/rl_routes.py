@@ -39,11 +39,10 @@ from ..rl import (
     parse_update_weight_version,
     parse_update_weights,
     parse_wake_up,
-    routes_answer,
     rl_dispatch,
+    routes_answer,
     wake_state_answer,
 )
-from ..rl_controls import RlControls
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -94,7 +93,7 @@ class RlSurface:
         self._dynamo = dynamo
         self._calls = calls
         self.capabilities = sidecar.rl_capabilities
-        self._controls = RlControls(lambda: sidecar.engine.pool, sleep_mode=self.capabilities.sleep_mode)
+        self._controls = sidecar.rl_controls()
         self.routes = engine_routes(self.capabilities, lora=lora)
         self._world_size = world_size
         self._admin_base_url = admin_base_url

@@ -151,7 +151,8 @@ class DynamoSide:
 
     def system_url(self) -> str | None:
         """The system status server's URL (``DYN_SYSTEM_PORT``), None when it is off."""
-        url: str | None = self._runtime().system_status_server_url()
+        # In the 1.6.1 binding, not in its type stub.
+        url: str | None = getattr(self._runtime(), "system_status_server_url")()  # noqa: B009
         return url
 
     def register_engine_routes(self, routes: Mapping[str, Callable[[Any], Any]]) -> None:

@@ -55,8 +55,8 @@ from ..transport import collapse_single_exception
 from .bridge import RequestBridge
 from .plan import WorkerPlan, endpoint_path, plan_registration
 from .reporter import Reporter
-from .runtime import DynamoSide
 from .rl_routes import RlSurface
+from .runtime import DynamoSide
 from .thread import AsyncioThread, TrioCalls
 
 if TYPE_CHECKING:
