@@ -259,3 +259,72 @@ def test_weight_updates_alike(sides):
 def test_non_object_bodies_alike(sides):
     for route in ("control/is_paused", "update/update_weights"):
         assert _both(sides, route, [1])[0] == 200
+
+
+def _wait_healthy(port: int, proc) -> None:
+    import time
+
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if local.get_json(port, "/health")[0] == 200:
+                return
+        except OSError:
+            pass
+        assert proc.alive() and time.monotonic() < deadline, proc.log()[-2000:]
+        time.sleep(0.2)
+
+
+def test_without_enable_rl_the_control_routes_are_served_alike_on_a_server_without_capabilities(deployment_factory):
+    dep = deployment_factory()
+    by_side = {}
+    for side in SIDES:
+        mock = dep.mock(served_model_name="tiny", engine_args=FAST_ENGINE_ARGS)
+        system_port = free_system_port()
+        start = dep.native_sidecar if side == "native" else dep.trio_sidecar
+        proc = start(mock, name=f"{side}-plain", env={"DYN_SYSTEM_PORT": str(system_port)})
+        by_side[side] = {"mock": mock, "system_port": system_port, "proc": proc}
+    for side in SIDES:
+        _wait_healthy(by_side[side]["system_port"], by_side[side]["proc"])
+    steps = [
+        ("control/is_paused", {}),
+        ("control/pause_generation", {"mode": "wait"}),
+        ("control/resume_generation", {}),  # no sleep mode: no IsSleeping
+        ("control/is_sleeping", {}),
+        ("control/get_weight_version", {}),
+        ("control/sleep", {}),  # 404: no sleep mode
+        ("control/wake_up", {}),
+        ("update/start_weight_update", {}),  # 404: no weight transfer
+        ("update/update_weight_version", {"new_version": "v"}),
+        ("update/model_taints", {"taints": ["x"]}),
+    ]
+    results = []
+    for route, body in steps:
+        native, trio_side = (_step(by_side[side], route, body) for side in SIDES)
+        assert trio_side == _as_trio_answers(native), f"{route} {body}"
+        results.append(native)
+    assert results[2] == (200, {"status": "resumed"}, [("ResumeGeneration", "")])
+    assert [status for status, _, _ in results[5:8]] == [404, 404, 404]
+
+
+@pytest.mark.parametrize(
+    ("env", "text"),
+    [
+        ({}, "RL endpoint configuration: RL discovery requires the Dynamo system server; set DYN_SYSTEM_PORT to 0"),
+        (
+            {"DYN_SYSTEM_PORT": "0", "DYN_RL_ENDPOINT": "a.b"},
+            "RL endpoint configuration: DYN_RL_ENDPOINT must contain only letters, digits, '-' or '_'",
+        ),
+    ],
+)
+def test_enable_rl_startup_refusals_exit_1_like_native(deployment_factory, env, text):
+    dep = deployment_factory()
+    mock = dep.mock(served_model_name="tiny", engine_args=FAST_ENGINE_ARGS)
+    for side in SIDES:
+        start = dep.native_sidecar if side == "native" else dep.trio_sidecar
+        proc = start(mock, "--enable-rl", name=f"{side}-refused", env=env)
+        assert proc.wait(120) == 1, proc.log()[-2000:]
+        log = " ".join(proc.log().split())
+        assert text in log, log[-2000:]
+        if side == "trio":
+            assert f"error: {text}" in log
