@@ -1,4 +1,4 @@
-"""RL controls on the real vLLM 0.32 CPU server (docs/rl.md, docs/conformance.md "RL controls on the CPU build").
+"""RL controls on the real vLLM 0.32 CPU server (docs/rl.md, docs/conformance.md row 8d).
 
 The CPU build answers ``PauseGeneration`` / ``ResumeGeneration`` / ``IsPaused``; it refuses sleep mode at startup and
 reports no weight-transfer backend, so its ``rl_capabilities`` are empty and the sleep and weight-transfer calls
