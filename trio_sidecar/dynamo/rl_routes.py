@@ -89,6 +89,7 @@ class RlSurface:
         lora: bool,
         world_size: int | None,
         admin_base_url: str | None,
+        endpoint_path: str | None = None,
     ) -> None:
         self._dynamo = dynamo
         self._calls = calls
@@ -97,6 +98,8 @@ class RlSurface:
         self.routes = engine_routes(self.capabilities, lora=lora)
         self._world_size = world_size
         self._admin_base_url = admin_base_url
+        #: ``ns.component.rl`` with ``--enable-rl``, else None (the routes are served all the same).
+        self.endpoint_path = endpoint_path
 
     def describe(self) -> dict[str, Any]:
         """The answer to ``{"method": "routes"}``."""

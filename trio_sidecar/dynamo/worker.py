@@ -310,7 +310,7 @@ async def _run_with_runtime(
                             async with trio.open_nursery() as requests:
                                 requests.start_soon(bridge.run_dispatcher, sidecar.submit)
                                 code = await _register_and_serve(
-                                    config, options, state, reporter, thread, dynamo, bridge, sidecar
+                                    config, options, state, reporter, thread, dynamo, bridge, sidecar, requests
                                 )
                                 requests.cancel_scope.cancel()
         except SidecarError as exc:
@@ -333,46 +333,18 @@ async def _register_and_serve(
     dynamo: DynamoSide,
     bridge: RequestBridge,
     sidecar: Sidecar,
+    requests: trio.Nursery,
 ) -> int:
     sources = tuple(sidecar.kv_event_sources)
     plan = plan_registration(config, options, sidecar.engine_config, sources)
     state.phase = "registration with Dynamo"
     reporter.phase(state.phase)
-    async with trio.open_nursery() as control_calls:  # the engine routes' Control calls (docs/rl.md)
-        code = await _serve_with_controls(
-            config, options, state, reporter, thread, dynamo, bridge, sidecar, plan, sources, control_calls
-        )
-        control_calls.cancel_scope.cancel()
-    return code
-
-
-async def _serve_with_controls(
-    config: SidecarConfig,
-    options: WorkerOptions,
-    state: _Shutdown,
-    reporter: Reporter,
-    thread: AsyncioThread,
-    dynamo: DynamoSide,
-    bridge: RequestBridge,
-    sidecar: Sidecar,
-    plan: WorkerPlan,
-    sources: tuple[KvEventSource, ...],
-    control_calls: trio.Nursery,
-) -> int:
-    rl_endpoint = await _rl_endpoint_path(options, thread, dynamo, plan)
+    # The RL engine routes go in before the model is listed, so a client that saw it can pause it (docs/rl.md).
+    rl = await _start_rl(options, thread, dynamo, plan, sidecar, requests, lora=False)
     await thread.run(dynamo.serve_and_register, plan, bridge.handler)
-    surface = RlSurface(
-        dynamo,
-        sidecar,
-        TrioCalls(trio.lowlevel.current_trio_token(), control_calls),
-        lora=False,  # the LoRA surface, when on, registers its three routes itself and makes this True
-        world_size=rl_world_size(sidecar.model.server_info, options.vllm_rl_world_size),
-        admin_base_url=parse_admin_base_url(options.vllm_http_endpoint) if options.vllm_http_endpoint else None,
-    )
-    await thread.run(_call_sync, lambda: dynamo.register_engine_routes(surface.callbacks()))
-    if rl_endpoint is not None:
-        await thread.run(dynamo.serve_rl_endpoint, rl_endpoint, surface.rl_handler)
-        LOGGER.info("serving the RL routes on %s: %s", rl_endpoint, ", ".join(surface.routes))
+    if rl is not None:
+        await thread.run(dynamo.serve_rl_endpoint, rl.endpoint_path, rl.rl_handler)
+        LOGGER.info("serving the RL routes on %s: %s", rl.endpoint_path, ", ".join(rl.routes))
     count = await thread.run(dynamo.replace_publishers, plan, sources)
     await thread.run(dynamo.set_ready, True)
     reporter.phase_done(state.phase)
@@ -397,20 +369,41 @@ async def _serve_with_controls(
     return 0
 
 
-async def _rl_endpoint_path(
-    options: WorkerOptions, thread: AsyncioThread, dynamo: DynamoSide, plan: WorkerPlan
-) -> str | None:
-    """``ns.component.rl`` with ``--enable-rl`` (``DYN_RL_ENDPOINT`` renames it), else None.
+async def _start_rl(
+    options: WorkerOptions,
+    thread: AsyncioThread,
+    dynamo: DynamoSide,
+    plan: WorkerPlan,
+    sidecar: Sidecar,
+    nursery: trio.Nursery,
+    *,
+    lora: bool,
+) -> RlSurface | None:
+    """Register the engine routes of the RL controls (always, like the native sidecar); with ``--enable-rl``
+    return the surface whose ``rl`` endpoint is to be served (``DYN_RL_ENDPOINT`` renames it), else None.
+
+    ``lora``: whether the LoRA surface is on (its three routes are then listed with these).
 
     Raises:
         InvalidArgument: ``RL endpoint configuration: …`` (a bad ``DYN_RL_ENDPOINT``, or no system server).
     """
-    if not options.enable_rl:
-        return None
-    name = rl_endpoint_name(os.environ)
-    if not await thread.run(_call_sync, dynamo.system_url):
-        raise system_port_required()
-    return f"{plan.endpoint_path.rsplit('.', 1)[0]}.{name}"
+    endpoint_path = None
+    if options.enable_rl:
+        name = rl_endpoint_name(os.environ)
+        if not await thread.run(_call_sync, dynamo.system_url):
+            raise system_port_required()
+        endpoint_path = f"{plan.endpoint_path.rsplit('.', 1)[0]}.{name}"
+    surface = RlSurface(
+        dynamo,
+        sidecar,
+        TrioCalls(trio.lowlevel.current_trio_token(), nursery),
+        lora=lora,
+        world_size=rl_world_size(sidecar.model.server_info, options.vllm_rl_world_size),
+        admin_base_url=parse_admin_base_url(options.vllm_http_endpoint) if options.vllm_http_endpoint else None,
+        endpoint_path=endpoint_path,
+    )
+    await thread.run(_call_sync, lambda: dynamo.register_engine_routes(surface.callbacks()))
+    return surface if endpoint_path is not None else None
 
 
 async def _set_when(event: trio.Event, scope: trio.CancelScope) -> None:
