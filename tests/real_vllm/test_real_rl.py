@@ -18,9 +18,8 @@ import trio
 from dynamo_harness import free_system_port
 from real_vllm_server import SERVED_MODEL_NAME
 
-from trio_sidecar import SidecarConfig, open_sidecar
+from trio_sidecar import SidecarConfig, WakeState, open_sidecar
 from trio_sidecar._devtools import local
-from trio_sidecar.api import WakeState
 from trio_sidecar.errors import InvalidArgument
 from trio_sidecar.rl import RlCapabilities
 

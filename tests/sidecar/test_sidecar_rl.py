@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 from sidecar_fakes import FAST_ENGINE_ARGS, sidecar_config
 
-from trio_sidecar import open_sidecar
-from trio_sidecar.api import PauseMode, WakeState
+from trio_sidecar import PauseMode, WakeState, open_sidecar
 from trio_sidecar.errors import EngineShutdown, InvalidArgument
 from trio_sidecar.mock import MockConfig, open_mock_server
 from trio_sidecar.rl import RlCapabilities
