@@ -328,3 +328,27 @@ def test_enable_rl_startup_refusals_exit_1_like_native(deployment_factory, env, 
         assert text in log, log[-2000:]
         if side == "trio":
             assert f"error: {text}" in log
+
+
+def test_an_unreachable_vllm_is_a_500_of_kind_unavailable_on_control_routes_too(deployment_factory):
+    dep = deployment_factory()
+    by_side = {}
+    for side in SIDES:
+        mock = dep.mock(served_model_name="tiny", engine_args={**FAST_ENGINE_ARGS, **RL_ARGS})
+        system_port = free_system_port()
+        start = dep.native_sidecar if side == "native" else dep.trio_sidecar
+        proc = start(mock, name=f"{side}-down", env={"DYN_SYSTEM_PORT": str(system_port)})
+        by_side[side] = {"mock": mock, "system_port": system_port, "proc": proc}
+    for side in SIDES:
+        _wait_healthy(by_side[side]["system_port"], by_side[side]["proc"])
+        by_side[side]["mock"].stop()
+    for route, rpc in (("control/is_paused", "IsPaused"), ("control/get_weight_version", "GetWeightVersion")):
+        answers = {
+            side: local.post_json(by_side[side]["system_port"], f"/engine/{route}", {}, timeout=60) for side in SIDES
+        }
+        # The transport's own words after the RPC name differ (tonic's "tcp connect error" and the project's).
+        assert answers["native"][0] == answers["trio"][0] == 500
+        assert answers["native"][1]["message"].startswith(f"Unavailable: {rpc}: ")
+        assert answers["trio"][1]["message"].startswith(f"{BINDING_PREFIX}Unavailable: {rpc}: ")
+        assert answers["native"][1]["message"].endswith("(Unavailable)")
+        assert answers["trio"][1]["message"].endswith("(Unavailable)")
