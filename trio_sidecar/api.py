@@ -15,7 +15,7 @@ request) lives in the nursery of :func:`open_sidecar`; nothing outlives its ``as
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
@@ -32,10 +32,32 @@ from .lora_lifecycle import LoraLifecycle
 from .model import DiscoveredModel, EngineConfig
 from .prober import HealthState, run_health_prober
 from .protocol import LLMEngineOutput, PreprocessedRequest
+from .rl import (
+    PauseMode,
+    RlCapabilities,
+    parse_finish_weight_update,
+    parse_init_weight_transfer,
+    parse_pause,
+    parse_sleep,
+    parse_update_weight_version,
+    parse_update_weights,
+    parse_wake_up,
+)
+from .rl_controls import RlControls, WakeState
 from .routing import KvEventSource
 from .transport import collapse_single_exception
 
-__all__ = ["open_sidecar", "discover", "Sidecar", "ChunkSink", "GenerateContext", "LoadResult", "LoraAdapter"]
+__all__ = [
+    "open_sidecar",
+    "discover",
+    "Sidecar",
+    "ChunkSink",
+    "GenerateContext",
+    "LoadResult",
+    "LoraAdapter",
+    "PauseMode",
+    "WakeState",
+]
 
 
 @attrs.define(eq=False)
@@ -127,6 +149,75 @@ class Sidecar:
         self.engine.kv_event_sources = kv_sources
         if model.supports_lora:
             self.lora.request_reconcile()  # a restarted vLLM may have lost the adapters (docs/lora.md#reconciliation)
+
+    # --- RL controls (docs/rl.md#embedded-api) --------------------------------------------------------------
+    # Each method is one Control call (two for resume/wake-up) on the sidecar's pool. Errors: the mapped gRPC
+    # status (``InvalidArgument`` for vLLM's FAILED_PRECONDITION/INVALID_ARGUMENT, e.g. sleep mode not
+    # configured; ``CannotConnect`` when vLLM is unreachable), ``EngineShutdown`` after the block; arguments
+    # are checked first with the engine routes' texts (``InvalidArgument``, nothing sent).
+
+    @property
+    def rl_capabilities(self) -> RlCapabilities:
+        """``ServerInfo.rl_capabilities`` of the current vLLM (sleep mode, weight transfer, draft updates)."""
+        return RlCapabilities.from_server_info(self.model.server_info)
+
+    def rl_controls(self) -> RlControls:
+        """The RL Control calls on this sidecar's pool, without argument checks (what the Dynamo worker's engine
+        routes use after parsing their bodies); ``EngineShutdown`` once the sidecar is stopped."""
+        return RlControls(
+            lambda: self.engine.pool if self.engine.started else None, sleep_mode=self.rl_capabilities.sleep_mode
+        )
+
+    async def pause_generation(
+        self, mode: PauseMode | str = PauseMode.ABORT, *, clear_cache: bool | None = None
+    ) -> None:
+        """``PauseGeneration``: ``abort`` (in-flight requests end), ``wait`` (they finish) or ``keep`` (frozen)."""
+        request = parse_pause({"mode": _mode_text(mode), "clear_cache": clear_cache})
+        await self.rl_controls().pause_generation(request.mode, clear_cache=request.clear_cache)
+
+    async def resume_generation(self) -> WakeState:
+        """``ResumeGeneration`` (then ``IsSleeping`` on a server with sleep mode: ``WakeState.sleeping``)."""
+        return await self.rl_controls().resume_generation()
+
+    async def is_paused(self) -> bool:
+        return await self.rl_controls().is_paused()
+
+    async def sleep(self, level: int | None = None, mode: PauseMode | str = PauseMode.ABORT) -> None:
+        """``Sleep``: level 0 pauses, 1 and 2 also release the weights and the KV cache (None: vLLM's default, 1)."""
+        request = parse_sleep({"level": level, "mode": _mode_text(mode)})
+        await self.rl_controls().sleep(request.level, request.mode)
+
+    async def wake_up(self, tags: Sequence[str] = ()) -> WakeState:
+        """``WakeUp`` for ``tags`` (``weights``, ``kv_cache``, ``scheduling``; none: everything), then ``IsSleeping``."""
+        return await self.rl_controls().wake_up(parse_wake_up({"tags": list(tags)}))
+
+    async def is_sleeping(self) -> bool:
+        return await self.rl_controls().is_sleeping()
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """``InitWeightTransferEngine`` with ``init_info`` as compact JSON."""
+        await self.rl_controls().init_weight_transfer_engine(parse_init_weight_transfer({"init_info": init_info}))
+
+    async def start_weight_update(self, *, draft: bool = False) -> None:
+        """``StartWeightUpdate`` (``StartDraftWeightUpdate`` with ``draft``)."""
+        await self.rl_controls().start_weight_update(draft=draft)
+
+    async def update_weights(self, update_info: dict[str, Any]) -> None:
+        """``UpdateWeights`` with ``update_info`` as compact JSON."""
+        await self.rl_controls().update_weights(parse_update_weights({"update_info": update_info}))
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        await self.rl_controls().finish_weight_update(parse_finish_weight_update({"weight_version": weight_version}))
+
+    async def update_weight_version(self, weight_version: str) -> None:
+        await self.rl_controls().update_weight_version(parse_update_weight_version({"new_version": weight_version}))
+
+    async def get_weight_version(self) -> str:
+        return await self.rl_controls().get_weight_version()
+
+
+def _mode_text(mode: PauseMode | str) -> str:
+    return mode.value if isinstance(mode, PauseMode) else mode
 
 
 @asynccontextmanager

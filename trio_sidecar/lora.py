@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 
 import attrs
 
-from .errors import ErrorKind, InvalidArgument, ProtocolError, SidecarError
+from .errors import InvalidArgument, ProtocolError, SidecarError, native_error_text
 
 __all__ = [
     "LORA_UNAVAILABLE",
@@ -35,7 +35,6 @@ __all__ = [
     "load_answer",
     "unload_answer",
     "error_answer",
-    "dynamo_error_text",
 ]
 
 #: Logged at start-up when the LoRA surface stays off (the native sidecar's line).
@@ -180,21 +179,6 @@ def resolve_local_source(request: LoadRequest) -> str:
 
 # --- JSON answers of the engine routes (the system server's /v1/loras passes them on) -----------------------
 
-# How Dynamo prints an error of each kind (``{Kind}: {message}``), as the native sidecar's answers show it.
-_DYNAMO_KIND_NAME = {
-    ErrorKind.INVALID_ARGUMENT: "InvalidRequest",
-    ErrorKind.UNKNOWN: "Internal",
-    ErrorKind.ENGINE_SHUTDOWN: "EngineShutdown",
-    ErrorKind.CANNOT_CONNECT: "CannotConnect",
-    ErrorKind.CONNECTION_TIMEOUT: "ConnectionTimeout",
-    ErrorKind.CANCELLED: "Cancelled",
-}
-
-
-def dynamo_error_text(error: SidecarError) -> str:
-    """``InvalidRequest: …`` / ``Internal: …``: an error as the native sidecar's JSON answers print it."""
-    return f"{_DYNAMO_KIND_NAME[error.kind]}: {error}"
-
 
 def list_answer(adapters: Sequence[LoraAdapter]) -> dict[str, Any]:
     loras = {adapter.name: adapter.lora_id for adapter in adapters}
@@ -227,6 +211,6 @@ def error_answer(error: SidecarError, body: Mapping[str, Any]) -> dict[str, Any]
     name = body.get("lora_name")
     return {
         "status": "error",
-        "message": dynamo_error_text(error),
+        "message": native_error_text(error),
         "lora_name": name if isinstance(name, str) else None,
     }

@@ -27,6 +27,7 @@ PURE = {
     "routing",
     "sampling_checks",
     "tracecontext",
+    "rl",
 }
 FORBIDDEN_TOP = {"trio", "trio_util", "anyio", "asyncio", "socket", "purerpc", "h2", "zmq", "subprocess", "threading"}
 

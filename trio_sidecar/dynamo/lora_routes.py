@@ -118,9 +118,10 @@ async def start_lora(
     dynamo.lora_enabled = True
     calls = TrioCalls(trio.lowlevel.current_trio_token(), nursery)
 
+    routes = lora_routes(lifecycle, calls)
+
     async def register() -> None:
-        for route, callback in lora_routes(lifecycle, calls).items():
-            dynamo.register_engine_route(route, callback)
+        dynamo.register_engine_routes(routes)
 
     await thread.run(register)
     return True

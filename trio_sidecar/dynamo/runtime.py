@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .. import mm_routing
@@ -115,10 +115,6 @@ class DynamoSide:
 
         await unregister_model(self._endpoint(), lora_name=lora_name)
 
-    def register_engine_route(self, route: str, callback: Callable[[dict[str, Any]], Any]) -> None:
-        """``/engine/{route}`` on the system port (the runtime calls ``callback`` on this loop)."""
-        self._runtime().register_engine_route(route, callback)
-
     async def resolve_image_token_id(self, model: str, supports_multimodal: bool) -> int | None:
         """The image placeholder of a multimodal model, as the native sidecar resolves it (docs/reference/worker.md#multimodal-kv-routing).
 
@@ -203,6 +199,46 @@ class DynamoSide:
         """``runtime.shutdown()``: unregister at once, then the runtime drains in-flight handlers."""
         if self.runtime is not None:
             self.runtime.shutdown()
+
+    # --- RL controls (docs/rl.md) -------------------------------------------------------------------------------
+
+    #: Whether a pause or sleep of the RL controls took the instance out of discovery (until resumed).
+    rl_withdrawn: bool = False
+    rl_serve: asyncio.Future[None] | None = None
+
+    def system_url(self) -> str | None:
+        """The system status server's URL (``DYN_SYSTEM_PORT``), None when it is off."""
+        # In the 1.6.1 binding, not in its type stub.
+        url: str | None = getattr(self._runtime(), "system_status_server_url")()  # noqa: B009
+        return url
+
+    def register_engine_routes(self, routes: Mapping[str, Callable[[Any], Any]]) -> None:
+        """``/engine/{route}`` on the system status server, one callback each (called on this loop)."""
+        for route, callback in routes.items():
+            self._runtime().register_engine_route(route, callback)
+
+    async def serve_rl_endpoint(self, path: str, handler: Handler) -> None:
+        """Serve the ``rl`` request-plane endpoint (``ns.component.rl``) next to the generate endpoint."""
+        self.rl_serve = asyncio.ensure_future(self._runtime().endpoint(path).serve_endpoint(handler))
+        await asyncio.sleep(0)
+        if self.rl_serve.done():
+            self.rl_serve.result()
+
+    async def withdraw_for_rl(self) -> None:
+        """Before a pause or a sleep: ``unregister_endpoint_instance`` (raises Dynamo's error as it is)."""
+        await self._endpoint().unregister_endpoint_instance()
+        self.rl_withdrawn = True
+
+    async def restore_after_rl(self) -> None:
+        """After a resume or wake-up that left vLLM awake: back into discovery if the RL controls took it out."""
+        if self.rl_withdrawn:
+            await self._endpoint().register_endpoint_instance()
+            self.rl_withdrawn = False
+
+    async def update_model_taints(self, taints: set[str]) -> None:
+        from dynamo.llm import update_model_taints
+
+        await update_model_taints(self._endpoint(), taints)
 
 
 def _local_model_dir(model: str) -> str | None:
