@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..config import WorkerOptions
+from .prefill_completion import PrefillCompletion
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -38,6 +39,8 @@ class DynamoSide:
         self.endpoint: Endpoint | None = None
         self.serve: asyncio.Future[None] | None = None
         self.publishers: list[KvEventPublisher] = []
+        # Worker-side prefill completion for the KV router (created with the registration).
+        self.prefill_completion = PrefillCompletion()
 
     async def create_runtime(self, endpoint_path: str) -> None:
         from dynamo.runtime import DistributedRuntime
@@ -68,6 +71,8 @@ class DynamoSide:
         rc = ModelRuntimeConfig()
         for name, value in plan.runtime_config.items():
             setattr(rc, name, value)
+        # Before the model card: the router may route here as soon as it sees the card.
+        self.prefill_completion = await PrefillCompletion.create(self._endpoint(), plan.worker_type)
         model_type = getattr(ModelType, plan.model_types[0])
         for name in plan.model_types[1:]:
             model_type = model_type | getattr(ModelType, name)
