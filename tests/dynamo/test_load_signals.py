@@ -10,6 +10,7 @@ subscribed to ``namespace.>`` records every event-plane message both families pu
   ``kv_metrics``, which the router also listens to);
 - each request yields exactly one ``MarkPrefillCompleted`` event, of the same shape, naming the request, the
   worker that served it and its DP rank;
+- with a data-parallel engine, each event names the DP rank the request ran on;
 - a worker loaded with long requests is avoided by the router in both families.
 """
 
@@ -78,6 +79,32 @@ def planes(request, etcd_nats):
     return dep, ports, tap
 
 
+@pytest.fixture(scope="module")
+def dp_planes(request, etcd_nats, planes):
+    """One worker per family on a two-rank mock, each behind its own frontend (the same NATS as ``planes``)."""
+    _, _, tap = planes
+    dep = request.getfixturevalue("deployment_factory")()
+    topology = make_topology("etcd-nats", dep.workdir, etcd_nats)
+    dep.env = dict(topology.env)
+    ports: dict[str, int] = {}
+    mocks = {}
+    for side in SIDES:
+        namespace = f"{dep.namespace}-{side}"
+        dep.frontend(namespace=namespace, router_mode="kv", extra=topology.flags)
+        ports[side] = dep.http_port
+        mocks[side] = dep.mock(served_model_name="tiny", engine_args={**ENGINE_ARGS, "dp_size": 2})
+        name = f"{side}-dp"
+        if side == "native":
+            dep.processes.append(
+                start_native_sidecar(dep.workdir, topology, mocks[side].address, namespace=namespace, name=name)
+            )
+        else:
+            dep.trio_sidecar(mocks[side], *topology.flags, namespace=namespace, name=name)
+    for side in SIDES:
+        local.wait_for_models(ports[side], ["tiny"], timeout=180, watch=dep.processes)
+    return dep, ports, mocks, tap
+
+
 def _namespace(dep, side: str) -> str:
     return f"{dep.namespace}-{side}"
 
@@ -98,10 +125,14 @@ def _subjects(tap: NatsTap, namespace: str) -> set[str]:
     return {subject[len(prefix) :] for _, subject, _ in tap.messages() if subject.startswith(prefix)}
 
 
-def _complete(port: int, prompt: str, *, pin: int | None = None, max_tokens: int = 2) -> dict:
+def _complete(
+    port: int, prompt: str, *, pin: int | None = None, dp_rank: int | None = None, max_tokens: int = 2
+) -> dict:
     nvext: dict = {"extra_fields": ["worker_id"]}
     if pin is not None:
         nvext["backend_instance_id"] = pin
+    if dp_rank is not None:
+        nvext["dp_rank"] = dp_rank
     payload = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "nvext": nvext}
     status, body = local.post_json(port, "/v1/completions", payload)
     assert status == 200, body
@@ -152,6 +183,32 @@ def test_both_families_publish_the_same_router_signals(planes):
     native_subjects = _subjects(tap, _namespace(dep, "native"))
     assert native_subjects == {KV_EVENTS, PREFILL_COMPLETION}
     assert _subjects(tap, _namespace(dep, "trio")) == native_subjects
+
+
+def test_each_prefill_completion_names_the_dp_rank_the_request_ran_on(dp_planes):
+    dep, ports, mocks, tap = dp_planes
+    ranks: dict[str, dict[str, int]] = {}  # side -> request id -> the rank its vLLM call carried
+    for side in SIDES:
+        (worker,) = instances(ports[side], _namespace(dep, side))
+        ranks[side] = {}
+        for rank in (1, 0, 1):
+            body = _complete(ports[side], f"rank {rank} probe", pin=worker, dp_rank=rank)
+            rid = _request_id(body)
+            sent = [dict(md) for _, req, md, _ in mocks[side].recorded() if req.request_id == rid]
+            assert len(sent) == 1, (side, sent)
+            ranks[side][rid] = int(sent[0]["x-data-parallel-rank"])
+        assert sorted(ranks[side].values()) == [0, 1, 1], (side, ranks[side])
+
+    deadline = time.monotonic() + WAIT
+    for side in SIDES:
+        while True:
+            events = _events(tap, _namespace(dep, side), PREFILL_COMPLETION)
+            got = {p["request_id"]: p["worker"]["dp_rank"] for _, p in events if p["request_id"] in ranks[side]}
+            if len(got) == len(ranks[side]):
+                break
+            assert time.monotonic() < deadline, (side, got, ranks[side])
+            time.sleep(0.1)
+        assert got == ranks[side], side
 
 
 def _router_load(port: int) -> dict[tuple[str, int], float]:
