@@ -11,6 +11,7 @@ subscribed to ``namespace.>`` records every event-plane message both families pu
 - each request yields exactly one ``MarkPrefillCompleted`` event, of the same shape, naming the request, the
   worker that served it and its DP rank;
 - with a data-parallel engine, each event names the DP rank the request ran on;
+- in a prefill/decode pair, the decode worker publishes the events and the prefill worker none;
 - a worker loaded with long requests is avoided by the router in both families.
 """
 
@@ -103,6 +104,35 @@ def dp_planes(request, etcd_nats, planes):
     for side in SIDES:
         local.wait_for_models(ports[side], ["tiny"], timeout=180, watch=dep.processes)
     return dep, ports, mocks, tap
+
+
+@pytest.fixture(scope="module")
+def pd_planes(request, etcd_nats, planes):
+    """A prefill and a decode worker per family (two mocks each), each family behind its own frontend."""
+    _, _, tap = planes
+    dep = request.getfixturevalue("deployment_factory")()
+    topology = make_topology("etcd-nats", dep.workdir, etcd_nats)
+    dep.env = dict(topology.env)
+    ports: dict[str, int] = {}
+    for side in SIDES:
+        namespace = f"{dep.namespace}-{side}"
+        dep.frontend(namespace=namespace, router_mode="kv", extra=topology.flags)
+        ports[side] = dep.http_port
+        for mode in ("prefill", "decode"):
+            mock = dep.mock(served_model_name="tiny", disaggregation_mode=mode, engine_args=ENGINE_ARGS)
+            args = ("--disaggregation-mode", mode)
+            name = f"{side}-{mode}"
+            if side == "native":
+                dep.processes.append(
+                    start_native_sidecar(
+                        dep.workdir, topology, mock.address, namespace=namespace, extra=args, name=name
+                    )
+                )
+            else:
+                dep.trio_sidecar(mock, *topology.flags, *args, namespace=namespace, name=name)
+    for side in SIDES:
+        local.wait_for_models(ports[side], ["tiny"], timeout=180, watch=dep.processes)
+    return dep, ports, tap
 
 
 def _namespace(dep, side: str) -> str:
@@ -209,6 +239,44 @@ def test_each_prefill_completion_names_the_dp_rank_the_request_ran_on(dp_planes)
             assert time.monotonic() < deadline, (side, got, ranks[side])
             time.sleep(0.1)
         assert got == ranks[side], side
+
+
+def test_in_a_prefill_decode_pair_the_decode_worker_publishes_each_prefill_completion(pd_planes):
+    dep, ports, tap = pd_planes
+    served: dict[str, set[str]] = {}
+    for side in SIDES:
+        served[side] = set()
+        for k in range(3):
+            body = _complete(ports[side], f"disaggregated probe {k} " * 5, max_tokens=3)
+            served[side].add(_request_id(body))
+
+    deadline = time.monotonic() + WAIT
+    for side in SIDES:
+        namespace = _namespace(dep, side)
+        while True:
+            events = _events(tap, namespace, PREFILL_COMPLETION)
+            mine = [p for _, p in events if p["request_id"] in served[side]]
+            if len(mine) >= len(served[side]):
+                break
+            assert time.monotonic() < deadline, (side, mine)
+            time.sleep(0.1)
+        assert sorted(p["request_id"] for p in mine) == sorted(served[side]), side
+        decode_workers = {p["worker"]["worker_id"] for p in mine}
+        assert len(decode_workers) == 1, (side, mine)  # one decode worker; the prefill worker publishes none
+        assert decode_workers <= set(instances(ports[side], namespace)), side
+        prefill_workers = _prefill_instances(tap, namespace)
+        assert prefill_workers and decode_workers.isdisjoint(prefill_workers), (side, prefill_workers)
+        # The prefill worker publishes its KV events (on its own component), nothing else.
+        assert not _events(tap, namespace, PREFILL_COMPLETION.replace("backend", "prefill"))
+
+
+def _prefill_instances(tap: NatsTap, namespace: str) -> set[int]:
+    """Instance ids named by the prefill component's KV events."""
+    out = set()
+    for _, payload in _events(tap, namespace, KV_EVENTS.replace("backend", "prefill")):
+        for event in payload:
+            out.add(event["worker_id"])
+    return out
 
 
 def _router_load(port: int) -> dict[tuple[str, int], float]:
