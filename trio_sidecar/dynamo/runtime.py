@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import mm_routing
 from ..config import WorkerOptions
+from .prefill_completion import PrefillCompletion
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -45,6 +46,8 @@ class DynamoSide:
         self.lora_enabled = False
         # The image placeholder the publishers key image blocks on (resolve_image_token_id); None = raw ids.
         self.image_token_id: int | None = None
+        # Worker-side prefill completion for the KV router (created with the registration).
+        self.prefill_completion = PrefillCompletion()
 
     async def create_runtime(self, endpoint_path: str) -> None:
         from dynamo.runtime import DistributedRuntime
@@ -70,6 +73,8 @@ class DynamoSide:
         self.serve = asyncio.ensure_future(
             self._endpoint().serve_endpoint(handler, health_check_payload=plan.health_check_payload)
         )
+        # Before the model card: the router may route here as soon as it sees the card.
+        self.prefill_completion = await PrefillCompletion.create(self._endpoint(), plan.worker_type)
         await self._register_model(plan, plan.served_model_name, model_aliases=list(plan.aliases) or None)
         if self.serve.done():  # serving failed at once (e.g. the request plane could not bind)
             self.serve.result()

@@ -296,7 +296,9 @@ async def _run_with_runtime(
     if scope.cancelled_caught:
         return _interrupted(state)
 
-    bridge = RequestBridge(thread)
+    bridge = RequestBridge(
+        thread, bind_context=lambda context, request: dynamo.prefill_completion.bind(context, request)
+    )
     code = 0
     with state.startup() as scope:
         state.phase = "start phase"
