@@ -22,6 +22,7 @@ from ._proto.vllm import control_pb2
 from .errors import EngineShutdown, ErrorKind, InvalidArgument, ProtocolError, SidecarError
 from .lora import (
     LORA_UNSUPPORTED,
+    LoadRequest,
     LoadResult,
     LoraAdapter,
     check_adapter_name,
@@ -36,7 +37,7 @@ from .model import DiscoveredModel
 from .pool import ChannelPool
 from .status import StatusCode
 
-__all__ = ["LoraLifecycle", "LoraPublisher", "NoPublisher"]
+__all__ = ["LocalSources", "LoraLifecycle", "LoraPublisher", "NoPublisher", "SourceResolver"]
 
 LOGGER = logging.getLogger("trio_sidecar.lora")
 
@@ -66,6 +67,23 @@ class NoPublisher:
         return None
 
 
+class SourceResolver(Protocol):
+    """Turns a checked load request into the local adapter directory given to ``LoadLora``.
+
+    ``trio-sidecar run`` uses Dynamo's LoRA downloader (``file://``, ``hf://``, ``s3://``; docs/lora.md#sources);
+    the embedded API :class:`LocalSources`. Raises the project's errors with the native sidecar's texts.
+    """
+
+    async def resolve(self, request: LoadRequest) -> str: ...
+
+
+class LocalSources:
+    """The embedded API's resolver: ``file://`` directories only, nothing is downloaded."""
+
+    async def resolve(self, request: LoadRequest) -> str:
+        return resolve_local_source(request)
+
+
 def _adapter(message: control_pb2.LoraAdapter) -> LoraAdapter:
     return LoraAdapter(name=message.lora_name, lora_id=message.lora_id, source_path=message.source_path)
 
@@ -78,6 +96,7 @@ class LoraLifecycle:
         model: returns the current discovered model (refreshed after a recovery).
         hot_swap: ``DYN_LORA_HOTSWAP_ENABLED``.
         publisher: see :class:`LoraPublisher`.
+        resolver: see :class:`SourceResolver` (default :class:`LocalSources`).
     """
 
     def __init__(
@@ -87,11 +106,13 @@ class LoraLifecycle:
         *,
         hot_swap: bool = False,
         publisher: LoraPublisher | None = None,
+        resolver: SourceResolver | None = None,
     ) -> None:
         self._pool = pool
         self._model = model
         self.hot_swap = hot_swap
         self.publisher: LoraPublisher = publisher if publisher is not None else NoPublisher()
+        self.resolver: SourceResolver = resolver if resolver is not None else LocalSources()
         self._lock = trio.Lock()
         #: Adapters loaded through this sidecar: name → the local directory given to ``LoadLora``.
         self.loaded_here: dict[str, str] = {}
@@ -178,7 +199,7 @@ class LoraLifecycle:
         async with self._lock:
             was_reconciled, self._reconciled = self._reconciled, False
             loaded = await self._list(pool)
-            check_adapter_name(request.name, (model.served_model_name, *model.served_model_aliases))
+            check_adapter_name(request.name, (model.served_model_name, *model.served_model_aliases), loaded)
             existing = next((a for a in loaded if a.name == request.name), None)
             max_loras = model.server_info.max_loras
             if existing is not None:
@@ -187,7 +208,7 @@ class LoraLifecycle:
                 self._reconciled = was_reconciled
                 return LoadResult(existing, already_loaded=True)
             check_capacity(len(loaded), max_loras)
-            path = resolve_local_source(request)
+            path = await self.resolver.resolve(request)
             try:
                 adapter = await self._load(pool, request.name, path)
             except SidecarError as exc:

@@ -98,7 +98,58 @@ def test_a_local_source_needs_an_existing_directory_with_config_and_weights(tmp_
     (tmp_path / "adapter_model.bin").write_bytes(b"")
     assert lora.resolve_local_source(request) == str(tmp_path)
     remote = LoadRequest("a", "hf://org/repo", "")
-    assert refused(lora.resolve_local_source, remote)[0] is InvalidArgument
+    assert refused(lora.resolve_local_source, remote) == (
+        InvalidArgument,
+        "LoRA source `hf://org/repo` is not supported without a source resolver: only file:// sources are loaded "
+        "(see docs/lora.md#sources)",
+    )
+
+
+def test_an_adapter_directory_is_canonicalized_before_it_is_checked_and_named(tmp_path: Path):
+    real = tmp_path / "real"
+    real.mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    assert refused(lora.check_adapter_directory, f"{link}/") == (
+        InvalidArgument,
+        f"LoRA directory `{real}` must contain adapter_config.json and adapter weights",
+    )
+    (real / "adapter_config.json").write_text("{}")
+    (real / "adapter_model.safetensors").write_bytes(b"")
+    assert lora.check_adapter_directory(str(link)) == str(real)
+
+
+def test_a_downloader_failure_is_the_native_resolve_text_without_the_python_prefix():
+    error = lora.source_not_resolved("s3://b/x", "Download failed: LoRA s3://b/x not found in any source")
+    assert (type(error), str(error)) == (
+        ProtocolError,
+        "invalid vLLM gRPC response: failed to resolve LoRA source `s3://b/x`: LoRA s3://b/x not found in any source",
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "suffix"),
+    [("a", "a"), ("A.b", "a_b"), ("my-lora_2", "my-lora_2"), ("__x", "x"), (".x", "x"), ("é", ""), ("..", "")],
+)
+def test_the_discovery_suffix_is_dynamos_slug_of_the_name(name, suffix):
+    assert lora.discovery_suffix(name) == suffix
+
+
+def test_an_adapter_name_must_give_a_discovery_suffix_no_other_loaded_adapter_uses():
+    loaded = [LoraAdapter("A.b", 1, "/x"), LoraAdapter("c", 2, "/y")]
+    assert refused(lora.check_adapter_name, "a_b", ("tiny",), loaded) == (
+        InvalidArgument,
+        "LoRA adapter `a_b` derives the discovery suffix `a_b`, which is already used by loaded adapter `A.b`; "
+        "publishing it would overwrite that adapter's discovery record",
+    )
+    assert refused(lora.check_adapter_name, "..", ("tiny",), loaded) == (
+        InvalidArgument,
+        "LoRA adapter `..` does not produce a usable discovery suffix",
+    )
+    lora.check_adapter_name("A.b", ("tiny",), loaded)  # the adapter itself: "already loaded" is decided later
+    lora.check_adapter_name("d", ("tiny",), loaded)
+    # The base model's name is checked first.
+    assert "conflicts with the base model" in refused(lora.check_adapter_name, "tiny", ("tiny",), loaded)[1]
 
 
 def test_the_answers_are_the_native_json():
