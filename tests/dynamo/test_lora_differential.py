@@ -40,21 +40,30 @@ class _Side:
         self.namespace = namespace
         self.file_kv = file_kv
 
+    def _record(self, suffix: str | None) -> dict:
+        """The discovery record of this side's base model (``suffix`` None) or of an adapter."""
+        for path in (self.file_kv / "v1" / "mdc").glob("*"):
+            key = urllib.parse.unquote(path.name)
+            parts = key.split("/")
+            if parts[0] == self.namespace and (parts[4:] == [suffix] if suffix else len(parts) == 4):
+                return json.loads(path.read_text())
+        raise AssertionError(f"no card for {suffix or 'the base model'} in {self.namespace}")
+
+    def base_lora_capacity(self) -> object:
+        """``runtime_config.max_gpu_lora_count`` of the base model's card (the frontend's LoRA slot count)."""
+        return self._record(None)["card_json"]["runtime_config"].get("max_gpu_lora_count")
+
     def adapter_card(self, name: str) -> dict:
         """The model card this side published for adapter ``name`` (``v1/mdc/{ns}/backend/generate/{hex}/{name}``),
         without what legitimately differs: the card's instance and the native-only parts of ``runtime_config``
         (docs/lora.md#discovery)."""
-        for path in (self.file_kv / "v1" / "mdc").glob("*"):
-            key = urllib.parse.unquote(path.name)
-            if key.startswith(f"{self.namespace}/") and key.endswith(f"/{name}"):
-                record = json.loads(path.read_text())
-                runtime = record["card_json"]["runtime_config"]
-                runtime["runtime_data"].pop("vllm_inference_v1_generate", None)
-                for ignored in ("kv_event_publishing_enabled", "max_gpu_lora_count"):
-                    runtime.pop(ignored, None)
-                del record["namespace"], record["instance_id"]
-                return record
-        raise AssertionError(f"no card for adapter {name!r} in {self.namespace}")
+        record = self._record(name)
+        runtime = record["card_json"]["runtime_config"]
+        runtime["runtime_data"].pop("vllm_inference_v1_generate", None)
+        for ignored in ("kv_event_publishing_enabled", "max_gpu_lora_count"):
+            runtime.pop(ignored, None)
+        del record["namespace"], record["instance_id"]
+        return record
 
     def calls(self) -> int:
         return self.mock.call(lambda: len(self.mock.mock.control_calls))
@@ -207,6 +216,9 @@ def test_a_loaded_adapter_is_a_model_and_its_requests_carry_lora_name_like_nativ
         rpc, request, _, _ = s.mock.recorded()[-1]
         assert (rpc, request.lora_name, request.model) == ("GenerateStream", "d", "tiny"), side
     assert completions["trio"] == completions["native"] == (200, "d", 3)
+    # The base card carries the LoRA slot count as native's (the frontend seeds its LoRA capacity from it).
+    assert sides["trio"].base_lora_capacity() == sides["native"].base_lora_capacity() == MAX_LORAS
+    assert "max_gpu_lora_count" not in sides["trio"]._record("d")["card_json"]["runtime_config"]  # see docs/lora.md
     card = sides["trio"].adapter_card("d")
     assert card == sides["native"].adapter_card("d")
     assert card["card_json"]["lora"] == {"name": "d", "max_gpu_lora_count": MAX_LORAS}
