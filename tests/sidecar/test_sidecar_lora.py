@@ -15,7 +15,7 @@ import trio
 from trio_sidecar import GenerateContext, open_sidecar
 from trio_sidecar.config import SidecarConfig
 from trio_sidecar.errors import CannotConnect, InvalidArgument, ProtocolError, UnknownError, status_to_error
-from trio_sidecar.lora import LORA_UNSUPPORTED, LoadResult, LoraAdapter
+from trio_sidecar.lora import LORA_UNSUPPORTED, LoadRequest, LoadResult, LoraAdapter, check_adapter_directory
 from trio_sidecar.lora_lifecycle import LoraLifecycle
 from trio_sidecar.prober import HealthKind
 from trio_sidecar.status import StatusCode
@@ -164,6 +164,45 @@ async def test_the_embedded_api_refuses_with_the_native_texts(nursery, adapter, 
             with pytest.raises(InvalidArgument) as swap:
                 await sidecar.load_lora("a", str(adapter))
             assert "hot swap is not supported by the gRPC backend" in str(swap.value)
+
+
+class _MapResolver:
+    """An embedder's resolver: maps remote URIs to directories it already has."""
+
+    def __init__(self, paths: dict[str, str]) -> None:
+        self.paths = paths
+        self.asked: list[str] = []
+
+    async def resolve(self, request: LoadRequest) -> str:
+        self.asked.append(request.uri)
+        return check_adapter_directory(self.paths[request.uri])
+
+
+async def test_remote_sources_need_a_resolver_and_taken_discovery_keys_are_refused(nursery, adapter):
+    runner = _Mock(nursery)
+    mock = await runner.start()
+    with trio.fail_after(60):
+        async with open_sidecar(config_for(runner.port, health_prober=False)) as sidecar:
+            await sidecar.list_loras()
+            with pytest.raises(InvalidArgument) as remote:
+                await sidecar.load_lora("h", "s3://bucket/a")
+            assert str(remote.value) == (
+                "LoRA source `s3://bucket/a` is not supported without a source resolver: only file:// sources "
+                "are loaded (see docs/lora.md#sources)"
+            )
+            resolver = _MapResolver({"hf://org/adapter": str(adapter)})
+            sidecar.lora.resolver = resolver
+            start = len(mock.control_calls)
+            result = await sidecar.load_lora("H.1", "hf://org/adapter")
+            assert result == LoadResult(LoraAdapter("H.1", 1, str(adapter)), already_loaded=False)
+            assert runner.calls(start)[-1] == ("LoadLora", "H.1", str(adapter))
+            with pytest.raises(InvalidArgument) as clash:
+                await sidecar.load_lora("h_1", "hf://org/adapter")
+            assert str(clash.value) == (
+                "LoRA adapter `h_1` derives the discovery suffix `h_1`, which is already used by loaded adapter "
+                "`H.1`; publishing it would overwrite that adapter's discovery record"
+            )
+            assert resolver.asked == ["hf://org/adapter"]  # the name checks come before the source
 
 
 async def test_without_lora_support_the_api_refuses_and_lora_name_is_rejected_locally(nursery, adapter):
