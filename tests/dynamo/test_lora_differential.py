@@ -284,8 +284,8 @@ def test_hf_and_s3_sources_are_downloaded_and_refused_like_native(sides, hub):
     assert _same(sides, "DELETE", "/v1/loras/h")[0] == 200
     assert _same(sides, "DELETE", "/v1/loras/s")[0] == 200
     # Loaded again from the caches.
-    status, _, calls, _ = _same_sourced(sides, hub, _load("h", "hf://org/adapter"))
-    assert (status, len(calls)) == (200, 2)
+    status, _, calls, fetched = _same_sourced(sides, hub, _load("h", "hf://org/adapter"))
+    assert (status, len(calls), fetched) == (200, 2, [])
     assert _same(sides, "DELETE", "/v1/loras/h")[0] == 200
     refusals = {
         "hf://org/missing": "resolving Hugging Face repository org/missing at revision main",
