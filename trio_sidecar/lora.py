@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
-from urllib.parse import urlsplit
 
 import attrs
 
@@ -27,6 +26,7 @@ __all__ = [
     "parse_load_body",
     "parse_lora_name",
     "check_adapter_name",
+    "check_inventory",
     "discovery_suffix",
     "source_not_resolved",
     "check_adapter_directory",
@@ -38,6 +38,7 @@ __all__ = [
     "load_answer",
     "unload_answer",
     "error_answer",
+    "list_error_answer",
 ]
 
 #: Logged at start-up when the LoRA surface stays off (the native sidecar's line).
@@ -96,9 +97,13 @@ class LoadRequest:
 
 
 def parse_lora_name(body: Mapping[str, Any]) -> str:
-    """The ``lora_name`` of a request body (unload, and the first check of a load)."""
+    """The ``lora_name`` of a request body (unload, and the first check of a load).
+
+    A name of white space only is refused; the name is returned as given (an unload does not trim it, a load
+    does: :func:`parse_load_body`), as the native sidecar's.
+    """
     name = body.get("lora_name")
-    if not isinstance(name, str) or not name:
+    if not isinstance(name, str) or not name.strip():
         raise InvalidArgument("lora_name must be a non-empty string")
     return name
 
@@ -112,22 +117,22 @@ def parse_load_body(body: Mapping[str, Any]) -> LoadRequest:
     Raises:
         InvalidArgument: with the native sidecar's texts.
     """
-    name = parse_lora_name(body)
+    name = parse_lora_name(body).strip()
     source = body.get("source")
     uri = source.get("uri") if isinstance(source, Mapping) else None
-    if not isinstance(uri, str) or not uri:
+    if not isinstance(uri, str) or not uri.strip():
         raise InvalidArgument("source.uri must be a non-empty string")
-    scheme = uri.split("://", 1)[0].lower() if "://" in uri else ""
-    if scheme not in ("file", "hf", "s3"):
+    uri = uri.strip()
+    # Prefix checks, case-sensitive, like the native sidecar's (``FILE:///x`` is refused).
+    if not uri.startswith(("file://", "hf://", "s3://")):
         raise InvalidArgument("source.uri must use the file://, hf://, or s3:// scheme")
     path = ""
-    if scheme == "file":
-        parts = urlsplit(uri)
-        if parts.netloc or parts.query or parts.fragment or not parts.path.startswith("/"):
+    if uri.startswith("file://"):
+        if not uri.startswith("file:///") or "?" in uri or "#" in uri:
             raise InvalidArgument(
                 "file source.uri must contain an absolute local path without a host, query, or fragment"
             )
-        path = parts.path
+        path = uri.removeprefix("file://")  # as Dynamo's local source: no percent-decoding
     return LoadRequest(name=name, uri=uri, path=path)
 
 
@@ -160,6 +165,42 @@ def check_adapter_name(name: str, base_names: Collection[str], loaded: Sequence[
             f"LoRA adapter `{name}` derives the discovery suffix `{suffix}`, which is already used by loaded "
             f"adapter `{clash.name}`; publishing it would overwrite that adapter's discovery record"
         )
+
+
+def check_inventory(adapters: Sequence[LoraAdapter]) -> None:
+    """What ``ListLoras`` returned must be keyable without ambiguity (the native sidecar's checks and texts).
+
+    Applied to the lists a list, a load and a reconciliation work from (not an unload's, as native). A name
+    clash through the discovery key arises when another client loaded ``A.b`` and ``a_b`` into vLLM.
+
+    Raises:
+        ProtocolError: the first problem, in the native sidecar's order.
+    """
+    names: set[str] = set()
+    ids: set[int] = set()
+    suffixes: set[str] = set()
+    for adapter in adapters:
+        name = adapter.name
+        if not name.strip():
+            raise ProtocolError("ListLoras returned an adapter with an empty name")
+        if adapter.lora_id <= 0:
+            raise ProtocolError(f"ListLoras returned adapter `{name}` with a non-positive id {adapter.lora_id}")
+        if not adapter.source_path.strip():
+            raise ProtocolError(f"ListLoras returned adapter `{name}` without a source path")
+        if name in names:
+            raise ProtocolError(f"ListLoras returned duplicate adapter name `{name}`")
+        if adapter.lora_id in ids:
+            raise ProtocolError(f"ListLoras returned duplicate adapter id {adapter.lora_id}")
+        suffix = discovery_suffix(name)
+        if not suffix:
+            raise ProtocolError(f"adapter `{name}` does not produce a usable discovery suffix")
+        if suffix in suffixes:
+            raise ProtocolError(
+                f"adapter `{name}` derives the discovery suffix `{suffix}`, which another loaded adapter already uses"
+            )
+        names.add(name)
+        ids.add(adapter.lora_id)
+        suffixes.add(suffix)
 
 
 def check_hot_swap(name: str, hot_swap: bool) -> None:
@@ -256,6 +297,11 @@ def unload_answer(adapter: LoraAdapter) -> dict[str, Any]:
         "lora_name": adapter.name,
         "lora_id": adapter.lora_id,
     }
+
+
+def list_error_answer(error: SidecarError) -> dict[str, Any]:
+    """A refused list: like :func:`error_answer` without ``lora_name`` (observed on the native sidecar)."""
+    return {"status": "error", "message": native_error_text(error)}
 
 
 def error_answer(error: SidecarError, body: Mapping[str, Any]) -> dict[str, Any]:

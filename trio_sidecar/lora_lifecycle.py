@@ -28,6 +28,7 @@ from .lora import (
     check_adapter_name,
     check_capacity,
     check_hot_swap,
+    check_inventory,
     not_loaded,
     parse_load_body,
     parse_lora_name,
@@ -132,11 +133,16 @@ class LoraLifecycle:
             raise InvalidArgument(LORA_UNSUPPORTED)
         return pool, model
 
-    async def _list(self, pool: ChannelPool) -> list[LoraAdapter]:
+    async def _list(self, pool: ChannelPool, *, checked: bool = False) -> list[LoraAdapter]:
+        """``ListLoras``; ``checked``: refuse an ambiguous list (:func:`check_inventory`), as native does
+        for a list, a load and a reconciliation."""
         response = await pool.unary(
             "ListLoras", LIST_LORAS, control_pb2.ListLorasRequest(), control_pb2.ListLorasResponse
         )
-        return [_adapter(a) for a in response.adapters]
+        adapters = [_adapter(a) for a in response.adapters]
+        if checked:
+            check_inventory(adapters)
+        return adapters
 
     @staticmethod
     def _expect(message: control_pb2.LoraAdapter, has: bool, name: str) -> LoraAdapter:
@@ -180,7 +186,7 @@ class LoraLifecycle:
         """``ListLoras``: the adapters vLLM holds, in its order."""
         pool, _ = self._started()
         await self._ensure_reconciled()
-        return await self._list(pool)
+        return await self._list(pool, checked=True)
 
     async def load(self, name: str, uri: str) -> LoadResult:
         """Load ``uri`` (``file:///abs/dir``) as adapter ``name`` and publish it; see :meth:`load_body`."""
@@ -198,7 +204,7 @@ class LoraLifecycle:
         request = parse_load_body(body)
         async with self._lock:
             was_reconciled, self._reconciled = self._reconciled, False
-            loaded = await self._list(pool)
+            loaded = await self._list(pool, checked=True)
             check_adapter_name(request.name, (model.served_model_name, *model.served_model_aliases), loaded)
             existing = next((a for a in loaded if a.name == request.name), None)
             max_loras = model.server_info.max_loras
@@ -368,7 +374,7 @@ class LoraLifecycle:
         pool, model = self._started()
         reloaded: list[str] = []
         async with self._lock:
-            held = {a.name: a for a in await self._list(pool)}
+            held = {a.name: a for a in await self._list(pool, checked=True)}
             for name, path in list(self.loaded_here.items()):
                 if name in held or not reload:
                     continue

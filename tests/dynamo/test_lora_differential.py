@@ -302,6 +302,35 @@ def test_hf_and_s3_sources_are_downloaded_and_refused_like_native(sides, hub):
         assert text in body["message"], body
 
 
+def test_names_and_uris_are_trimmed_and_an_ambiguous_adapter_list_is_refused_like_native(sides, adapter):
+    """A load trims ``lora_name`` and ``source.uri``; an unload does not; the scheme check is case-sensitive.
+    An adapter list whose names clash through their discovery key (another client loaded ``Z.z`` and ``z_z``
+    into vLLM) is refused by a list and a load, not by an unload."""
+    uri = f"file://{adapter}"
+    status, body, calls = _same(sides, "POST", "/v1/loras", _load(" sp ", f" {uri} "))
+    assert (status, body["lora_name"], calls[-1]) == (200, "sp", ("LoadLora", "sp", str(adapter)))
+    status, body, calls = _same(sides, "POST", "/v1/loras", _load("   ", uri))
+    assert (status, body["message"], calls) == (500, "InvalidRequest: lora_name must be a non-empty string", [])
+    assert _same(sides, "POST", "/v1/loras", _load("u", uri.replace("file:", "FILE:")))[0] == 500
+    assert _same(sides, "DELETE", "/v1/loras/%20sp%20")[0] == 500
+    assert _same(sides, "DELETE", "/v1/loras/sp")[0] == 200
+    for side in SIDES:  # behind the sidecars' backs
+        mock = sides[side].mock
+        for name in ("Z.z", "z_z"):
+            mock.call(lambda mock=mock, name=name: mock.mock.lora.load(name, str(adapter)))
+    refusal = (
+        "Internal: invalid vLLM gRPC response: adapter `z_z` derives the discovery suffix `z_z`, which another "
+        "loaded adapter already uses"
+    )
+    assert _same(sides, "GET", "/v1/loras") == (200, {"status": "error", "message": refusal}, [("ListLoras",)])
+    status, body, calls = _same(sides, "POST", "/v1/loras", _load("q", uri))
+    assert (status, body["message"], calls) == (500, refusal, [("ListLoras",)])
+    status, body, calls = _same(sides, "DELETE", "/v1/loras/z_z")
+    assert (status, calls[-1]) == (200, ("UnloadLora", "z_z"))
+    assert _same(sides, "GET", "/v1/loras")[1]["loras"].keys() == {"Z.z"}
+    assert _same(sides, "DELETE", "/v1/loras/Z.z")[0] == 200
+
+
 def test_hot_swap_no_lora_support_and_lora_off_answer_like_native(deployment_factory, adapter):
     """``DYN_LORA_HOTSWAP_ENABLED`` refuses a reload; a server with ``max_loras`` 0 gets no LoRA handlers;
     without ``DYN_LORA_ENABLED`` the system port has no LoRA routes at all."""

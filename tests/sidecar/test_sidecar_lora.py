@@ -178,7 +178,7 @@ class _MapResolver:
         return check_adapter_directory(self.paths[request.uri])
 
 
-async def test_remote_sources_need_a_resolver_and_taken_discovery_keys_are_refused(nursery, adapter):
+async def test_remote_sources_need_a_resolver_and_ambiguous_discovery_keys_are_refused(nursery, adapter):
     runner = _Mock(nursery)
     mock = await runner.start()
     with trio.fail_after(60):
@@ -203,6 +203,16 @@ async def test_remote_sources_need_a_resolver_and_taken_discovery_keys_are_refus
                 "`H.1`; publishing it would overwrite that adapter's discovery record"
             )
             assert resolver.asked == ["hf://org/adapter"]  # the name checks come before the source
+            # Another client loads the clashing name into vLLM: a list is refused, an unload is not.
+            mock.lora.load("h_1", str(adapter))
+            with pytest.raises(ProtocolError) as ambiguous:
+                await sidecar.list_loras()
+            assert str(ambiguous.value) == (
+                "invalid vLLM gRPC response: adapter `h_1` derives the discovery suffix `h_1`, which another "
+                "loaded adapter already uses"
+            )
+            assert (await sidecar.unload_lora("h_1")).name == "h_1"
+            assert [a.name for a in await sidecar.list_loras()] == ["H.1"]
 
 
 async def test_without_lora_support_the_api_refuses_and_lora_name_is_rejected_locally(nursery, adapter):

@@ -49,6 +49,13 @@ def refused(fn, *args) -> tuple[type[SidecarError], str]:
             )
             for uri in ("file://relative/x", "file:///a?x=1", "file:///a#f", "file://host/a")
         ),
+        ({"lora_name": "   ", "source": {"uri": "file:///a"}}, "lora_name must be a non-empty string"),
+        ({"lora_name": "a", "source": {"uri": "  "}}, "source.uri must be a non-empty string"),
+        ({"lora_name": "a", "source": {"uri": "FILE:///a"}}, "source.uri must use the file://, hf://, or s3:// scheme"),
+        (
+            {"lora_name": "a", "source": {"uri": "HF://org/r"}},
+            "source.uri must use the file://, hf://, or s3:// scheme",
+        ),
     ],
 )
 def test_a_load_body_is_refused_with_the_native_text(body, message):
@@ -60,6 +67,36 @@ def test_a_file_uri_gives_its_absolute_path_and_remote_schemes_pass_the_scheme_c
         "a", "file:///x/y", "/x/y"
     )
     assert lora.parse_load_body({"lora_name": "a", "source": {"uri": "hf://org/repo"}}).path == ""
+    # A load trims the name and the URI; the name of an unload is kept as given.
+    assert lora.parse_load_body({"lora_name": " a ", "source": {"uri": " file:///x/y "}}) == LoadRequest(
+        "a", "file:///x/y", "/x/y"
+    )
+    assert lora.parse_lora_name({"lora_name": " a "}) == " a "
+    assert lora.parse_load_body({"lora_name": "a", "source": {"uri": "file:///x%20y"}}).path == "/x%20y"
+
+
+@pytest.mark.parametrize(
+    ("adapters", "message"),
+    [
+        ([LoraAdapter(" ", 1, "/x")], "ListLoras returned an adapter with an empty name"),
+        ([LoraAdapter("a", 0, "/x")], "ListLoras returned adapter `a` with a non-positive id 0"),
+        ([LoraAdapter("a", 1, " ")], "ListLoras returned adapter `a` without a source path"),
+        ([LoraAdapter("a", 1, "/x"), LoraAdapter("a", 2, "/x")], "ListLoras returned duplicate adapter name `a`"),
+        ([LoraAdapter("a", 1, "/x"), LoraAdapter("b", 1, "/x")], "ListLoras returned duplicate adapter id 1"),
+        ([LoraAdapter("..", 1, "/x")], "adapter `..` does not produce a usable discovery suffix"),
+        (
+            [LoraAdapter("Z.z", 1, "/x"), LoraAdapter("z_z", 2, "/x")],
+            "adapter `z_z` derives the discovery suffix `z_z`, which another loaded adapter already uses",
+        ),
+    ],
+)
+def test_an_ambiguous_adapter_list_is_refused_with_the_native_text(adapters, message):
+    assert refused(lora.check_inventory, adapters) == (ProtocolError, f"invalid vLLM gRPC response: {message}")
+
+
+def test_a_sound_adapter_list_passes():
+    lora.check_inventory([LoraAdapter("a", 1, "/x"), LoraAdapter("b", 2, "/x")])
+    lora.check_inventory([])
 
 
 def test_the_name_capacity_hot_swap_and_not_found_checks_use_the_native_texts():
@@ -150,6 +187,13 @@ def test_an_adapter_name_must_give_a_discovery_suffix_no_other_loaded_adapter_us
     lora.check_adapter_name("d", ("tiny",), loaded)
     # The base model's name is checked first.
     assert "conflicts with the base model" in refused(lora.check_adapter_name, "tiny", ("tiny",), loaded)[1]
+
+
+def test_a_refused_list_answers_without_lora_name():
+    assert lora.list_error_answer(ProtocolError("x")) == {
+        "status": "error",
+        "message": "Internal: invalid vLLM gRPC response: x",
+    }
 
 
 def test_the_answers_are_the_native_json():

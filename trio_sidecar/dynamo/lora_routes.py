@@ -31,6 +31,7 @@ from ..lora import (
     error_answer,
     hot_swap_requested,
     list_answer,
+    list_error_answer,
     load_answer,
     lora_serving_requested,
     source_not_resolved,
@@ -111,7 +112,7 @@ def lora_routes(lifecycle: LoraLifecycle, calls: TrioCalls) -> dict[str, Route]:
         try:
             return list_answer(await calls.call(lifecycle.list_adapters))
         except SidecarError as exc:
-            return error_answer(exc, body)
+            return list_error_answer(exc)
 
     async def load_lora(body: dict[str, Any]) -> dict[str, Any]:
         try:
