@@ -37,6 +37,10 @@ __all__ = [
     "KvEventSource",
     "HealthKind",
     "HealthState",
+    # RL controls (docs/rl.md)
+    "PauseMode",
+    "RlCapabilities",
+    "WakeState",
     # errors
     "ErrorKind",
     "SidecarError",
@@ -66,6 +70,8 @@ if TYPE_CHECKING:
     from .model import DiscoveredModel, EngineConfig, ModelIdentity
     from .prober import HealthKind, HealthState
     from .protocol import LLMEngineOutput, PreprocessedRequest, structure_request
+    from .rl import PauseMode, RlCapabilities
+    from .rl_controls import WakeState
     from .routing import KvEventSource
 
 _HOMES = {
@@ -87,6 +93,9 @@ _HOMES = {
     "KvEventSource": "routing",
     "HealthKind": "prober",
     "HealthState": "prober",
+    "PauseMode": "rl",
+    "RlCapabilities": "rl",
+    "WakeState": "rl_controls",
     "ErrorKind": "errors",
     "SidecarError": "errors",
     "InvalidArgument": "errors",

@@ -16,6 +16,7 @@ import attrs
 
 from .endpoint import GrpcEndpoint, parse_grpc_endpoint
 from .errors import InvalidArgument, format_duration
+from .rl import parse_admin_base_url
 
 __all__ = [
     "DisaggregationMode",
@@ -118,8 +119,10 @@ class WorkerOptions:
     request_plane: str = "tcp"
     response_plane: str = "tcp"
     event_plane: str | None = None  # None: the runtime's default (zmq)
-    vllm_http_endpoint: str | None = None  # accepted for compatibility; only RL would use it
-    vllm_rl_world_size: int | None = None  # accepted for compatibility; ignored
+    #: The RL worker's ``admin_base_url`` (docs/rl.md); validated and normalized like the native sidecar.
+    vllm_http_endpoint: str | None = None
+    #: The RL worker's ``world_size`` when vLLM's ``ServerInfo`` does not report one (docs/rl.md).
+    vllm_rl_world_size: int | None = None
     unserving_grace: float = 5.0
     drain_timeout: float = 30.0
     log_level: str = "info"
@@ -197,8 +200,10 @@ def prepare(config: SidecarConfig, worker_options: WorkerOptions, *, dynamo_requ
         raise InvalidArgument(
             "vLLM gRPC does not preserve the request options required by Dynamo tool-call and reasoning parsers"
         )
-    if worker_options.enable_rl:
-        raise InvalidArgument("RL controls are not supported by trio-sidecar")
+    if worker_options.vllm_http_endpoint is not None:
+        parse_admin_base_url(worker_options.vllm_http_endpoint)
+    if worker_options.vllm_rl_world_size is not None and not 1 <= worker_options.vllm_rl_world_size <= 2**32 - 1:
+        raise InvalidArgument("`--vllm-rl-world-size` must be between 1 and 4294967295")
     endpoint = parse_grpc_endpoint(config.grpc_endpoint)
     _check_transport(config)
     if dynamo_required and not dynamo_available():

@@ -342,7 +342,9 @@ class SidecarEngine:
         assert self.model is not None and self._nursery is not None
         preprocessed = structure_request(request)
         request_id = ctx.request_id or str(uuid.uuid4())
-        built = build_generate_request(preprocessed, request_id, self.model.served_model_name, self.mode)
+        built = build_generate_request(
+            preprocessed, request_id, self.model.served_model_name, self.mode, lora_supported=self.model.supports_lora
+        )
         self._check_admission()
         state = ResponseState(preprocessed, built, self.mode)
         decode = self.mode.is_decode

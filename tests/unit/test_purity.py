@@ -23,9 +23,11 @@ PURE = {
     "convert.response",
     "convert.batch",
     "multimodal",
+    "mm_routing",
     "routing",
     "sampling_checks",
     "tracecontext",
+    "rl",
 }
 FORBIDDEN_TOP = {"trio", "trio_util", "anyio", "asyncio", "socket", "purerpc", "h2", "zmq", "subprocess", "threading"}
 

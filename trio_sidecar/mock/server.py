@@ -285,6 +285,7 @@ class _Call:
                 cache_salt=p.cache_salt,
                 bypass_prefix_cache=p.bypass_prefix_cache,
                 priority=p.priority,
+                mm_spans=p.mm_spans,
             )
         )
 
@@ -932,8 +933,6 @@ async def open_mock_server(config: MockConfig) -> AsyncIterator[MockServer]:
 
     prepared = prepare_config(config)
     publishers = _open_publishers(prepared)
-    if config.supports_multimodal and prepared.args.enable_prefix_caching:
-        LOGGER.warning("multimodal with prefix caching: KV blocks are keyed by token ids only")
     try:
         with collapse_single_exception():
             async with trio.open_nursery() as nursery:
