@@ -23,10 +23,12 @@ from real_vllm_helpers import GENERATE_STREAM, generate_request, unique_id
 from real_vllm_lora import ALLOWED_PREFIXES, FIELD_ORDER_FIX, make_tiny_lora
 from real_vllm_server import SERVED_MODEL_NAME, TIMINGS, RealVllmServer, check_env, env_from_environ
 
+from trio_sidecar import GenerateContext, open_sidecar
 from trio_sidecar._proto.vllm import control_pb2, inference_pb2
 from trio_sidecar.config import SidecarConfig
 from trio_sidecar.endpoint import parse_grpc_endpoint
-from trio_sidecar.errors import SidecarError
+from trio_sidecar.errors import InvalidArgument, SidecarError
+from trio_sidecar.lora import LoadResult, LoraAdapter
 from trio_sidecar.mock import MockConfig, open_mock_server
 from trio_sidecar.pool import open_channel_pool
 from trio_sidecar.status import StatusCode
@@ -391,6 +393,41 @@ def test_the_engine_cannot_decode_the_frontends_lora_request():
         "LoRARequest(lora_name='a', lora_int_id=1, lora_path='/adapter', base_model_name=None, "
         "tensorizer_config_dict=None, load_inplace=False, is_3d_lora_weight=False)"
     )
+
+
+async def test_the_embedded_api_loads_generates_with_and_unloads_an_adapter(pool, lora_server):
+    """``Sidecar.load_lora`` / ``list_loras`` / ``unload_lora`` and ``routing.lora_name`` (docs/lora.md#embedded-api)
+    against the real engine: the sidecar's tokens with the adapter are the direct call's, not the base model's."""
+    server, path = lora_server.server, lora_server.adapters["seed2"]
+    name = unique_id("embedded")
+    config = SidecarConfig(grpc_endpoint=server.endpoint, grpc_connections=1, health_prober=False)
+
+    async def sidecar_tokens(sidecar, lora_name: str | None, request_id: str) -> list[int]:
+        body: dict = {
+            "token_ids": [5, 6, 7, 8],
+            "stop_conditions": {"max_tokens": 8, "ignore_eos": True},
+            "sampling_options": {"temperature": 0.0},
+        }
+        if lora_name is not None:
+            body["routing"] = {"lora_name": lora_name}
+        async with sidecar.generate(body, GenerateContext(request_id)) as stream:
+            return [t for chunk in [c async for c in stream] for t in chunk.token_ids]
+
+    with trio.fail_after(60 + 8 * CALL_TIMEOUT_S):
+        async with open_sidecar(config) as sidecar:
+            base = await sidecar_tokens(sidecar, None, unique_id("base"))
+            assert base == await generate(pool)
+            loaded = await sidecar.load_lora(name, str(path))
+            assert loaded == LoadResult(LoraAdapter(name, loaded.adapter.lora_id, str(path)), already_loaded=False)
+            assert loaded.adapter in await sidecar.list_loras()
+            assert (await sidecar.load_lora(name, str(path))).already_loaded
+            with_adapter = await sidecar_tokens(sidecar, name, unique_id("with"))
+            assert with_adapter == await generate(pool, name) != base
+            assert await sidecar.unload_lora(name) == loaded.adapter
+            assert loaded.adapter not in await sidecar.list_loras()
+            with pytest.raises(InvalidArgument) as refused:
+                await sidecar_tokens(sidecar, name, unique_id("gone"))
+            assert str(refused.value) == f"GenerateStream: LoRA adapter `{name}` is not loaded (NotFound)"
 
 
 # Last in the module: it replaces the server (a stop and a start: up to 5 minutes on a loaded machine).
