@@ -62,11 +62,11 @@ class LoraServer:
         (self.adapter_dir / "not-an-adapter").mkdir()
         self.server: RealVllmServer | None = None
 
-    def start(self) -> RealVllmServer:
+    def start(self, *extra_args: str) -> RealVllmServer:
         self.server = RealVllmServer(
             self.env,
             launch="python",
-            extra_args=("--enable-lora", "--max-loras", str(MAX_LORAS)),
+            extra_args=("--enable-lora", "--max-loras", str(MAX_LORAS), *extra_args),
             extra_env={"PYTHONPATH": str(FIELD_ORDER_FIX), ALLOWED_PREFIXES: str(self.adapter_dir)},
         )
         try:
@@ -433,14 +433,15 @@ async def test_the_embedded_api_loads_generates_with_and_unloads_an_adapter(pool
 # Last in the module: it replaces the server (a stop and a start: up to 5 minutes on a loaded machine).
 @pytest.mark.timeout(600)
 async def test_loaded_adapters_do_not_survive_a_server_restart(lora_server):
-    """vLLM keeps adapters in memory only: after a restart ``ListLoras`` is empty, generate with the old name is
-    refused, and ids start again from 1 (what a sidecar reconciling adapters has to redo)."""
-    path = lora_server.adapters["seed3"]
+    """vLLM keeps adapters in memory only: after a restart the adapters loaded before are gone (generate with the
+    name is refused) and ids start again from 1 (what a sidecar reconciling adapters has to redo). The new
+    server is started with ``--lora-modules``: such an adapter is there from the start, with id 1."""
+    path, preloaded = lora_server.adapters["seed3"], lora_server.adapters["seed1"]
 
     async def session(check):
         server = lora_server.server
         config = SidecarConfig(grpc_endpoint=server.endpoint, grpc_connections=1)
-        with trio.fail_after(60 + 3 * CALL_TIMEOUT_S):
+        with trio.fail_after(60 + 4 * CALL_TIMEOUT_S):
             async with open_channel_pool(
                 parse_grpc_endpoint(config.grpc_endpoint), config, deadline=trio.current_time() + 30
             ) as channel_pool:
@@ -450,18 +451,27 @@ async def test_loaded_adapters_do_not_survive_a_server_restart(lora_server):
         outcome, response = await control(channel_pool, "LoadLora", lora_name="kept", source_path=str(path))
         assert outcome == "OK", response
         assert "kept" in await listed(channel_pool)
-        return await generate(channel_pool, "kept")
+        return await generate(channel_pool, "kept"), await generate(channel_pool, "preloaded")
 
     async def after(channel_pool):
-        assert await listed(channel_pool) == {}
+        listing = await listed(channel_pool)
         refused = await generate(channel_pool, "kept")
         outcome, response = await control(channel_pool, "LoadLora", lora_name="kept", source_path=str(path))
-        return refused, outcome, response, await generate(channel_pool, "kept")
+        return (
+            listing,
+            refused,
+            (outcome, response),
+            await generate(channel_pool, "kept"),
+            await generate(channel_pool, "preloaded"),
+        )
 
-    tokens = await session(before)
+    tokens, not_yet = await session(before)
+    assert not_yet == (StatusCode.NOT_FOUND, "LoRA adapter `preloaded` is not loaded")
     lora_server.stop()
-    await trio.to_thread.run_sync(lora_server.start)
-    refused, outcome, response, tokens_again = await session(after)
+    await trio.to_thread.run_sync(lora_server.start, "--lora-modules", f"preloaded={preloaded}")
+    listing, refused, (outcome, response), tokens_again, preloaded_tokens = await session(after)
+    assert listing == {"preloaded": adapter(1, "preloaded", preloaded)}
     assert refused == (StatusCode.NOT_FOUND, "LoRA adapter `kept` is not loaded")
-    assert (outcome, response.adapter) == ("OK", adapter(1, "kept", path))
+    assert (outcome, response.adapter) == ("OK", adapter(2, "kept", path))
     assert tokens_again == tokens  # the same adapter files give the same output after the restart
+    assert preloaded_tokens not in (tokens, await session(lambda channel_pool: generate(channel_pool)))
