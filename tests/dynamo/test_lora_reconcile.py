@@ -18,6 +18,8 @@ import pytest
 from dynamo_harness import FAST_ENGINE_ARGS, free_system_port
 
 from trio_sidecar._devtools import local
+from trio_sidecar.mock.generation import RequestRejected
+from trio_sidecar.status import StatusCode
 
 pytestmark = pytest.mark.dynamo
 
@@ -39,6 +41,18 @@ def _wait(predicate, what: str, proc, timeout: float = 60.0) -> None:
         assert time.monotonic() < deadline, f"{what}\n{proc.log()[-3000:]}"
         assert proc.alive(), proc.log()[-3000:]
         time.sleep(0.1)
+
+
+def refuse_to_load(table, name: str) -> None:
+    """Fault injection: the mock's adapter table refuses ``name`` as vLLM refuses a local path that is gone."""
+    load = table.load
+
+    def load_unless_gone(lora_name: str, source_path: str):
+        if lora_name == name:
+            raise RequestRejected(StatusCode.INVALID_ARGUMENT, "Local LoRA adapter path must exist and be accessible.")
+        return load(lora_name, source_path)
+
+    table.load = load_unless_gone
 
 
 def test_adapters_are_loaded_again_after_a_vllm_restart_and_discovery_follows(deployment_factory, tmp_path):
@@ -63,11 +77,12 @@ def test_adapters_are_loaded_again_after_a_vllm_restart_and_discovery_follows(de
         assert _system(port, "POST", "/v1/loras", {"lora_name": name, "source": {"uri": f"file://{adapter}"}})[0] == 200
     _wait(lambda: {"a", "b"} <= set(local.list_models(dep.http_port)), "adapters never listed", proc)
 
-    # vLLM restarts with room for one adapter only: `a` comes back, `b` cannot and leaves discovery.
+    # vLLM restarts and can load `a` again but not `b` (its files are gone): `b` leaves discovery.
     address = mock.address
     dep.mocks.remove(mock)
     mock.stop()
-    new = dep.mock(listen=address, served_model_name="tiny", engine_args={**FAST_ENGINE_ARGS, "max_loras": 1})
+    new = dep.mock(listen=address, served_model_name="tiny", engine_args={**FAST_ENGINE_ARGS, "max_loras": 2})
+    new.call(refuse_to_load, new.mock.lora, "b")
     _wait(lambda: new.call(lambda: [a.lora_name for a in new.mock.lora]) == ["a"], "`a` not loaded again", proc)
     calls = new.call(lambda: [(n, getattr(r, "lora_name", None)) for n, r in new.mock.control_calls])
     assert [c for c in calls if c[0] in ("ListLoras", "LoadLora")][:3] == [

@@ -510,6 +510,8 @@ class MockServer:
         call = _Call(self, prepared, rank)
         self._routes[prepared.uuid] = call
         self._active.value = len(self._routes)
+        if request.lora_name:
+            self.lora.use(request.lora_name)
         return call
 
     def _unregister(self, call: _Call) -> None:
