@@ -286,8 +286,8 @@ class LoraLifecycle:
         model = self._model()
         return model.server_info.max_loras if model is not None else 0
 
-    async def _find(self, pool: ChannelPool, name: str) -> LoraAdapter | None:
-        return next((a for a in await self._list(pool) if a.name == name), None)
+    async def _find(self, pool: ChannelPool, name: str, *, checked: bool = False) -> LoraAdapter | None:
+        return next((a for a in await self._list(pool, checked=checked) if a.name == name), None)
 
     async def _after_failed_load(
         self, pool: ChannelPool, name: str, path: str, error: SidecarError
@@ -299,7 +299,7 @@ class LoraLifecycle:
         it from the same directory. Returns ``(adapter, already_loaded)``, or None to raise ``error``.
         """
         if error.grpc_code is StatusCode.ALREADY_EXISTS:
-            observed = await self._find(pool, name)
+            observed = await self._find(pool, name, checked=True)
             if observed is None:
                 raise ProtocolError(
                     f"LoadLora reported `{name}` as already loaded but ListLoras does not report it"
@@ -307,7 +307,7 @@ class LoraLifecycle:
             return observed, True
         if error.kind in _AMBIGUOUS:
             LOGGER.warning("LoadLora outcome for LoRA %r is ambiguous (%s); reconciling", name, error)
-            observed = await self._find(pool, name)
+            observed = await self._find(pool, name, checked=True)
             if observed is None:
                 return None
             if observed.source_path != path:

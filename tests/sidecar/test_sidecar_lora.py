@@ -344,6 +344,30 @@ async def test_a_load_whose_answer_is_lost_or_that_raced_another_load_is_decided
             assert raced.already_loaded and raced.adapter.name == "c"
 
 
+async def test_a_lost_load_answer_is_not_decided_from_an_ambiguous_adapter_list(nursery, adapter):
+    runner = _Mock(nursery)
+    mock = await runner.start()
+    with trio.fail_after(60):
+        async with open_sidecar(config_for(runner.port, health_prober=False)) as sidecar:
+            lifecycle, pool, publisher = await _lifecycle(sidecar)
+
+            class _RacingClient:  # another client loads clashing names while this load is under way
+                async def resolve(self, request: LoadRequest) -> str:
+                    mock.lora.load("Z.z", str(adapter))
+                    mock.lora.load("z_z", str(adapter))
+                    return check_adapter_directory(str(adapter))
+
+            lifecycle.resolver = _RacingClient()
+            pool.faults["LoadLora"] = (True, StatusCode.UNAVAILABLE, "connection reset")
+            with pytest.raises(ProtocolError) as info:
+                await lifecycle.load("a", f"file://{adapter}")
+            assert str(info.value) == (
+                "invalid vLLM gRPC response: adapter `z_z` derives the discovery suffix `z_z`, which another "
+                "loaded adapter already uses"
+            )
+            assert publisher.events == [] and lifecycle.loaded_here == {}
+
+
 async def test_a_failed_unload_keeps_the_adapter_routable_and_a_lost_answer_counts_as_done(nursery, adapter):
     runner = _Mock(nursery)
     mock = await runner.start()
