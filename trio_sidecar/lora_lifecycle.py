@@ -135,7 +135,8 @@ class LoraLifecycle:
 
     async def _list(self, pool: ChannelPool, *, checked: bool = False) -> list[LoraAdapter]:
         """``ListLoras``; ``checked``: refuse an ambiguous list (:func:`check_inventory`), as native does
-        for a list, a load and a reconciliation."""
+        for a list, a load and a reconciliation (observed). The list that decides a failed load is checked
+        too, as in Dynamo's public sidecar source; that case was not observed on 1.6.1."""
         response = await pool.unary(
             "ListLoras", LIST_LORAS, control_pb2.ListLorasRequest(), control_pb2.ListLorasResponse
         )
