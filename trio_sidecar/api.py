@@ -123,6 +123,10 @@ class Sidecar:
     async def load_lora(self, name: str, source: str) -> LoadResult:
         """Load the adapter directory ``source`` (an absolute path or a ``file://`` URI) as ``name``.
 
+        ``hf://`` and ``s3://`` sources need a resolver set on ``sidecar.lora.resolver`` (a
+        :class:`~trio_sidecar.lora_lifecycle.SourceResolver`; docs/lora.md#sources): the embedded API
+        downloads nothing by itself.
+
         Control calls: ``ListLoras``, then ``LoadLora`` unless refused by the checks of docs/lora.md (same
         texts as the ``/v1/loras`` answers, without the ``InvalidRequest:`` prefix) or already loaded
         (``LoadResult.already_loaded``; any path).

@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
-from urllib.parse import urlsplit
 
 import attrs
 
@@ -27,6 +26,10 @@ __all__ = [
     "parse_load_body",
     "parse_lora_name",
     "check_adapter_name",
+    "check_inventory",
+    "discovery_suffix",
+    "source_not_resolved",
+    "check_adapter_directory",
     "check_capacity",
     "check_hot_swap",
     "not_loaded",
@@ -35,6 +38,7 @@ __all__ = [
     "load_answer",
     "unload_answer",
     "error_answer",
+    "list_error_answer",
 ]
 
 #: Logged at start-up when the LoRA surface stays off (the native sidecar's line).
@@ -47,6 +51,9 @@ LORA_UNSUPPORTED = "LoRA lifecycle is not available: the vLLM server does not ad
 
 _TRUE = {"1", "true", "yes", "on"}
 _ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+_SLUG_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789-_")
+#: Dynamo's Python downloader prefixes its errors with this; the native sidecar's texts do not have it.
+_DOWNLOAD_FAILED = "Download failed: "
 
 
 def _truthy(value: str | None) -> bool:
@@ -90,9 +97,13 @@ class LoadRequest:
 
 
 def parse_lora_name(body: Mapping[str, Any]) -> str:
-    """The ``lora_name`` of a request body (unload, and the first check of a load)."""
+    """The ``lora_name`` of a request body (unload, and the first check of a load).
+
+    A name of white space only is refused; the name is returned as given (an unload does not trim it, a load
+    does: :func:`parse_load_body`), as the native sidecar's.
+    """
     name = body.get("lora_name")
-    if not isinstance(name, str) or not name:
+    if not isinstance(name, str) or not name.strip():
         raise InvalidArgument("lora_name must be a non-empty string")
     return name
 
@@ -100,36 +111,96 @@ def parse_lora_name(body: Mapping[str, Any]) -> str:
 def parse_load_body(body: Mapping[str, Any]) -> LoadRequest:
     """Check a load body ``{"lora_name": …, "source": {"uri": …}}`` before anything is sent to vLLM.
 
-    Only ``file://`` URIs with an absolute local path are loaded; ``hf://`` and ``s3://`` pass the scheme
-    check like the native sidecar's, and are then refused by :func:`resolve_local_source` (trio-sidecar
-    downloads nothing).
+    ``file://`` URIs must hold an absolute local path; ``hf://`` and ``s3://`` are resolved later (downloaded
+    by ``trio-sidecar run``; refused by the embedded API's default :func:`resolve_local_source`).
 
     Raises:
         InvalidArgument: with the native sidecar's texts.
     """
-    name = parse_lora_name(body)
+    name = parse_lora_name(body).strip()
     source = body.get("source")
     uri = source.get("uri") if isinstance(source, Mapping) else None
-    if not isinstance(uri, str) or not uri:
+    if not isinstance(uri, str) or not uri.strip():
         raise InvalidArgument("source.uri must be a non-empty string")
-    scheme = uri.split("://", 1)[0].lower() if "://" in uri else ""
-    if scheme not in ("file", "hf", "s3"):
+    uri = uri.strip()
+    # Prefix checks, case-sensitive, like the native sidecar's (``FILE:///x`` is refused).
+    if not uri.startswith(("file://", "hf://", "s3://")):
         raise InvalidArgument("source.uri must use the file://, hf://, or s3:// scheme")
     path = ""
-    if scheme == "file":
-        parts = urlsplit(uri)
-        if parts.netloc or parts.query or parts.fragment or not parts.path.startswith("/"):
+    if uri.startswith("file://"):
+        if not uri.startswith("file:///") or "?" in uri or "#" in uri:
             raise InvalidArgument(
                 "file source.uri must contain an absolute local path without a host, query, or fragment"
             )
-        path = parts.path
+        path = uri.removeprefix("file://")  # as Dynamo's local source: no percent-decoding
     return LoadRequest(name=name, uri=uri, path=path)
 
 
-def check_adapter_name(name: str, base_names: Collection[str]) -> None:
-    """An adapter may not take the served model's name or one of its aliases (it would shadow the base model)."""
+def discovery_suffix(name: str) -> str:
+    """The key suffix of an adapter's discovery record: Dynamo's slug of the name.
+
+    Lowercase; every character other than ``a-z``, ``0-9``, ``-`` and ``_`` becomes ``_``; leading ``_``
+    are dropped (``Slug::slugify`` in Dynamo's public source, ``lib/runtime/src/slug.rs``). So ``A.b`` and
+    ``a_b`` share the record ``…/{instance}/a_b``.
+    """
+    slug = "".join(c if c in _SLUG_CHARS else "_" for c in name.lower())
+    return slug.lstrip("_")
+
+
+def check_adapter_name(name: str, base_names: Collection[str], loaded: Sequence[LoraAdapter] = ()) -> None:
+    """The native sidecar's name checks, in its order (after ``ListLoras``, before "already loaded").
+
+    An adapter may not take the served model's name or one of its aliases (it would shadow the base model),
+    its name must give a non-empty discovery suffix, and that suffix may not be the one of another adapter
+    vLLM holds (publishing it would overwrite that adapter's discovery record).
+    """
     if name in base_names:
         raise InvalidArgument(f"LoRA adapter `{name}` conflicts with the base model name or one of its aliases")
+    suffix = discovery_suffix(name)
+    if not suffix:
+        raise InvalidArgument(f"LoRA adapter `{name}` does not produce a usable discovery suffix")
+    clash = next((a for a in loaded if a.name != name and discovery_suffix(a.name) == suffix), None)
+    if clash is not None:
+        raise InvalidArgument(
+            f"LoRA adapter `{name}` derives the discovery suffix `{suffix}`, which is already used by loaded "
+            f"adapter `{clash.name}`; publishing it would overwrite that adapter's discovery record"
+        )
+
+
+def check_inventory(adapters: Sequence[LoraAdapter]) -> None:
+    """What ``ListLoras`` returned must be keyable without ambiguity (the native sidecar's checks and texts).
+
+    Applied to the lists a list, a load and a reconciliation work from (not an unload's, as native). A name
+    clash through the discovery key arises when another client loaded ``A.b`` and ``a_b`` into vLLM.
+
+    Raises:
+        ProtocolError: the first problem, in the native sidecar's order.
+    """
+    names: set[str] = set()
+    ids: set[int] = set()
+    suffixes: set[str] = set()
+    for adapter in adapters:
+        name = adapter.name
+        if not name.strip():
+            raise ProtocolError("ListLoras returned an adapter with an empty name")
+        if adapter.lora_id <= 0:
+            raise ProtocolError(f"ListLoras returned adapter `{name}` with a non-positive id {adapter.lora_id}")
+        if not adapter.source_path.strip():
+            raise ProtocolError(f"ListLoras returned adapter `{name}` without a source path")
+        if name in names:
+            raise ProtocolError(f"ListLoras returned duplicate adapter name `{name}`")
+        if adapter.lora_id in ids:
+            raise ProtocolError(f"ListLoras returned duplicate adapter id {adapter.lora_id}")
+        suffix = discovery_suffix(name)
+        if not suffix:
+            raise ProtocolError(f"adapter `{name}` does not produce a usable discovery suffix")
+        if suffix in suffixes:
+            raise ProtocolError(
+                f"adapter `{name}` derives the discovery suffix `{suffix}`, which another loaded adapter already uses"
+            )
+        names.add(name)
+        ids.add(adapter.lora_id)
+        suffixes.add(suffix)
 
 
 def check_hot_swap(name: str, hot_swap: bool) -> None:
@@ -153,28 +224,50 @@ def not_loaded(name: str, loaded: Sequence[str]) -> InvalidArgument:
     return InvalidArgument(f"LoRA adapter '{name}' not found. Available LoRAs: {listed}")
 
 
-def resolve_local_source(request: LoadRequest) -> str:
-    """The directory to hand to ``LoadLora``: it must exist and hold ``adapter_config.json`` and weights.
+def source_not_resolved(uri: str, reason: str) -> ProtocolError:
+    """A source that could not be resolved to a local directory (the native sidecar's text, kind ``Internal``).
 
-    Reads the local file system only.
+    ``reason`` is the downloader's message; the ``Download failed:`` prefix of Dynamo's Python binding is
+    dropped, the native sidecar calls the same downloader from Rust and has none.
+    """
+    reason = reason.removeprefix(_DOWNLOAD_FAILED)
+    return ProtocolError(f"failed to resolve LoRA source `{uri}`: {reason}")
+
+
+def check_adapter_directory(path: str) -> str:
+    """The canonical directory to hand to ``LoadLora``: it must hold ``adapter_config.json`` and weights.
+
+    Reads the local file system only. Like the native sidecar, the path is canonicalized (symbolic links
+    resolved) first, and the text names the canonical path.
+
+    Raises:
+        InvalidArgument: no adapter files.
+    """
+    canonical = os.path.realpath(path)
+    has_config = os.path.isfile(os.path.join(canonical, "adapter_config.json"))
+    has_weights = any(os.path.isfile(os.path.join(canonical, name)) for name in _ADAPTER_WEIGHTS)
+    if not (os.path.isdir(canonical) and has_config and has_weights):
+        raise InvalidArgument(f"LoRA directory `{canonical}` must contain adapter_config.json and adapter weights")
+    return canonical
+
+
+def resolve_local_source(request: LoadRequest) -> str:
+    """The embedded API's default source resolution: ``file://`` only, no download.
+
+    ``trio-sidecar run`` resolves ``hf://`` and ``s3://`` too, with Dynamo's downloader (docs/lora.md#sources).
 
     Raises:
         ProtocolError: the directory does not exist (the native sidecar's text, kind ``Internal``).
-        InvalidArgument: no adapter files, or a remote source (``hf://``, ``s3://``: nothing is downloaded).
+        InvalidArgument: no adapter files, or a remote source (``hf://``, ``s3://``).
     """
     if not request.path:
         raise InvalidArgument(
-            f"LoRA source `{request.uri}` is not supported by trio-sidecar: only file:// sources are loaded "
-            "(it downloads nothing)"
+            f"LoRA source `{request.uri}` is not supported without a source resolver: only file:// sources are "
+            "loaded (see docs/lora.md#sources)"
         )
-    path = request.path
-    if not os.path.exists(path):
-        raise ProtocolError(f"failed to resolve LoRA source `{request.uri}`: Local LoRA not found: {request.uri}")
-    has_config = os.path.isfile(os.path.join(path, "adapter_config.json"))
-    has_weights = any(os.path.isfile(os.path.join(path, name)) for name in _ADAPTER_WEIGHTS)
-    if not (os.path.isdir(path) and has_config and has_weights):
-        raise InvalidArgument(f"LoRA directory `{path}` must contain adapter_config.json and adapter weights")
-    return path
+    if not os.path.exists(request.path):
+        raise source_not_resolved(request.uri, f"Local LoRA not found: {request.uri}")
+    return check_adapter_directory(request.path)
 
 
 # --- JSON answers of the engine routes (the system server's /v1/loras passes them on) -----------------------
@@ -204,6 +297,11 @@ def unload_answer(adapter: LoraAdapter) -> dict[str, Any]:
         "lora_name": adapter.name,
         "lora_id": adapter.lora_id,
     }
+
+
+def list_error_answer(error: SidecarError) -> dict[str, Any]:
+    """A refused list: like :func:`error_answer` without ``lora_name`` (observed on the native sidecar)."""
+    return {"status": "error", "message": native_error_text(error)}
 
 
 def error_answer(error: SidecarError, body: Mapping[str, Any]) -> dict[str, Any]:

@@ -22,11 +22,13 @@ from ._proto.vllm import control_pb2
 from .errors import EngineShutdown, ErrorKind, InvalidArgument, ProtocolError, SidecarError
 from .lora import (
     LORA_UNSUPPORTED,
+    LoadRequest,
     LoadResult,
     LoraAdapter,
     check_adapter_name,
     check_capacity,
     check_hot_swap,
+    check_inventory,
     not_loaded,
     parse_load_body,
     parse_lora_name,
@@ -36,7 +38,7 @@ from .model import DiscoveredModel
 from .pool import ChannelPool
 from .status import StatusCode
 
-__all__ = ["LoraLifecycle", "LoraPublisher", "NoPublisher"]
+__all__ = ["LocalSources", "LoraLifecycle", "LoraPublisher", "NoPublisher", "SourceResolver"]
 
 LOGGER = logging.getLogger("trio_sidecar.lora")
 
@@ -66,6 +68,23 @@ class NoPublisher:
         return None
 
 
+class SourceResolver(Protocol):
+    """Turns a checked load request into the local adapter directory given to ``LoadLora``.
+
+    ``trio-sidecar run`` uses Dynamo's LoRA downloader (``file://``, ``hf://``, ``s3://``; docs/lora.md#sources);
+    the embedded API :class:`LocalSources`. Raises the project's errors with the native sidecar's texts.
+    """
+
+    async def resolve(self, request: LoadRequest) -> str: ...
+
+
+class LocalSources:
+    """The embedded API's resolver: ``file://`` directories only, nothing is downloaded."""
+
+    async def resolve(self, request: LoadRequest) -> str:
+        return resolve_local_source(request)
+
+
 def _adapter(message: control_pb2.LoraAdapter) -> LoraAdapter:
     return LoraAdapter(name=message.lora_name, lora_id=message.lora_id, source_path=message.source_path)
 
@@ -78,6 +97,7 @@ class LoraLifecycle:
         model: returns the current discovered model (refreshed after a recovery).
         hot_swap: ``DYN_LORA_HOTSWAP_ENABLED``.
         publisher: see :class:`LoraPublisher`.
+        resolver: see :class:`SourceResolver` (default :class:`LocalSources`).
     """
 
     def __init__(
@@ -87,11 +107,13 @@ class LoraLifecycle:
         *,
         hot_swap: bool = False,
         publisher: LoraPublisher | None = None,
+        resolver: SourceResolver | None = None,
     ) -> None:
         self._pool = pool
         self._model = model
         self.hot_swap = hot_swap
         self.publisher: LoraPublisher = publisher if publisher is not None else NoPublisher()
+        self.resolver: SourceResolver = resolver if resolver is not None else LocalSources()
         self._lock = trio.Lock()
         #: Adapters loaded through this sidecar: name → the local directory given to ``LoadLora``.
         self.loaded_here: dict[str, str] = {}
@@ -111,11 +133,17 @@ class LoraLifecycle:
             raise InvalidArgument(LORA_UNSUPPORTED)
         return pool, model
 
-    async def _list(self, pool: ChannelPool) -> list[LoraAdapter]:
+    async def _list(self, pool: ChannelPool, *, checked: bool = False) -> list[LoraAdapter]:
+        """``ListLoras``; ``checked``: refuse an ambiguous list (:func:`check_inventory`), as native does
+        for a list, a load and a reconciliation (observed). The list that decides a failed load is checked
+        too, as in Dynamo's public sidecar source; that case was not observed on 1.6.1."""
         response = await pool.unary(
             "ListLoras", LIST_LORAS, control_pb2.ListLorasRequest(), control_pb2.ListLorasResponse
         )
-        return [_adapter(a) for a in response.adapters]
+        adapters = [_adapter(a) for a in response.adapters]
+        if checked:
+            check_inventory(adapters)
+        return adapters
 
     @staticmethod
     def _expect(message: control_pb2.LoraAdapter, has: bool, name: str) -> LoraAdapter:
@@ -159,7 +187,7 @@ class LoraLifecycle:
         """``ListLoras``: the adapters vLLM holds, in its order."""
         pool, _ = self._started()
         await self._ensure_reconciled()
-        return await self._list(pool)
+        return await self._list(pool, checked=True)
 
     async def load(self, name: str, uri: str) -> LoadResult:
         """Load ``uri`` (``file:///abs/dir``) as adapter ``name`` and publish it; see :meth:`load_body`."""
@@ -177,8 +205,8 @@ class LoraLifecycle:
         request = parse_load_body(body)
         async with self._lock:
             was_reconciled, self._reconciled = self._reconciled, False
-            loaded = await self._list(pool)
-            check_adapter_name(request.name, (model.served_model_name, *model.served_model_aliases))
+            loaded = await self._list(pool, checked=True)
+            check_adapter_name(request.name, (model.served_model_name, *model.served_model_aliases), loaded)
             existing = next((a for a in loaded if a.name == request.name), None)
             max_loras = model.server_info.max_loras
             if existing is not None:
@@ -187,7 +215,7 @@ class LoraLifecycle:
                 self._reconciled = was_reconciled
                 return LoadResult(existing, already_loaded=True)
             check_capacity(len(loaded), max_loras)
-            path = resolve_local_source(request)
+            path = await self.resolver.resolve(request)
             try:
                 adapter = await self._load(pool, request.name, path)
             except SidecarError as exc:
@@ -259,8 +287,8 @@ class LoraLifecycle:
         model = self._model()
         return model.server_info.max_loras if model is not None else 0
 
-    async def _find(self, pool: ChannelPool, name: str) -> LoraAdapter | None:
-        return next((a for a in await self._list(pool) if a.name == name), None)
+    async def _find(self, pool: ChannelPool, name: str, *, checked: bool = False) -> LoraAdapter | None:
+        return next((a for a in await self._list(pool, checked=checked) if a.name == name), None)
 
     async def _after_failed_load(
         self, pool: ChannelPool, name: str, path: str, error: SidecarError
@@ -272,7 +300,7 @@ class LoraLifecycle:
         it from the same directory. Returns ``(adapter, already_loaded)``, or None to raise ``error``.
         """
         if error.grpc_code is StatusCode.ALREADY_EXISTS:
-            observed = await self._find(pool, name)
+            observed = await self._find(pool, name, checked=True)
             if observed is None:
                 raise ProtocolError(
                     f"LoadLora reported `{name}` as already loaded but ListLoras does not report it"
@@ -280,7 +308,7 @@ class LoraLifecycle:
             return observed, True
         if error.kind in _AMBIGUOUS:
             LOGGER.warning("LoadLora outcome for LoRA %r is ambiguous (%s); reconciling", name, error)
-            observed = await self._find(pool, name)
+            observed = await self._find(pool, name, checked=True)
             if observed is None:
                 return None
             if observed.source_path != path:
@@ -347,7 +375,7 @@ class LoraLifecycle:
         pool, model = self._started()
         reloaded: list[str] = []
         async with self._lock:
-            held = {a.name: a for a in await self._list(pool)}
+            held = {a.name: a for a in await self._list(pool, checked=True)}
             for name, path in list(self.loaded_here.items()):
                 if name in held or not reload:
                     continue

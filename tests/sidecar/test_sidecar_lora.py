@@ -15,7 +15,7 @@ import trio
 from trio_sidecar import GenerateContext, open_sidecar
 from trio_sidecar.config import SidecarConfig
 from trio_sidecar.errors import CannotConnect, InvalidArgument, ProtocolError, UnknownError, status_to_error
-from trio_sidecar.lora import LORA_UNSUPPORTED, LoadResult, LoraAdapter
+from trio_sidecar.lora import LORA_UNSUPPORTED, LoadRequest, LoadResult, LoraAdapter, check_adapter_directory
 from trio_sidecar.lora_lifecycle import LoraLifecycle
 from trio_sidecar.prober import HealthKind
 from trio_sidecar.status import StatusCode
@@ -166,6 +166,55 @@ async def test_the_embedded_api_refuses_with_the_native_texts(nursery, adapter, 
             assert "hot swap is not supported by the gRPC backend" in str(swap.value)
 
 
+class _MapResolver:
+    """An embedder's resolver: maps remote URIs to directories it already has."""
+
+    def __init__(self, paths: dict[str, str]) -> None:
+        self.paths = paths
+        self.asked: list[str] = []
+
+    async def resolve(self, request: LoadRequest) -> str:
+        self.asked.append(request.uri)
+        return check_adapter_directory(self.paths[request.uri])
+
+
+async def test_remote_sources_need_a_resolver_and_ambiguous_discovery_keys_are_refused(nursery, adapter):
+    runner = _Mock(nursery)
+    mock = await runner.start()
+    with trio.fail_after(60):
+        async with open_sidecar(config_for(runner.port, health_prober=False)) as sidecar:
+            await sidecar.list_loras()
+            with pytest.raises(InvalidArgument) as remote:
+                await sidecar.load_lora("h", "s3://bucket/a")
+            assert str(remote.value) == (
+                "LoRA source `s3://bucket/a` is not supported without a source resolver: only file:// sources "
+                "are loaded (see docs/lora.md#sources)"
+            )
+            resolver = _MapResolver({"hf://org/adapter": str(adapter)})
+            sidecar.lora.resolver = resolver
+            start = len(mock.control_calls)
+            result = await sidecar.load_lora("H.1", "hf://org/adapter")
+            assert result == LoadResult(LoraAdapter("H.1", 1, str(adapter)), already_loaded=False)
+            assert runner.calls(start)[-1] == ("LoadLora", "H.1", str(adapter))
+            with pytest.raises(InvalidArgument) as clash:
+                await sidecar.load_lora("h_1", "hf://org/adapter")
+            assert str(clash.value) == (
+                "LoRA adapter `h_1` derives the discovery suffix `h_1`, which is already used by loaded adapter "
+                "`H.1`; publishing it would overwrite that adapter's discovery record"
+            )
+            assert resolver.asked == ["hf://org/adapter"]  # the name checks come before the source
+            # Another client loads the clashing name into vLLM: a list is refused, an unload is not.
+            mock.lora.load("h_1", str(adapter))
+            with pytest.raises(ProtocolError) as ambiguous:
+                await sidecar.list_loras()
+            assert str(ambiguous.value) == (
+                "invalid vLLM gRPC response: adapter `h_1` derives the discovery suffix `h_1`, which another "
+                "loaded adapter already uses"
+            )
+            assert (await sidecar.unload_lora("h_1")).name == "h_1"
+            assert [a.name for a in await sidecar.list_loras()] == ["H.1"]
+
+
 async def test_without_lora_support_the_api_refuses_and_lora_name_is_rejected_locally(nursery, adapter):
     runner = _Mock(nursery)
     await runner.start(max_loras=0)
@@ -293,6 +342,30 @@ async def test_a_load_whose_answer_is_lost_or_that_raced_another_load_is_decided
             pool.faults["LoadLora"] = (True, StatusCode.ALREADY_EXISTS, "LoRA adapter `c` is already loaded")
             raced = await lifecycle.load("c", f"file://{adapter}")
             assert raced.already_loaded and raced.adapter.name == "c"
+
+
+async def test_a_lost_load_answer_is_not_decided_from_an_ambiguous_adapter_list(nursery, adapter):
+    runner = _Mock(nursery)
+    mock = await runner.start()
+    with trio.fail_after(60):
+        async with open_sidecar(config_for(runner.port, health_prober=False)) as sidecar:
+            lifecycle, pool, publisher = await _lifecycle(sidecar)
+
+            class _RacingClient:  # another client loads clashing names while this load is under way
+                async def resolve(self, request: LoadRequest) -> str:
+                    mock.lora.load("Z.z", str(adapter))
+                    mock.lora.load("z_z", str(adapter))
+                    return check_adapter_directory(str(adapter))
+
+            lifecycle.resolver = _RacingClient()
+            pool.faults["LoadLora"] = (True, StatusCode.UNAVAILABLE, "connection reset")
+            with pytest.raises(ProtocolError) as info:
+                await lifecycle.load("a", f"file://{adapter}")
+            assert str(info.value) == (
+                "invalid vLLM gRPC response: adapter `z_z` derives the discovery suffix `z_z`, which another "
+                "loaded adapter already uses"
+            )
+            assert publisher.events == [] and lifecycle.loaded_here == {}
 
 
 async def test_a_failed_unload_keeps_the_adapter_routable_and_a_lost_answer_counts_as_done(nursery, adapter):

@@ -25,12 +25,16 @@ import trio
 from ..errors import SidecarError, UnknownError
 from ..lora import (
     LORA_UNAVAILABLE,
+    LoadRequest,
     LoraAdapter,
+    check_adapter_directory,
     error_answer,
     hot_swap_requested,
     list_answer,
+    list_error_answer,
     load_answer,
     lora_serving_requested,
+    source_not_resolved,
     unload_answer,
 )
 from .thread import AsyncioThread, TrioCalls
@@ -41,7 +45,7 @@ if TYPE_CHECKING:
     from .plan import WorkerPlan
     from .runtime import DynamoSide
 
-__all__ = ["DynamoLoraPublisher", "lora_routes", "start_lora"]
+__all__ = ["DynamoLoraPublisher", "DynamoSources", "lora_routes", "start_lora"]
 
 LOGGER = logging.getLogger("trio_sidecar.dynamo.lora")
 
@@ -69,6 +73,38 @@ class DynamoLoraPublisher:
             raise UnknownError(f"failed to remove the discovery record of LoRA `{name}`: {exc}") from exc
 
 
+class DynamoSources:
+    """Resolves ``file://``, ``hf://`` and ``s3://`` sources with Dynamo's LoRA downloader, as the native sidecar.
+
+    ``dynamo._core.LoRADownloader`` (the same Rust downloader the native sidecar builds) runs on the loop;
+    its settings come from the worker's environment (docs/lora.md#sources): ``DYN_LORA_PATH`` (the ``s3://``
+    cache), ``HF_ENDPOINT``/``HF_HOME``/``HF_TOKEN``/``HF_HUB_OFFLINE`` (``hf://``, into the Hugging Face
+    cache), the AWS configuration (``AWS_ENDPOINT_URL``, credentials, ``AWS_ALLOW_HTTP``, …) for ``s3://``.
+    The downloaded directory is then checked in Trio like a local one.
+    """
+
+    def __init__(self, thread: AsyncioThread) -> None:
+        self._thread = thread
+        self._downloader: Any = None  # created on the loop at the first load, like the native sidecar's
+
+    async def resolve(self, request: LoadRequest) -> str:
+        path, failure = await self._thread.run(self._download, request.uri)
+        if failure is not None:
+            raise source_not_resolved(request.uri, failure)
+        return check_adapter_directory(path)
+
+    async def _download(self, uri: str) -> tuple[str, str | None]:
+        """On the loop: ``(path, None)``, or ``("", the downloader's message)``."""
+        from dynamo._core import LoRADownloader
+
+        try:
+            if self._downloader is None:
+                self._downloader = LoRADownloader()
+            return str(await self._downloader.download_if_needed(uri)), None
+        except Exception as exc:  # noqa: BLE001 - the binding raises plain RuntimeError
+            return "", str(exc)
+
+
 def lora_routes(lifecycle: LoraLifecycle, calls: TrioCalls) -> dict[str, Route]:
     """The three engine routes (asyncio callbacks), answering like the native sidecar's."""
 
@@ -76,7 +112,7 @@ def lora_routes(lifecycle: LoraLifecycle, calls: TrioCalls) -> dict[str, Route]:
         try:
             return list_answer(await calls.call(lifecycle.list_adapters))
         except SidecarError as exc:
-            return error_answer(exc, body)
+            return list_error_answer(exc)
 
     async def load_lora(body: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -115,7 +151,9 @@ async def start_lora(
     lifecycle = sidecar.lora
     lifecycle.hot_swap = hot_swap_requested(environ)
     lifecycle.publisher = DynamoLoraPublisher(thread, dynamo, plan)
+    lifecycle.resolver = DynamoSources(thread)
     dynamo.lora_enabled = True
+    dynamo.max_loras = sidecar.model.server_info.max_loras
     calls = TrioCalls(trio.lowlevel.current_trio_token(), nursery)
 
     routes = lora_routes(lifecycle, calls)

@@ -44,6 +44,7 @@ class DynamoSide:
         # Set by the LoRA surface before registration: the cards then say that a request for an adapter may
         # only go to workers that registered it (``runtime_data.lora_requires_registration``, as native's).
         self.lora_enabled = False
+        self.max_loras = 0
         # The image placeholder the publishers key image blocks on (resolve_image_token_id); None = raw ids.
         self.image_token_id: int | None = None
         # Worker-side prefill completion for the KV router (created with the registration).
@@ -87,6 +88,7 @@ class DynamoSide:
             setattr(rc, key, value)
         if self.lora_enabled:
             rc.set_engine_specific("lora_requires_registration", "true")
+            extra.setdefault("max_gpu_lora_count", self.max_loras)
         model_type = getattr(ModelType, plan.model_types[0])
         for type_name in plan.model_types[1:]:
             model_type = model_type | getattr(ModelType, type_name)
