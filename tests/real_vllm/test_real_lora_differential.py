@@ -44,6 +44,7 @@ PROMPT = {"prompt": "hello world", "max_tokens": 16, "temperature": 0}
 class Side:
     http_port: int  # the frontend's OpenAI port
     system_port: int  # the sidecar's system port (the LoRA routes)
+    vllm_http_port: int  # vLLM's own OpenAI server (the same engine)
 
 
 @attrs.frozen
@@ -90,7 +91,7 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
             worker_env = {**dyn_env, "DYN_SYSTEM_PORT": str(system_port), "DYN_LORA_ENABLED": "true"}
             start = local.start_native_sidecar if side == "native" else local.start_trio_sidecar
             processes.append(start(workdir, worker_env, server.endpoint, namespace=namespace, name=f"{side}-lora"))
-            sides[side] = Side(http_port, system_port)
+            sides[side] = Side(http_port, system_port, server.http_port)
         for side in SIDES:
             local.wait_for_models(sides[side].http_port, [SERVED_MODEL_NAME], timeout=READY_TIMEOUT_S, watch=processes)
         yield Stack(sides, adapter_dir)
@@ -121,15 +122,19 @@ def _request(port: int, method: str, path: str, body: Any = None) -> tuple[int, 
 def _same(stack: Stack, step: str, port: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
     """The step's answer on both sides (``port``: "system" or "http"), which must be equal; returns it."""
     got = {side: _request(getattr(s, f"{port}_port"), method, path, body) for side, s in stack.sides.items()}
+    for status, answer in got.values():  # a model list's "created" is the second it was asked
+        for model in answer.get("data", ()) if status == 200 and isinstance(answer, dict) else ():
+            model.pop("created", None)
     assert got["trio"] == got["native"], f"{step}: native {got['native']!r}, trio {got['trio']!r}"
     return got["trio"]
 
 
-def _complete(stack: Stack, step: str, model: str) -> tuple[int, Any]:
-    """A greedy completion through both frontends; compared without the per-request ``id`` and ``created``."""
+def _complete(stack: Stack, step: str, model: str, port: str = "http") -> tuple[int, Any]:
+    """A greedy completion through both frontends (or both vLLM servers' own OpenAI port, ``port``
+    "vllm_http"); compared without the per-request ``id`` and ``created``."""
     got = {}
     for side, s in stack.sides.items():
-        status, body = _request(s.http_port, "POST", "/v1/completions", {"model": model, **PROMPT})
+        status, body = _request(getattr(s, f"{port}_port"), "POST", "/v1/completions", {"model": model, **PROMPT})
         if isinstance(body, dict):
             body = {k: v for k, v in body.items() if k not in ("id", "created")}
         got[side] = (status, body)
@@ -174,6 +179,8 @@ def test_an_adapter_is_loaded_served_and_unloaded_through_dynamo_like_native(sta
     base_text, adapter_text = base[1]["choices"][0]["text"], with_adapter[1]["choices"][0]["text"]
     assert adapter_text != base_text, "greedy text with the adapter equals the base model's: adapter not applied"
     assert _complete(stack, "adapter completion again", ADAPTER) == with_adapter  # greedy: reproducible
+    status, direct = _complete(stack, "adapter completion on vLLM's own server", ADAPTER, port="vllm_http")
+    assert status == 200 and direct["choices"][0]["text"] == adapter_text, direct
 
     status, body = _same(stack, "unload", "system", "DELETE", f"/v1/loras/{ADAPTER}")
     assert (status, body) == (
