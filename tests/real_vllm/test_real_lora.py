@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import trio
 from real_vllm_helpers import GENERATE_STREAM, generate_request, unique_id
-from real_vllm_lora import ALLOWED_PREFIXES, FIELD_ORDER_FIX, make_tiny_lora
+from real_vllm_lora import FIELD_ORDER_FIX, MAX_LORAS, launch_lora_server, make_tiny_lora
 from real_vllm_server import SERVED_MODEL_NAME, TIMINGS, RealVllmServer, check_env, env_from_environ
 
 from trio_sidecar import GenerateContext, open_sidecar
@@ -33,7 +33,6 @@ from trio_sidecar.mock import MockConfig, open_mock_server
 from trio_sidecar.pool import open_channel_pool
 from trio_sidecar.status import StatusCode
 
-MAX_LORAS = 2
 MAX_LORA_RANK = 16  # vLLM's default --max-lora-rank
 CALL_TIMEOUT_S = 120.0
 # The engine's add_lora failures arrive wrapped by the Rust frontend; call_id counts the utility calls.
@@ -63,12 +62,7 @@ class LoraServer:
         self.server: RealVllmServer | None = None
 
     def start(self, *extra_args: str) -> RealVllmServer:
-        self.server = RealVllmServer(
-            self.env,
-            launch="python",
-            extra_args=("--enable-lora", "--max-loras", str(MAX_LORAS), *extra_args),
-            extra_env={"PYTHONPATH": str(FIELD_ORDER_FIX), ALLOWED_PREFIXES: str(self.adapter_dir)},
-        )
+        self.server = launch_lora_server(self.env, self.adapter_dir, *extra_args)
         try:
             self.server.wait_ready()
         except BaseException:
