@@ -16,6 +16,7 @@ sampler dropped it) is ended at once and vLLM receives the request's own trace c
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 from opentelemetry import trace
@@ -33,6 +34,8 @@ __all__ = ["SPAN_NAME", "RequestSpan", "RequestTracing"]
 SPAN_NAME = "trio_sidecar.generate"
 TRACER_NAME = "trio_sidecar"
 
+LOGGER = logging.getLogger("trio_sidecar.engine")
+
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
@@ -44,7 +47,15 @@ class RequestTracing:
 
     def start(self, req: RequestTask) -> RequestSpan | None:
         """The request's span, started now; ``None`` when OpenTelemetry cannot parse the request's
-        ``traceparent`` (the request's metadata is then forwarded unchanged: vLLM validates it)."""
+        ``traceparent`` (the request's metadata is then forwarded unchanged: vLLM validates it), when the span
+        records nothing, or when OpenTelemetry fails (logged: tracing never fails a request)."""
+        try:
+            return self._start(req)
+        except Exception:
+            LOGGER.exception("could not start the OpenTelemetry span of request %s", req.request_id)
+            return None
+
+    def _start(self, req: RequestTask) -> RequestSpan | None:
         ctx = req.ctx
         carrier = {TRACEPARENT: ctx.traceparent or ""}
         if ctx.tracestate:
@@ -88,7 +99,14 @@ class RequestSpan:
         self.metadata = metadata
 
     def end(self, req: RequestTask) -> None:
-        """End the span with the request's outcome (``req.final`` or its error); never raises."""
+        """End the span with the request's outcome (``req.final`` or its error); never raises (a failure is
+        logged)."""
+        try:
+            self._end(req)
+        except Exception:
+            LOGGER.exception("could not end the OpenTelemetry span of request %s", req.request_id)
+
+    def _end(self, req: RequestTask) -> None:
         span = self.span
         try:
             state = req.state

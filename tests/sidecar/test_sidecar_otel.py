@@ -143,15 +143,20 @@ async def test_a_failed_request_ends_its_span_with_status_error_and_the_error_ki
     )
 
 
-async def test_an_untraced_request_or_an_unsampled_trace_gets_no_span_and_vllm_gets_the_context_unchanged(spans):
+async def test_an_untraced_unsampled_or_invalid_trace_gets_no_span_and_vllm_gets_the_context_unchanged(spans):
     unsampled = f"00-{TRACE_ID}-{PARENT_SPAN}-00"
+    invalid = f"00-{'0' * 32}-{PARENT_SPAN}-01"  # the all-zero trace id is invalid (W3C Trace Context)
     async with open_mock_server(mock_config()) as mock:
         async with open_sidecar(sidecar_config(mock.address, otel=True)) as sidecar:
             with trio.fail_after(10):
                 await collect(sidecar, BODY, GenerateContext("untraced"))
                 await collect(sidecar, BODY, GenerateContext("unsampled", traceparent=unsampled))
+                await collect(sidecar, BODY, GenerateContext("invalid", traceparent=invalid, tracestate="k=v"))
     assert spans.get_finished_spans() == ()
-    assert mock.trace_headers == {"unsampled": {"traceparent": unsampled}}
+    assert mock.trace_headers == {
+        "unsampled": {"traceparent": unsampled},
+        "invalid": {"traceparent": invalid, "tracestate": "k=v"},
+    }
 
 
 async def test_with_otel_off_no_span_is_made_and_vllm_gets_the_requests_traceparent(spans):
@@ -232,3 +237,22 @@ def test_otel_without_the_extra_fails_the_pre_network_checks_with_its_text():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["otel requires the optional 'otel' extra (opentelemetry-api)"] * 2
+
+
+class FailingTracer:
+    """Fault injection: an OpenTelemetry tracer that fails to start a span."""
+
+    def start_span(self, *args, **kwargs):
+        raise RuntimeError("tracer broken")
+
+
+async def test_a_failing_tracer_never_fails_the_request_and_vllm_gets_the_requests_context(spans, caplog):
+    async with open_mock_server(mock_config()) as mock:
+        async with open_sidecar(sidecar_config(mock.address, otel=True)) as sidecar:
+            sidecar.engine._tracing._tracer = FailingTracer()
+            with trio.fail_after(10):
+                chunks = await collect(sidecar, BODY, GenerateContext("broken", traceparent=TRACEPARENT))
+    assert chunks[-1].finish_reason == "length"
+    assert mock.trace_headers == {"broken": {"traceparent": TRACEPARENT}}
+    assert spans.get_finished_spans() == ()
+    assert "could not start the OpenTelemetry span of request broken" in caplog.text
