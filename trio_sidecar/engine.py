@@ -72,6 +72,14 @@ NOT_STARTED = "vLLM sidecar is not started"
 ALREADY_STARTED = "vLLM sidecar has already started"
 
 
+def _load_tracing() -> RequestTracing:
+    """The engine's span factory (``SidecarConfig.otel``, checked importable by ``validate_sidecar_config``):
+    the one place OpenTelemetry gets imported."""
+    from .otel import RequestTracing
+
+    return RequestTracing()
+
+
 class _State(enum.Enum):
     CREATED = "created"
     STARTING = "starting"
@@ -380,11 +388,3 @@ class SidecarEngine:
             if not self._requests:
                 self._idle.set()
             req.end()
-
-
-def _load_tracing() -> RequestTracing:
-    """The engine's span factory (``SidecarConfig.otel``, checked importable by ``validate_sidecar_config``):
-    the one place OpenTelemetry gets imported."""
-    from .otel import RequestTracing
-
-    return RequestTracing()
