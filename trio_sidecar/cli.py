@@ -290,6 +290,16 @@ OPTIONS: tuple[Option, ...] = (
         "send Control.Abort for abandoned streams",
     ),
     Option(
+        "--otel",
+        "TRIO_SIDECAR_OTEL",
+        "otel",
+        "sidecar",
+        False,
+        "pair",
+        "an OpenTelemetry span per traced request, the parent of vLLM's (needs the otel extra and a "
+        "configured tracer provider)",
+    ),
+    Option(
         "--grpc-keepalive-time-secs",
         "TRIO_SIDECAR_GRPC_KEEPALIVE_TIME_SECS",
         "keepalive_time",

@@ -34,6 +34,7 @@ __all__ = [
 MAX_DEADLINE_SECONDS = 2**63 / 1_000_000_000
 
 DYNAMO_EXTRA_MISSING = "the Dynamo upstream requires the optional 'dynamo' extra (ai-dynamo-runtime==1.6.1)"
+OTEL_EXTRA_MISSING = "otel requires the optional 'otel' extra (opentelemetry-api)"
 
 
 class DisaggregationMode(enum.Enum):
@@ -91,6 +92,9 @@ class SidecarConfig:
     keepalive_time: float = 10.0
     #: ... and lose it (every call on it fails UNAVAILABLE) when nothing is read this long after the PING.
     keepalive_timeout: float = 4.0
+    #: Project addition: open an OpenTelemetry span per request that carries a ``traceparent`` and forward
+    #: its context to vLLM (docs/reference/sidecar.md#opentelemetry-span); needs the ``otel`` extra.
+    otel: bool = False
 
 
 def _endpoint_types(value: object) -> tuple[str, ...]:
@@ -129,7 +133,7 @@ class WorkerOptions:
 
 
 def validate_sidecar_config(config: SidecarConfig) -> GrpcEndpoint:
-    """The ``SidecarConfig`` part of docs/reference/sidecar.md#pre-network-checks (items 1, 5, 6), in order.
+    """The ``SidecarConfig`` part of docs/reference/sidecar.md#pre-network-checks (items 1, 5, 6, 7), in order.
 
     Returns:
         The normalized endpoint.
@@ -141,6 +145,7 @@ def validate_sidecar_config(config: SidecarConfig) -> GrpcEndpoint:
         raise InvalidArgument("encode mode is not supported by the vLLM sidecar")
     endpoint = parse_grpc_endpoint(config.grpc_endpoint)
     _check_transport(config)
+    _check_otel(config)
     return endpoint
 
 
@@ -173,6 +178,19 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _check_otel(config: SidecarConfig) -> None:
+    if config.otel and not otel_available():
+        raise InvalidArgument(OTEL_EXTRA_MISSING)
+
+
+def otel_available() -> bool:
+    """Whether the optional ``otel`` extra (``opentelemetry-api``) can be imported (without importing it)."""
+    try:
+        return importlib.util.find_spec("opentelemetry.trace") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def dynamo_available() -> bool:
     """Whether the optional ``dynamo`` extra (``ai-dynamo-runtime``) can be imported."""
     try:
@@ -184,9 +202,9 @@ def dynamo_available() -> bool:
 
 
 def prepare(config: SidecarConfig, worker_options: WorkerOptions, *, dynamo_required: bool) -> GrpcEndpoint:
-    """All the pre-network checks (docs/reference/sidecar.md#pre-network-checks, items 1–7), in order, before any socket is opened.
+    """All the pre-network checks (docs/reference/sidecar.md#pre-network-checks, items 1–8), in order, before any socket is opened.
 
-    Item 8 (the ``Discovering vLLM model metadata ...`` line) is printed by the caller, from
+    The ``Discovering vLLM model metadata ...`` line after them is printed by the caller, from
     :func:`discovery_banner`, so this function stays free of I/O.
 
     Raises:
@@ -206,6 +224,7 @@ def prepare(config: SidecarConfig, worker_options: WorkerOptions, *, dynamo_requ
         raise InvalidArgument("`--vllm-rl-world-size` must be between 1 and 4294967295")
     endpoint = parse_grpc_endpoint(config.grpc_endpoint)
     _check_transport(config)
+    _check_otel(config)
     if dynamo_required and not dynamo_available():
         raise InvalidArgument(DYNAMO_EXTRA_MISSING)
     return endpoint

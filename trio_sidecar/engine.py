@@ -25,7 +25,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 import trio_util
@@ -53,6 +53,9 @@ from .request_task import GENERATE_STREAM, MergingSink, RequestTask, RunSink
 from .routing import KvEventSource
 from .stream import ChunkStream
 
+if TYPE_CHECKING:  # (imported only when tracing is on: docs/reference/sidecar.md#opentelemetry-span)
+    from .otel import RequestTracing
+
 __all__ = [
     "ABORT",
     "ABORT_FLUSH_GRACE",
@@ -67,6 +70,14 @@ LOGGER = logging.getLogger("trio_sidecar.engine")
 
 NOT_STARTED = "vLLM sidecar is not started"
 ALREADY_STARTED = "vLLM sidecar has already started"
+
+
+def _load_tracing() -> RequestTracing:
+    """The engine's span factory (``SidecarConfig.otel``, checked importable by ``validate_sidecar_config``):
+    the one place OpenTelemetry gets imported."""
+    from .otel import RequestTracing
+
+    return RequestTracing()
 
 
 class _State(enum.Enum):
@@ -108,6 +119,9 @@ class SidecarEngine:
         self._requests: set[RequestTask] = set()
         self._idle = trio.Event()
         self._idle.set()
+        #: The sidecar's spans (docs/reference/sidecar.md#opentelemetry-span); ``None`` (the default): off,
+        #: and OpenTelemetry is not imported.
+        self._tracing: RequestTracing | None = _load_tracing() if config.otel else None
 
     def __repr__(self) -> str:
         return (
@@ -368,7 +382,7 @@ class SidecarEngine:
         try:
             assert self._pool is not None
             aborts = self._aborts
-            await req.run(self._pool, aborts.queue if aborts is not None else None)
+            await req.run(self._pool, aborts.queue if aborts is not None else None, self._tracing)
         finally:
             self._requests.discard(req)
             if not self._requests:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import trio
@@ -47,6 +47,9 @@ from .errors import SidecarError
 from .pool import ChannelPool
 from .protocol import LLMEngineOutput
 from .transport import ResponseStream
+
+if TYPE_CHECKING:  # (imported only when tracing is on: docs/reference/sidecar.md#opentelemetry-span)
+    from .otel import RequestTracing
 
 __all__ = ["GENERATE_STREAM", "MergingSink", "RequestTask", "RunSink"]
 
@@ -138,12 +141,16 @@ class RequestTask:
         self.scope.cancel()
         self.sink.cancelled()
 
-    async def run(self, pool: ChannelPool, queue_abort: Callable[[str], None] | None) -> None:
+    async def run(
+        self, pool: ChannelPool, queue_abort: Callable[[str], None] | None, tracing: RequestTracing | None = None
+    ) -> None:
         """Open, read and end the stream; sets ``final`` or ``error``/``open_error`` (never raises but
         ``Cancelled`` of an enclosing scope). ``sink.end`` is left to the caller (the engine first stops
-        counting the request)."""
+        counting the request). ``tracing``: the sidecar's span for a traced request
+        (docs/reference/sidecar.md#opentelemetry-span); ``None``: off."""
         sent = False  # the request left for the server
         server_ended = False  # terminal, EOF, a status, or a lost connection: no Abort needed
+        span = None if tracing is None or not self.ctx.trace_metadata else tracing.start(self)
         try:
             with self.scope:
                 if not self.cancelling:
@@ -152,7 +159,7 @@ class RequestTask:
                     sent = True
                     metadata = self.built.metadata
                     if self.ctx.trace_metadata:  # docs/reference/sidecar.md#trace-context
-                        metadata += self.ctx.trace_metadata
+                        metadata += self.ctx.trace_metadata if span is None else span.metadata
                     # the pool is the one edge for gRPC errors: a transport RpcError leaving the block is
                     # raised as the SidecarError status_to_error makes of it
                     async with pool.stream(
@@ -181,6 +188,8 @@ class RequestTask:
             self.done = True
             self.opened.set()
             self.ctx._unsubscribe(self.client_cancel)
+            if span is not None:
+                span.end(self)
 
     def end(self) -> None:
         """Hand the outcome to the sink (once, after :meth:`run`)."""
