@@ -37,6 +37,9 @@ __all__ = [
     "KvEventSource",
     "HealthKind",
     "HealthState",
+    # observability
+    "StatsSnapshot",
+    "HistogramSnapshot",
     # errors
     "ErrorKind",
     "SidecarError",
@@ -67,6 +70,7 @@ if TYPE_CHECKING:
     from .prober import HealthKind, HealthState
     from .protocol import LLMEngineOutput, PreprocessedRequest, structure_request
     from .routing import KvEventSource
+    from .stats import HistogramSnapshot, StatsSnapshot
 
 _HOMES = {
     "open_sidecar": "api",
@@ -87,6 +91,8 @@ _HOMES = {
     "KvEventSource": "routing",
     "HealthKind": "prober",
     "HealthState": "prober",
+    "StatsSnapshot": "stats",
+    "HistogramSnapshot": "stats",
     "ErrorKind": "errors",
     "SidecarError": "errors",
     "InvalidArgument": "errors",

@@ -33,6 +33,7 @@ abort sender (``abort.AbortSender``).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -46,6 +47,7 @@ from .convert.response import ResponseState
 from .errors import SidecarError
 from .pool import ChannelPool
 from .protocol import LLMEngineOutput
+from .stats import SidecarStats
 from .transport import ResponseStream
 
 __all__ = ["GENERATE_STREAM", "MergingSink", "RequestTask", "RunSink"]
@@ -108,6 +110,8 @@ class RequestTask:
     built: BuiltRequest
     decode: bool
     sink: RunSink
+    stats: SidecarStats  # the engine's: time to first token, inter-token latency, decode deferrals
+    started_at: float  # ``time.perf_counter()`` when the engine accepted the request
     #: Cancelled by the client's cancellation or by engine shutdown (see the module docstring).
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     opened: trio.Event = attrs.field(factory=trio.Event)  # the open finished (either way)
@@ -119,6 +123,7 @@ class RequestTask:
     #: The scope was cancelled (it has no deadline, so only ``client_cancel``/``cancel_shutdown`` cancel
     #: it); a plain flag, read once per message (``CancelScope.cancel_called`` reads the clock).
     cancelling: bool = False
+    streamed: bool = False  # the stream opened: vLLM received the request
 
     def client_cancel(self) -> None:
         """The client's cancellation signal (docs/reference/sidecar.md#cancellation-signals): immediate, or
@@ -126,6 +131,8 @@ class RequestTask:
         if self.done:
             return
         if self.decode and not self.builder.transfer_completed:
+            if not self.request_cancelled:
+                self.stats.decode_deferrals += 1
             self.request_cancelled = True
         else:
             self.cancelling = True
@@ -163,6 +170,7 @@ class RequestTask:
                         metadata=metadata,
                         channel=channel,
                     ) as stream:
+                        self.streamed = True
                         self.opened.set()
                         server_ended = await self._listen(stream)
         except SidecarError as exc:
@@ -215,11 +223,33 @@ class RequestTask:
         sink = self.sink
         run = sink.run
         failure: list[BaseException] = []
+        # Latency as the sidecar observes it (docs/observability.md), per delivered batch, never per token:
+        # the first batch with tokens gives the time to first token; each later one, its interval since the
+        # previous one spread over its tokens (one histogram add weighted by the token count).
+        state = self.state
+        clock = time.perf_counter
+        ttft = self.stats.ttft.observe
+        itl = self.stats.itl.observe
+        seen = 0  # completion tokens timed so far
+        last = self.started_at
+
+        def timed() -> None:
+            nonlocal seen, last
+            tokens = state.completion_tokens
+            if tokens > seen:
+                now = clock()
+                if seen:
+                    itl((now - last) / (tokens - seen), tokens - seen)
+                else:
+                    ttft(now - last)
+                seen = tokens
+                last = now
 
         def deliver() -> bool:  # never raises; True: stop listening (a failure, or the sink paused)
             try:
                 items = take_items()
                 if items:
+                    timed()
                     return run(items)
             except Exception as exc:  # a bug: reported by this task
                 failure.append(exc)
@@ -248,6 +278,8 @@ class RequestTask:
             if stopped and ending is not None:
                 # Applied even if a cancellation came after the listener converted the ending message: its
                 # tokens are counted already, so the sink gets that message's chunk (or error) as the last one.
+                if ending.final is not None:
+                    timed()  # the terminal chunk's tokens
                 return self._end(ending)
             if self.cancelling:
                 await trio.lowlevel.checkpoint()  # raises Cancelled: the scope was cancelled

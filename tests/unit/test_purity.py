@@ -26,6 +26,8 @@ PURE = {
     "routing",
     "sampling_checks",
     "tracecontext",
+    "stats",
+    "dynamo.metrics",
 }
 FORBIDDEN_TOP = {"trio", "trio_util", "anyio", "asyncio", "socket", "purerpc", "h2", "zmq", "subprocess", "threading"}
 

@@ -12,7 +12,7 @@ is created and touched only there, through :meth:`AsyncioThread.run`. Lifetimes 
           └─ asyncio thread + runtime      DistributedRuntime, endpoint (docs/reference/worker.md#startup-sequence)
              └─ open_sidecar(expected=…)   the start phase (docs/reference/sidecar.md#start-phase, docs/reference/sidecar.md#identity-check), prober, abort sender
                 └─ request nursery         the bridge's dispatcher (requests are the engine's tasks)
-                   registration            serve_endpoint, register_model, KvEventPublisher per source
+                   registration            serve_endpoint, register_model, metrics callbacks, KvEventPublisher per source
                    health supervisor       unregister/re-register on NOT_SERVING (docs/reference/worker.md#out-of-rotation-while-vllm-is-not-serving, docs/reference/sidecar.md#recovery)
                    wait                    for the shutdown request, a fatal prober error or a dead runtime
 
@@ -337,6 +337,7 @@ async def _register_and_serve(
     state.phase = "registration with Dynamo"
     reporter.phase(state.phase)
     await thread.run(dynamo.serve_and_register, plan, bridge.handler)
+    await thread.run(dynamo.register_metrics, plan, sidecar.stats)
     count = await thread.run(dynamo.replace_publishers, plan, sources)
     await thread.run(dynamo.set_ready, True)
     reporter.phase_done(state.phase)
