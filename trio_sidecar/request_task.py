@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_left
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -223,33 +224,35 @@ class RequestTask:
         sink = self.sink
         run = sink.run
         failure: list[BaseException] = []
-        # Latency as the sidecar observes it (docs/observability.md), per delivered batch, never per token:
-        # the first batch with tokens gives the time to first token; each later one, its interval since the
-        # previous one spread over its tokens (one histogram add weighted by the token count).
+        # Latency as the sidecar observes it (docs/observability.md), per run of messages, never per token:
+        # the first run that converted tokens gives the time to first token; each later one, its interval
+        # since the previous one spread over its tokens (one bucket add weighted by the token count). The
+        # tokens of a terminal message count with its run (the task hands them over right after it).
         state = self.state
         clock = time.perf_counter
         ttft = self.stats.ttft.observe
-        itl = self.stats.itl.observe
+        itl = self.stats.itl
+        itl_bounds = itl.bounds
+        itl_counts = itl.counts
         seen = 0  # completion tokens timed so far
-        last = self.started_at
-
-        def timed() -> None:
-            nonlocal seen, last
-            tokens = state.completion_tokens
-            if tokens > seen:
-                now = clock()
-                if seen:
-                    itl((now - last) / (tokens - seen), tokens - seen)
-                else:
-                    ttft(now - last)
-                seen = tokens
-                last = now
+        last = self.started_at  # when they were delivered
 
         def deliver() -> bool:  # never raises; True: stop listening (a failure, or the sink paused)
+            nonlocal seen, last
             try:
+                tokens = state.completion_tokens
+                if tokens > seen:
+                    now = clock()
+                    if seen:
+                        count = tokens - seen
+                        itl_counts[bisect_left(itl_bounds, (now - last) / count)] += count
+                        itl.sum += now - last
+                    else:
+                        ttft(now - last)
+                    seen = tokens
+                    last = now
                 items = take_items()
                 if items:
-                    timed()
                     return run(items)
             except Exception as exc:  # a bug: reported by this task
                 failure.append(exc)
@@ -278,8 +281,6 @@ class RequestTask:
             if stopped and ending is not None:
                 # Applied even if a cancellation came after the listener converted the ending message: its
                 # tokens are counted already, so the sink gets that message's chunk (or error) as the last one.
-                if ending.final is not None:
-                    timed()  # the terminal chunk's tokens
                 return self._end(ending)
             if self.cancelling:
                 await trio.lowlevel.checkpoint()  # raises Cancelled: the scope was cancelled
