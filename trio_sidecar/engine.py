@@ -409,8 +409,12 @@ class SidecarEngine:
             req.end()
 
     def _count_end(self, req: RequestTask) -> None:
-        """Count the request's outcome and tokens (docs/observability.md)."""
+        """Count the request's outcome, tokens and inter-token latency (docs/observability.md)."""
         state = req.state
+        later_tokens = state.completion_tokens - req.first_tokens
+        if req.first_tokens and later_tokens > 0:
+            # the mean interval between the tokens after the first delivery, up to the request's end
+            self.stats.itl.observe((time.perf_counter() - req.first_token_at) / later_tokens)
         final = req.final
         prompt_tokens = state.prompt_tokens if req.streamed else 0
         completion_tokens = state.reported_completion_tokens()

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import time
-from bisect import bisect_left
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -111,7 +110,7 @@ class RequestTask:
     built: BuiltRequest
     decode: bool
     sink: RunSink
-    stats: SidecarStats  # the engine's: time to first token, inter-token latency, decode deferrals
+    stats: SidecarStats  # the engine's: time to first token, decode deferrals
     started_at: float  # ``time.perf_counter()`` when the engine accepted the request
     #: Cancelled by the client's cancellation or by engine shutdown (see the module docstring).
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
@@ -125,6 +124,8 @@ class RequestTask:
     #: it); a plain flag, read once per message (``CancelScope.cancel_called`` reads the clock).
     cancelling: bool = False
     streamed: bool = False  # the stream opened: vLLM received the request
+    first_token_at: float = 0.0  # ``time.perf_counter()`` when the first tokens were delivered
+    first_tokens: int = 0  # how many were delivered then (0: none yet)
 
     def client_cancel(self) -> None:
         """The client's cancellation signal (docs/reference/sidecar.md#cancellation-signals): immediate, or
@@ -224,33 +225,18 @@ class RequestTask:
         sink = self.sink
         run = sink.run
         failure: list[BaseException] = []
-        # Latency as the sidecar observes it (docs/observability.md), per run of messages, never per token:
-        # the first run that converted tokens gives the time to first token; each later one, its interval
-        # since the previous one spread over its tokens (one bucket add weighted by the token count). The
-        # tokens of a terminal message count with its run (the task hands them over right after it).
+        # Time to first token (docs/observability.md): the first run that converted a token takes the
+        # time; every later run pays one test of a flag. (The inter-token latency is taken once per request,
+        # at its end: no clock read per run.)
         state = self.state
-        clock = time.perf_counter
-        ttft = self.stats.ttft.observe
-        itl = self.stats.itl
-        itl_bounds = itl.bounds
-        itl_counts = itl.counts
-        seen = 0  # completion tokens timed so far
-        last = self.started_at  # when they were delivered
+        waiting_first = True
 
         def deliver() -> bool:  # never raises; True: stop listening (a failure, or the sink paused)
-            nonlocal seen, last
+            nonlocal waiting_first
             try:
-                tokens = state.completion_tokens
-                if tokens > seen:
-                    now = clock()
-                    if seen:
-                        count = tokens - seen
-                        itl_counts[bisect_left(itl_bounds, (now - last) / count)] += count
-                        itl.sum += now - last
-                    else:
-                        ttft(now - last)
-                    seen = tokens
-                    last = now
+                if waiting_first and state.completion_tokens:
+                    waiting_first = False
+                    self._first_tokens_delivered()
                 items = take_items()
                 if items:
                     return run(items)
@@ -287,6 +273,12 @@ class RequestTask:
             if not stopped:
                 return self._end(builder.eof(self.request_cancelled))
             await sink.wait_taken()  # the sink paused: listen again once it took the runs it holds
+
+    def _first_tokens_delivered(self) -> None:
+        now = time.perf_counter()
+        self.first_token_at = now
+        self.first_tokens = self.state.completion_tokens
+        self.stats.ttft.observe(now - self.started_at)
 
     def _end(self, ending: Ending) -> bool:
         """Apply the builder's ending; returns whether the server ended the stream."""

@@ -3,11 +3,11 @@
 Theory of operation
 -------------------
 One :class:`SidecarStats` per engine records what happens, from the Trio thread only, with plain integer
-adds: each request's start, rejection and end (engine), the first token and the delivered batches of
-tokens (request task), ``Control.Abort`` outcomes (abort sender), decode hand-off deferrals, the prober's
-state transitions. Nothing is computed per token: the request task times each *delivered batch* of tokens
-(one clock read and one histogram add per batch, weighted by the batch's token count), and tokens are
-summed once per request at its end.
+adds: each request's start, rejection and end (engine), its first delivered tokens (request task),
+``Control.Abort`` outcomes (abort sender), decode hand-off deferrals, the prober's state transitions.
+Nothing is computed per token or per delivery: a request reads the clock three times (accepted, first
+tokens delivered, ended), observes its time to first token once, its mean inter-token latency once at its
+end, and its tokens are summed then.
 
 :meth:`SidecarStats.snapshot` copies everything into a frozen :class:`StatsSnapshot` (the embedded
 ``Sidecar.stats()``; ``trio-sidecar run`` maps it to Prometheus text when ``/metrics`` is scraped). A copy
@@ -44,8 +44,9 @@ TTFT_BUCKETS: tuple[float, ...] = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 )  # fmt: skip
-#: Inter-token latency, seconds: vLLM's ``INTER_TOKEN_LATENCY_BUCKETS`` with three finer buckets below 10 ms
-#: in front (the sidecar sees tokens that vLLM sends in one step, or that arrive together, a few µs apart).
+#: Inter-token latency (a request's mean), seconds: vLLM's ``INTER_TOKEN_LATENCY_BUCKETS`` with three finer
+#: buckets below 10 ms in front (tokens that vLLM sends in one step, or that arrive together, are a few µs
+#: apart as the sidecar sees them).
 ITL_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005,
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
@@ -126,7 +127,7 @@ class Histogram:
         self.sum = 0.0
 
     def observe(self, value: float, count: int = 1) -> None:
-        """Record ``count`` observations of ``value`` (a batch of ``count`` tokens ``value`` seconds apart)."""
+        """Record ``count`` observations of ``value``."""
         self.counts[bisect_left(self.bounds, value)] += count
         self.sum += value * count
 

@@ -156,8 +156,8 @@ METRICS: tuple[Metric, ...] = (
     _m(
         "inter_token_latency_seconds",
         "histogram",
-        "Between deliveries of a request's tokens: each delivered batch observes its interval since the "
-        "previous one divided by its tokens, once per token.",
+        "Per request: the mean interval between its tokens after the first delivered ones (from that "
+        "delivery to the request's end, divided by the tokens delivered after it).",
         histogram=lambda s: s.inter_token_latency,
     ),
     _m(
