@@ -337,7 +337,10 @@ async def _register_and_serve(
     state.phase = "registration with Dynamo"
     reporter.phase(state.phase)
     await thread.run(dynamo.serve_and_register, plan, bridge.handler)
-    await thread.run(dynamo.register_metrics, plan, sidecar.stats)
+    try:
+        await thread.run(dynamo.register_metrics, plan, sidecar.stats)
+    except Exception as exc:  # noqa: BLE001 - metrics must not keep the worker from serving
+        LOGGER.error("registering the metrics callbacks on endpoint.metrics failed: %s", exc)
     count = await thread.run(dynamo.replace_publishers, plan, sources)
     await thread.run(dynamo.set_ready, True)
     reporter.phase_done(state.phase)
