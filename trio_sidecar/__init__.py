@@ -41,6 +41,9 @@ __all__ = [
     "PauseMode",
     "RlCapabilities",
     "WakeState",
+    # observability
+    "StatsSnapshot",
+    "HistogramSnapshot",
     # errors
     "ErrorKind",
     "SidecarError",
@@ -73,6 +76,7 @@ if TYPE_CHECKING:
     from .rl import PauseMode, RlCapabilities
     from .rl_controls import WakeState
     from .routing import KvEventSource
+    from .stats import HistogramSnapshot, StatsSnapshot
 
 _HOMES = {
     "open_sidecar": "api",
@@ -96,6 +100,8 @@ _HOMES = {
     "PauseMode": "rl",
     "RlCapabilities": "rl",
     "WakeState": "rl_controls",
+    "StatsSnapshot": "stats",
+    "HistogramSnapshot": "stats",
     "ErrorKind": "errors",
     "SidecarError": "errors",
     "InvalidArgument": "errors",

@@ -45,6 +45,7 @@ from .rl import (
 )
 from .rl_controls import RlControls, WakeState
 from .routing import KvEventSource
+from .stats import StatsSnapshot
 from .transport import collapse_single_exception
 
 __all__ = [
@@ -144,6 +145,13 @@ class Sidecar:
             InvalidArgument: ``LoRA adapter 'x' not found. Available LoRAs: [...]``, or no LoRA support.
         """
         return await self.lora.unload(name)
+
+    def stats(self) -> StatsSnapshot:
+        """The sidecar's counters, gauges and histograms now, as a frozen snapshot (docs/observability.md):
+        requests started, finished by outcome, rejected and in flight; tokens; time to first token and
+        inter-token latency; ``Control.Abort`` outcomes; decode deferrals; the prober's state and
+        transitions; the connection pool. No Prometheus needed; safe to call from any thread."""
+        return self.engine.snapshot_stats()
 
     def _on_recovered(self, model: DiscoveredModel, kv_sources: tuple[KvEventSource, ...]) -> None:
         # The prober already logged a changed source list (docs/reference/sidecar.md#recovery); this only swaps the state.
@@ -269,6 +277,7 @@ async def open_sidecar(config: SidecarConfig, *, expected: DiscoveredModel | Non
                             kv_sources=sidecar.kv_event_sources,
                             health=sidecar.health,
                             on_recovered=sidecar._on_recovered,
+                            stats=engine.stats,
                         )
                     )
                 yield sidecar

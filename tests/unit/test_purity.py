@@ -28,6 +28,8 @@ PURE = {
     "sampling_checks",
     "tracecontext",
     "rl",
+    "stats",
+    "dynamo.metrics",
 }
 FORBIDDEN_TOP = {"trio", "trio_util", "anyio", "asyncio", "socket", "purerpc", "h2", "zmq", "subprocess", "threading"}
 

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from dynamo.runtime import DistributedRuntime, Endpoint
 
     from ..routing import KvEventSource
+    from ..stats import StatsSnapshot
     from .plan import WorkerPlan
 
     Handler = Callable[..., AsyncIterator[dict[str, Any]]]
@@ -149,6 +150,36 @@ class DynamoSide:
         LOGGER.log(outcome.level, "%s", outcome.message)
         self.image_token_id = outcome.image_token_id
         return outcome.image_token_id
+
+    async def register_metrics(self, plan: WorkerPlan, snapshot: Callable[[], StatsSnapshot]) -> None:
+        """Publish the sidecar's stats on the system status server's ``/metrics`` (docs/observability.md).
+
+        Dynamo's own mechanism, as its Python workers use it (``register_engine_metrics_callback``): two
+        callbacks on ``endpoint.metrics``, called by the runtime at each scrape (text for ``/metrics``, typed
+        families for the OTLP export). Each takes one ``snapshot()`` then and maps it (:mod:`.metrics`);
+        nothing is sent per request. The labels are those Dynamo injects into engine metrics.
+        """
+        from .metrics import common_labels, render_text, render_typed
+
+        endpoint = self._endpoint()
+        namespace, component, name = plan.endpoint_path.rsplit(".", 2)
+        try:
+            worker_id: str | None = format(endpoint.connection_id(), "x")
+        except Exception:  # noqa: BLE001 - as Dynamo's helper: the label is left out
+            LOGGER.debug("endpoint.connection_id() failed; no worker_id label", exc_info=True)
+            worker_id = None
+        labels = common_labels(
+            namespace=namespace, component=component, endpoint=name, model=plan.served_model_name, worker_id=worker_id
+        )
+
+        def text() -> str:
+            return render_text(snapshot(), labels)
+
+        def typed() -> list[Any]:
+            return list(render_typed(snapshot(), labels))
+
+        endpoint.metrics.register_prometheus_expfmt_callback(text)
+        endpoint.metrics.register_prometheus_typed_callback(typed)
 
     async def replace_publishers(self, plan: WorkerPlan, sources: Sequence[KvEventSource]) -> int:
         """Shut down the current KV publishers and create one per source (docs/reference/worker.md#kv-events)."""

@@ -12,7 +12,7 @@ is created and touched only there, through :meth:`AsyncioThread.run`. Lifetimes 
           └─ asyncio thread + runtime      DistributedRuntime, endpoint (docs/reference/worker.md#startup-sequence)
              └─ open_sidecar(expected=…)   the start phase (docs/reference/sidecar.md#start-phase, docs/reference/sidecar.md#identity-check), prober, abort sender
                 └─ request nursery         the bridge's dispatcher (requests are the engine's tasks)
-                   registration            serve_endpoint, register_model, KvEventPublisher per source
+                   registration            serve_endpoint, register_model, metrics callbacks, KvEventPublisher per source
                    health supervisor       unregister/re-register on NOT_SERVING (docs/reference/worker.md#out-of-rotation-while-vllm-is-not-serving, docs/reference/sidecar.md#recovery)
                    wait                    for the shutdown request, a fatal prober error or a dead runtime
 
@@ -354,6 +354,10 @@ async def _register_and_serve(
     if rl is not None:
         await thread.run(dynamo.serve_rl_endpoint, rl.endpoint_path, rl.rl_handler)
         LOGGER.info("serving the RL routes on %s: %s", rl.endpoint_path, ", ".join(rl.routes))
+    try:
+        await thread.run(dynamo.register_metrics, plan, sidecar.stats)
+    except Exception as exc:  # noqa: BLE001 - metrics must not keep the worker from serving
+        LOGGER.error("registering the metrics callbacks on endpoint.metrics failed: %s", exc)
     count = await thread.run(dynamo.replace_publishers, plan, sources)
     await thread.run(dynamo.set_ready, True)
     reporter.phase_done(state.phase)
