@@ -28,7 +28,9 @@ import http.client
 import json
 import shutil
 import signal
+import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -252,6 +254,69 @@ class NatsServer(_Server):
     def ready(self) -> bool:
         # /healthz answers 200 once the client listener and JetStream are up.
         return _http_ok(self.monitor_port, "/healthz")
+
+
+class NatsTap:
+    """A plain NATS client that records every message published on ``subject`` (wildcards allowed).
+
+    What Dynamo publishes on the NATS event plane, as the server delivers it: ``(receive time, subject,
+    payload)`` in arrival order (headers are dropped). A reader thread owns the socket; :meth:`close` ends it.
+    """
+
+    def __init__(self, nats: NatsServer, subject: str = ">") -> None:
+        self._sock = socket.create_connection((LOOPBACK, nats.port), timeout=10.0)
+        self._buf = b""
+        self._lock = threading.Lock()
+        self._messages: list[tuple[float, str, bytes]] = []
+        self._line()  # the server's INFO
+        self._sock.sendall(b'CONNECT {"verbose":false,"pedantic":false,"headers":true,"protocol":1}\r\n')
+        self._sock.sendall(f"SUB {subject} 1\r\nPING\r\n".encode())
+        while not self._line().startswith(b"PONG"):  # subscribed once the PING is answered
+            pass
+        self._sock.settimeout(None)
+        self._thread = threading.Thread(target=self._read, name="nats-tap", daemon=True)
+        self._thread.start()
+
+    def _fill(self) -> None:
+        data = self._sock.recv(65536)
+        if not data:
+            raise EOFError
+        self._buf += data
+
+    def _line(self) -> bytes:
+        while b"\r\n" not in self._buf:
+            self._fill()
+        line, self._buf = self._buf.split(b"\r\n", 1)
+        return line
+
+    def _body(self, size: int) -> bytes:
+        while len(self._buf) < size + 2:
+            self._fill()
+        body, self._buf = self._buf[:size], self._buf[size + 2 :]
+        return body
+
+    def _read(self) -> None:
+        with contextlib.suppress(EOFError, OSError):
+            while True:
+                line = self._line()
+                if line.startswith(b"PING"):
+                    self._sock.sendall(b"PONG\r\n")
+                elif line.startswith((b"MSG ", b"HMSG ")):
+                    fields = line.split()
+                    headers = int(fields[-2]) if line.startswith(b"HMSG ") else 0
+                    body = self._body(int(fields[-1]))
+                    with self._lock:
+                        self._messages.append((time.time(), fields[1].decode(), body[headers:]))
+
+    def messages(self) -> list[tuple[float, str, bytes]]:
+        with self._lock:
+            return list(self._messages)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        self._thread.join(10)
 
 
 @attrs.frozen

@@ -37,6 +37,13 @@ __all__ = [
     "KvEventSource",
     "HealthKind",
     "HealthState",
+    # RL controls (docs/rl.md)
+    "PauseMode",
+    "RlCapabilities",
+    "WakeState",
+    # observability
+    "StatsSnapshot",
+    "HistogramSnapshot",
     # errors
     "ErrorKind",
     "SidecarError",
@@ -66,7 +73,10 @@ if TYPE_CHECKING:
     from .model import DiscoveredModel, EngineConfig, ModelIdentity
     from .prober import HealthKind, HealthState
     from .protocol import LLMEngineOutput, PreprocessedRequest, structure_request
+    from .rl import PauseMode, RlCapabilities
+    from .rl_controls import WakeState
     from .routing import KvEventSource
+    from .stats import HistogramSnapshot, StatsSnapshot
 
 _HOMES = {
     "open_sidecar": "api",
@@ -87,6 +97,11 @@ _HOMES = {
     "KvEventSource": "routing",
     "HealthKind": "prober",
     "HealthState": "prober",
+    "PauseMode": "rl",
+    "RlCapabilities": "rl",
+    "WakeState": "rl_controls",
+    "StatsSnapshot": "stats",
+    "HistogramSnapshot": "stats",
     "ErrorKind": "errors",
     "SidecarError": "errors",
     "InvalidArgument": "errors",

@@ -17,6 +17,7 @@ import trio
 from ._proto.vllm import control_pb2
 from .errors import SidecarError
 from .pool import ChannelPool
+from .stats import SidecarStats
 
 __all__ = ["ABORT", "ABORT_FLUSH_GRACE", "AbortSender"]
 
@@ -33,11 +34,14 @@ class AbortSender:
 
     Attributes:
         queued: ids queued so far; ``sent``: ids whose Abort call succeeded (for tests and ``repr``).
+        stats: where the ids queued, sent, failed and timed out are counted (docs/observability.md); the
+            engine's, else a fresh one.
     """
 
-    def __init__(self, pool: ChannelPool, timeout: float) -> None:
+    def __init__(self, pool: ChannelPool, timeout: float, *, stats: SidecarStats | None = None) -> None:
         self._pool = pool
         self._timeout = timeout
+        self.stats = stats if stats is not None else SidecarStats()
         self._send, self._receive = trio.open_memory_channel[str](math.inf)
         self._scope = trio.CancelScope()
         self._done = trio.Event()
@@ -54,6 +58,7 @@ class AbortSender:
         except (trio.ClosedResourceError, trio.BrokenResourceError):
             return
         self.queued += 1
+        self.stats.aborts_queued += 1
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The sender task (``nursery.start``); ends when :meth:`aclose` flushed or gave up."""
@@ -90,8 +95,11 @@ class AbortSender:
                 )
         except SidecarError as exc:
             LOGGER.warning("Control.Abort failed for %s: %s", ids, exc)
+            self.stats.aborts_failed += len(ids)
             return
         if scope.cancelled_caught:
             LOGGER.warning("Abort did not respond within %ss", f"{timeout:g}")
+            self.stats.aborts_timed_out += len(ids)
             return
         self.sent += len(ids)
+        self.stats.aborts_sent += len(ids)

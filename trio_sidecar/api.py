@@ -15,7 +15,7 @@ request) lives in the nursery of :func:`open_sidecar`; nothing outlives its ``as
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
@@ -27,13 +27,38 @@ from .config import SidecarConfig, validate_sidecar_config
 from .context import ChunkSink, GenerateContext
 from .discovery import discover
 from .engine import SidecarEngine
+from .lora import LoadResult, LoraAdapter
+from .lora_lifecycle import LoraLifecycle
 from .model import DiscoveredModel, EngineConfig
 from .prober import HealthState, run_health_prober
 from .protocol import LLMEngineOutput, PreprocessedRequest
+from .rl import (
+    PauseMode,
+    RlCapabilities,
+    parse_finish_weight_update,
+    parse_init_weight_transfer,
+    parse_pause,
+    parse_sleep,
+    parse_update_weight_version,
+    parse_update_weights,
+    parse_wake_up,
+)
+from .rl_controls import RlControls, WakeState
 from .routing import KvEventSource
+from .stats import StatsSnapshot
 from .transport import collapse_single_exception
 
-__all__ = ["open_sidecar", "discover", "Sidecar", "ChunkSink", "GenerateContext"]
+__all__ = [
+    "open_sidecar",
+    "discover",
+    "Sidecar",
+    "ChunkSink",
+    "GenerateContext",
+    "LoadResult",
+    "LoraAdapter",
+    "PauseMode",
+    "WakeState",
+]
 
 
 @attrs.define(eq=False)
@@ -49,6 +74,8 @@ class Sidecar:
             is open only while it is ``SERVING``.
         engine: the underlying :class:`SidecarEngine`, the owner of admission and drain (``in_flight``,
             ``stop_admission()``, ``wait_idle()``, ``cancel_in_flight()``, ``drain(timeout)``).
+        lora: the LoRA adapter lifecycle (docs/lora.md); :meth:`list_loras`, :meth:`load_lora` and
+            :meth:`unload_lora` are its entry points.
     """
 
     engine: SidecarEngine
@@ -56,6 +83,7 @@ class Sidecar:
     engine_config: EngineConfig
     kv_event_sources: tuple[KvEventSource, ...]
     health: trio_util.AsyncValue[HealthState]
+    lora: LoraLifecycle
 
     def __repr__(self) -> str:
         return (
@@ -84,12 +112,124 @@ class Sidecar:
         """
         self.engine.submit(request, ctx, sink)
 
+    async def list_loras(self) -> list[LoraAdapter]:
+        """The adapters vLLM holds (``ListLoras``), in its order (docs/lora.md#embedded-api).
+
+        Raises:
+            InvalidArgument: the server does not advertise LoRA support with ``max_loras`` > 0.
+            SidecarError: the mapped gRPC status of ``ListLoras``; ``EngineShutdown`` after the block.
+        """
+        return await self.lora.list_adapters()
+
+    async def load_lora(self, name: str, source: str) -> LoadResult:
+        """Load the adapter directory ``source`` (an absolute path or a ``file://`` URI) as ``name``.
+
+        ``hf://`` and ``s3://`` sources need a resolver set on ``sidecar.lora.resolver`` (a
+        :class:`~trio_sidecar.lora_lifecycle.SourceResolver`; docs/lora.md#sources): the embedded API
+        downloads nothing by itself.
+
+        Control calls: ``ListLoras``, then ``LoadLora`` unless refused by the checks of docs/lora.md (same
+        texts as the ``/v1/loras`` answers, without the ``InvalidRequest:`` prefix) or already loaded
+        (``LoadResult.already_loaded``; any path).
+
+        Raises:
+            InvalidArgument, ProtocolError, SidecarError: see docs/lora.md#routes (the same texts).
+        """
+        uri = f"file://{source}" if source.startswith("/") else source
+        return await self.lora.load(name, uri)
+
+    async def unload_lora(self, name: str) -> LoraAdapter:
+        """Unload adapter ``name`` (``ListLoras``, ``UnloadLora``) and return what vLLM removed.
+
+        Raises:
+            InvalidArgument: ``LoRA adapter 'x' not found. Available LoRAs: [...]``, or no LoRA support.
+        """
+        return await self.lora.unload(name)
+
+    def stats(self) -> StatsSnapshot:
+        """The sidecar's counters, gauges and histograms now, as a frozen snapshot (docs/observability.md):
+        requests started, finished by outcome, rejected and in flight; tokens; time to first token and
+        inter-token latency; ``Control.Abort`` outcomes; decode deferrals; the prober's state and
+        transitions; the connection pool. No Prometheus needed; safe to call from any thread."""
+        return self.engine.snapshot_stats()
+
     def _on_recovered(self, model: DiscoveredModel, kv_sources: tuple[KvEventSource, ...]) -> None:
         # The prober already logged a changed source list (docs/reference/sidecar.md#recovery); this only swaps the state.
         self.model = model
         self.engine.model = model
         self.kv_event_sources = kv_sources
         self.engine.kv_event_sources = kv_sources
+        if model.supports_lora:
+            self.lora.request_reconcile()  # a restarted vLLM may have lost the adapters (docs/lora.md#reconciliation)
+
+    # --- RL controls (docs/rl.md#embedded-api) --------------------------------------------------------------
+    # Each method is one Control call (two for resume/wake-up) on the sidecar's pool. Errors: the mapped gRPC
+    # status (``InvalidArgument`` for vLLM's FAILED_PRECONDITION/INVALID_ARGUMENT, e.g. sleep mode not
+    # configured; ``CannotConnect`` when vLLM is unreachable), ``EngineShutdown`` after the block; arguments
+    # are checked first with the engine routes' texts (``InvalidArgument``, nothing sent).
+
+    @property
+    def rl_capabilities(self) -> RlCapabilities:
+        """``ServerInfo.rl_capabilities`` of the current vLLM (sleep mode, weight transfer, draft updates)."""
+        return RlCapabilities.from_server_info(self.model.server_info)
+
+    def rl_controls(self) -> RlControls:
+        """The RL Control calls on this sidecar's pool, without argument checks (what the Dynamo worker's engine
+        routes use after parsing their bodies); ``EngineShutdown`` once the sidecar is stopped."""
+        return RlControls(
+            lambda: self.engine.pool if self.engine.started else None, sleep_mode=self.rl_capabilities.sleep_mode
+        )
+
+    async def pause_generation(
+        self, mode: PauseMode | str = PauseMode.ABORT, *, clear_cache: bool | None = None
+    ) -> None:
+        """``PauseGeneration``: ``abort`` (in-flight requests end), ``wait`` (they finish) or ``keep`` (frozen)."""
+        request = parse_pause({"mode": _mode_text(mode), "clear_cache": clear_cache})
+        await self.rl_controls().pause_generation(request.mode, clear_cache=request.clear_cache)
+
+    async def resume_generation(self) -> WakeState:
+        """``ResumeGeneration`` (then ``IsSleeping`` on a server with sleep mode: ``WakeState.sleeping``)."""
+        return await self.rl_controls().resume_generation()
+
+    async def is_paused(self) -> bool:
+        return await self.rl_controls().is_paused()
+
+    async def sleep(self, level: int | None = None, mode: PauseMode | str = PauseMode.ABORT) -> None:
+        """``Sleep``: level 0 pauses, 1 and 2 also release the weights and the KV cache (None: vLLM's default, 1)."""
+        request = parse_sleep({"level": level, "mode": _mode_text(mode)})
+        await self.rl_controls().sleep(request.level, request.mode)
+
+    async def wake_up(self, tags: Sequence[str] = ()) -> WakeState:
+        """``WakeUp`` for ``tags`` (``weights``, ``kv_cache``, ``scheduling``; none: everything), then ``IsSleeping``."""
+        return await self.rl_controls().wake_up(parse_wake_up({"tags": list(tags)}))
+
+    async def is_sleeping(self) -> bool:
+        return await self.rl_controls().is_sleeping()
+
+    async def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        """``InitWeightTransferEngine`` with ``init_info`` as compact JSON."""
+        await self.rl_controls().init_weight_transfer_engine(parse_init_weight_transfer({"init_info": init_info}))
+
+    async def start_weight_update(self, *, draft: bool = False) -> None:
+        """``StartWeightUpdate`` (``StartDraftWeightUpdate`` with ``draft``)."""
+        await self.rl_controls().start_weight_update(draft=draft)
+
+    async def update_weights(self, update_info: dict[str, Any]) -> None:
+        """``UpdateWeights`` with ``update_info`` as compact JSON."""
+        await self.rl_controls().update_weights(parse_update_weights({"update_info": update_info}))
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        await self.rl_controls().finish_weight_update(parse_finish_weight_update({"weight_version": weight_version}))
+
+    async def update_weight_version(self, weight_version: str) -> None:
+        await self.rl_controls().update_weight_version(parse_update_weight_version({"new_version": weight_version}))
+
+    async def get_weight_version(self) -> str:
+        return await self.rl_controls().get_weight_version()
+
+
+def _mode_text(mode: PauseMode | str) -> str:
+    return mode.value if isinstance(mode, PauseMode) else mode
 
 
 @asynccontextmanager
@@ -123,7 +263,10 @@ async def open_sidecar(config: SidecarConfig, *, expected: DiscoveredModel | Non
                     engine_config=engine_config,
                     kv_event_sources=engine.kv_event_sources,
                     health=engine.health,
+                    lora=LoraLifecycle(lambda: engine.pool, lambda: engine.model),
                 )
+                if sidecar.model.supports_lora:
+                    await nursery.start(sidecar.lora.run_reconciler)
                 if config.health_prober:
                     await nursery.start(
                         functools.partial(
@@ -134,6 +277,7 @@ async def open_sidecar(config: SidecarConfig, *, expected: DiscoveredModel | Non
                             kv_sources=sidecar.kv_event_sources,
                             health=sidecar.health,
                             on_recovered=sidecar._on_recovered,
+                            stats=engine.stats,
                         )
                     )
                 yield sidecar

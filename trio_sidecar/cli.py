@@ -62,7 +62,7 @@ class Option:
     dest: str
     target: str  # "sidecar" | "worker"
     default: Any
-    # str | opt_str | opt_int | choice | opt_choice | bool_value (takes a value) | switch (flag) |
+    # str | opt_str | url | opt_int | choice | opt_choice | bool_value (takes a value) | switch (flag) |
     # pair (--x/--no-x) | count (integer >= 1) | secs (seconds >= 0) | pos_secs (seconds > 0) | mode |
     # endpoint_types
     kind: str
@@ -205,7 +205,7 @@ OPTIONS: tuple[Option, ...] = (
         "worker",
         False,
         "switch",
-        "must be off: RL controls are not supported by trio-sidecar",
+        "publish this worker's engine control/update routes on the RL request-plane endpoint (docs/rl.md)",
     ),
     Option(
         "--vllm-http-endpoint",
@@ -213,8 +213,9 @@ OPTIONS: tuple[Option, ...] = (
         "vllm_http_endpoint",
         "worker",
         None,
-        "opt_str",
-        "accepted for compatibility; ignored",
+        "url",
+        "optional controller-routable vLLM HTTP base URL for RL compatibility operations (published as the RL "
+        "worker's admin_base_url)",
         metavar="URL",
     ),
     Option(
@@ -224,7 +225,8 @@ OPTIONS: tuple[Option, ...] = (
         "worker",
         None,
         "opt_int",
-        "accepted for compatibility; ignored",
+        "optional total RL process world size for vLLM versions that omit it from gRPC metadata (tensor, "
+        "pipeline, prefill-context and data parallelism included)",
         metavar="N",
     ),
     # Dynamo runtime planes (docs/reference/sidecar.md#configuration)
@@ -286,6 +288,16 @@ OPTIONS: tuple[Option, ...] = (
         True,
         "pair",
         "send Control.Abort for abandoned streams",
+    ),
+    Option(
+        "--otel",
+        "TRIO_SIDECAR_OTEL",
+        "otel",
+        "sidecar",
+        False,
+        "pair",
+        "an OpenTelemetry span per traced request, the parent of vLLM's (needs the otel extra and a "
+        "configured tracer provider)",
     ),
     Option(
         "--grpc-keepalive-time-secs",
@@ -449,6 +461,8 @@ def _convert(opt: Option, raw: Any, source: str) -> Any:
         return text
     if kind == "opt_str":
         return text if text.strip() else None
+    if kind == "url":  # kept as given, empty included: checked and normalized by config.prepare
+        return text
     if kind == "count":
         value = _decimal(text, source)
         if value < 1:

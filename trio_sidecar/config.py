@@ -16,6 +16,7 @@ import attrs
 
 from .endpoint import GrpcEndpoint, parse_grpc_endpoint
 from .errors import InvalidArgument, format_duration
+from .rl import parse_admin_base_url
 
 __all__ = [
     "DisaggregationMode",
@@ -33,6 +34,7 @@ __all__ = [
 MAX_DEADLINE_SECONDS = 2**63 / 1_000_000_000
 
 DYNAMO_EXTRA_MISSING = "the Dynamo upstream requires the optional 'dynamo' extra (ai-dynamo-runtime==1.6.1)"
+OTEL_EXTRA_MISSING = "otel requires the optional 'otel' extra (opentelemetry-api)"
 
 
 class DisaggregationMode(enum.Enum):
@@ -90,6 +92,9 @@ class SidecarConfig:
     keepalive_time: float = 10.0
     #: ... and lose it (every call on it fails UNAVAILABLE) when nothing is read this long after the PING.
     keepalive_timeout: float = 4.0
+    #: Project addition: open an OpenTelemetry span per request that carries a ``traceparent`` and forward
+    #: its context to vLLM (docs/reference/sidecar.md#opentelemetry-span); needs the ``otel`` extra.
+    otel: bool = False
 
 
 def _endpoint_types(value: object) -> tuple[str, ...]:
@@ -118,15 +123,17 @@ class WorkerOptions:
     request_plane: str = "tcp"
     response_plane: str = "tcp"
     event_plane: str | None = None  # None: the runtime's default (zmq)
-    vllm_http_endpoint: str | None = None  # accepted for compatibility; only RL would use it
-    vllm_rl_world_size: int | None = None  # accepted for compatibility; ignored
+    #: The RL worker's ``admin_base_url`` (docs/rl.md); validated and normalized like the native sidecar.
+    vllm_http_endpoint: str | None = None
+    #: The RL worker's ``world_size`` when vLLM's ``ServerInfo`` does not report one (docs/rl.md).
+    vllm_rl_world_size: int | None = None
     unserving_grace: float = 5.0
     drain_timeout: float = 30.0
     log_level: str = "info"
 
 
 def validate_sidecar_config(config: SidecarConfig) -> GrpcEndpoint:
-    """The ``SidecarConfig`` part of docs/reference/sidecar.md#pre-network-checks (items 1, 5, 6), in order.
+    """The ``SidecarConfig`` part of docs/reference/sidecar.md#pre-network-checks (items 1, 5, 6, 7), in order.
 
     Returns:
         The normalized endpoint.
@@ -138,6 +145,7 @@ def validate_sidecar_config(config: SidecarConfig) -> GrpcEndpoint:
         raise InvalidArgument("encode mode is not supported by the vLLM sidecar")
     endpoint = parse_grpc_endpoint(config.grpc_endpoint)
     _check_transport(config)
+    _check_otel(config)
     return endpoint
 
 
@@ -170,6 +178,19 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _check_otel(config: SidecarConfig) -> None:
+    if config.otel and not otel_available():
+        raise InvalidArgument(OTEL_EXTRA_MISSING)
+
+
+def otel_available() -> bool:
+    """Whether the optional ``otel`` extra (``opentelemetry-api``) can be imported (without importing it)."""
+    try:
+        return importlib.util.find_spec("opentelemetry.trace") is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def dynamo_available() -> bool:
     """Whether the optional ``dynamo`` extra (``ai-dynamo-runtime``) can be imported."""
     try:
@@ -181,9 +202,9 @@ def dynamo_available() -> bool:
 
 
 def prepare(config: SidecarConfig, worker_options: WorkerOptions, *, dynamo_required: bool) -> GrpcEndpoint:
-    """All the pre-network checks (docs/reference/sidecar.md#pre-network-checks, items 1–7), in order, before any socket is opened.
+    """All the pre-network checks (docs/reference/sidecar.md#pre-network-checks, items 1–8), in order, before any socket is opened.
 
-    Item 8 (the ``Discovering vLLM model metadata ...`` line) is printed by the caller, from
+    The ``Discovering vLLM model metadata ...`` line after them is printed by the caller, from
     :func:`discovery_banner`, so this function stays free of I/O.
 
     Raises:
@@ -197,10 +218,13 @@ def prepare(config: SidecarConfig, worker_options: WorkerOptions, *, dynamo_requ
         raise InvalidArgument(
             "vLLM gRPC does not preserve the request options required by Dynamo tool-call and reasoning parsers"
         )
-    if worker_options.enable_rl:
-        raise InvalidArgument("RL controls are not supported by trio-sidecar")
+    if worker_options.vllm_http_endpoint is not None:
+        parse_admin_base_url(worker_options.vllm_http_endpoint)
+    if worker_options.vllm_rl_world_size is not None and not 1 <= worker_options.vllm_rl_world_size <= 2**32 - 1:
+        raise InvalidArgument("`--vllm-rl-world-size` must be between 1 and 4294967295")
     endpoint = parse_grpc_endpoint(config.grpc_endpoint)
     _check_transport(config)
+    _check_otel(config)
     if dynamo_required and not dynamo_available():
         raise InvalidArgument(DYNAMO_EXTRA_MISSING)
     return endpoint

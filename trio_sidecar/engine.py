@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import enum
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 import trio_util
@@ -44,14 +45,18 @@ from .discovery import (
     wait_for_services,
 )
 from .endpoint import GrpcEndpoint
-from .errors import CannotConnect, EngineShutdown
+from .errors import CannotConnect, EngineShutdown, InvalidArgument, SidecarError
 from .model import DiscoveredModel, EngineConfig, engine_config, ensure_startup_compatible
 from .pool import ChannelPool
 from .prober import SERVING_STATE, HealthState
 from .protocol import PreprocessedRequest, structure_request
 from .request_task import GENERATE_STREAM, MergingSink, RequestTask, RunSink
 from .routing import KvEventSource
+from .stats import SidecarStats, StatsSnapshot
 from .stream import ChunkStream
+
+if TYPE_CHECKING:  # (imported only when tracing is on: docs/reference/sidecar.md#opentelemetry-span)
+    from .otel import RequestTracing
 
 __all__ = [
     "ABORT",
@@ -67,6 +72,14 @@ LOGGER = logging.getLogger("trio_sidecar.engine")
 
 NOT_STARTED = "vLLM sidecar is not started"
 ALREADY_STARTED = "vLLM sidecar has already started"
+
+
+def _load_tracing() -> RequestTracing:
+    """The engine's span factory (``SidecarConfig.otel``, checked importable by ``validate_sidecar_config``):
+    the one place OpenTelemetry gets imported."""
+    from .otel import RequestTracing
+
+    return RequestTracing()
 
 
 class _State(enum.Enum):
@@ -85,6 +98,8 @@ class SidecarEngine:
     Attributes:
         health: the prober's state (``open_sidecar`` hands it to the prober); admission is open only while
             it is ``SERVING`` (docs/reference/sidecar.md#admission).
+        stats: the recorder of the engine's counters (docs/observability.md), shared with its request tasks,
+            its abort sender and the prober; :meth:`snapshot_stats` reads it.
 
     Resource handling: :meth:`start` puts the connection tasks, the abort sender and every request task in
     the nursery it is given; :meth:`cleanup` ends all of them except the nursery itself, which the owner
@@ -99,6 +114,7 @@ class SidecarEngine:
         self.engine_config: EngineConfig | None = None
         self.kv_event_sources: tuple[KvEventSource, ...] = ()
         self.health: trio_util.AsyncValue[HealthState] = trio_util.AsyncValue(SERVING_STATE)
+        self.stats = SidecarStats()
         self._state = _State.CREATED
         self._closed = trio.Event()  # set once the state reaches CLOSED
         self._admitting = True
@@ -108,6 +124,9 @@ class SidecarEngine:
         self._requests: set[RequestTask] = set()
         self._idle = trio.Event()
         self._idle.set()
+        #: The sidecar's spans (docs/reference/sidecar.md#opentelemetry-span); ``None`` (the default): off,
+        #: and OpenTelemetry is not imported.
+        self._tracing: RequestTracing | None = _load_tracing() if config.otel else None
 
     def __repr__(self) -> str:
         return (
@@ -134,6 +153,20 @@ class SidecarEngine:
     def aborts_sent(self) -> int:
         """Request ids whose ``Control.Abort`` call succeeded."""
         return self._aborts.sent if self._aborts is not None else 0
+
+    def snapshot_stats(self) -> StatsSnapshot:
+        """The engine's counters, gauges and histograms now (docs/observability.md); safe to call from
+        another thread holding the GIL (each field is read at once, see ``stats``)."""
+        pool = self._pool
+        if pool is None:
+            return self.stats.snapshot(health_state=self.health.value.kind.value)
+        return self.stats.snapshot(
+            health_state=self.health.value.kind.value,
+            pool_connections=len(pool),
+            pool_connections_up=pool.connections_up,
+            pool_reconnects=pool.reconnects,
+            pool_reconnect_failures=pool.reconnect_failures,
+        )
 
     async def start(self, nursery: trio.Nursery, *, expected: DiscoveredModel | None = None) -> EngineConfig:
         """The start phase (docs/reference/sidecar.md#start-phase).
@@ -180,11 +213,12 @@ class SidecarEngine:
                 raise EngineShutdown(NOT_STARTED)
             self.model = model
             self.engine_config = engine_config(model)
+            self.stats.add_dp_ranks(model.data_parallel_size())
             self._state = _State.STARTED
             LOGGER.info("vLLM gRPC services are ready")
             self.kv_event_sources = await fetch_kv_event_sources(self._pool, self.endpoint, model, deadline=deadline)
             if config.abort_on_cancel:
-                self._aborts = AbortSender(self._pool, config.abort_timeout)
+                self._aborts = AbortSender(self._pool, config.abort_timeout, stats=self.stats)
                 await nursery.start(self._aborts.run)
             ok = True
             return self.engine_config
@@ -337,13 +371,30 @@ class SidecarEngine:
     def _start_request(
         self, request: dict[str, Any] | PreprocessedRequest, ctx: GenerateContext, sink: RunSink
     ) -> RequestTask:
+        stats = self.stats
         if not self._admitting or self._state is not _State.STARTED:
+            stats.request_rejected("not_started")
             raise EngineShutdown(NOT_STARTED)
         assert self.model is not None and self._nursery is not None
-        preprocessed = structure_request(request)
-        request_id = ctx.request_id or str(uuid.uuid4())
-        built = build_generate_request(preprocessed, request_id, self.model.served_model_name, self.mode)
-        self._check_admission()
+        started_at = time.perf_counter()
+        try:
+            preprocessed = structure_request(request)
+            request_id = ctx.request_id or str(uuid.uuid4())
+            built = build_generate_request(
+                preprocessed,
+                request_id,
+                self.model.served_model_name,
+                self.mode,
+                lora_supported=self.model.supports_lora,
+            )
+        except InvalidArgument:
+            stats.request_rejected("invalid_argument")
+            raise
+        try:
+            self._check_admission()
+        except CannotConnect:
+            stats.request_rejected("not_serving")
+            raise
         state = ResponseState(preprocessed, built, self.mode)
         decode = self.mode.is_decode
         req = RequestTask(
@@ -354,11 +405,14 @@ class SidecarEngine:
             built=built,
             decode=decode,
             sink=sink,
+            stats=stats,
+            started_at=started_at,
         )
         ctx._subscribe(req.client_cancel)
         if not self._requests:
             self._idle = trio.Event()  # (only on the empty → busy edge: wait_idle() callers hold the old one)
         self._requests.add(req)
+        stats.request_started(built.dp_rank)
         self._nursery.start_soon(self._run_request, req, name=f"vllm-request {request_id}")
         return req
 
@@ -366,9 +420,29 @@ class SidecarEngine:
         try:
             assert self._pool is not None
             aborts = self._aborts
-            await req.run(self._pool, aborts.queue if aborts is not None else None)
+            await req.run(self._pool, aborts.queue if aborts is not None else None, self._tracing)
         finally:
             self._requests.discard(req)
             if not self._requests:
                 self._idle.set()
+            self._count_end(req)
             req.end()
+
+    def _count_end(self, req: RequestTask) -> None:
+        """Count the request's outcome, tokens and inter-token latency (docs/observability.md)."""
+        state = req.state
+        later_tokens = state.completion_tokens - req.first_tokens
+        if req.first_tokens and later_tokens > 0:
+            # the mean interval between the tokens after the first delivery, up to the request's end
+            self.stats.itl.observe((time.perf_counter() - req.first_token_at) / later_tokens)
+        final = req.final
+        prompt_tokens = state.prompt_tokens if req.streamed else 0
+        completion_tokens = state.reported_completion_tokens()
+        if final is not None:
+            self.stats.request_finished(
+                req.built.dp_rank, final.finish_reason or "none", None, prompt_tokens, completion_tokens
+            )
+            return
+        error = req.error or req.open_error
+        kind = error.kind.value if isinstance(error, SidecarError) else None
+        self.stats.request_finished(req.built.dp_rank, None, kind, prompt_tokens, completion_tokens)

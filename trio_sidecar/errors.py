@@ -15,6 +15,8 @@ from typing import Any
 from .status import StatusCode
 
 __all__ = [
+    "native_error_text",
+    "native_kind_name",
     "ErrorKind",
     "SidecarError",
     "InvalidArgument",
@@ -182,3 +184,25 @@ def format_duration(seconds: float) -> str:
     if nanos >= 1_000:
         return _trim_fraction(nanos // 1_000, nanos % 1_000, 3, "µs")
     return f"{nanos}ns"
+
+
+# How the native sidecar names an error's kind in the JSON answers of its system-port routes (LoRA and RL
+# controls, docs/dynamo.md): ``InvalidRequest: …``, ``Unavailable: …``, ``Internal: …``.
+_NATIVE_KIND_NAME = {
+    ErrorKind.INVALID_ARGUMENT: "InvalidRequest",
+    ErrorKind.UNKNOWN: "Internal",
+    ErrorKind.ENGINE_SHUTDOWN: "EngineShutdown",
+    ErrorKind.CANNOT_CONNECT: "Unavailable",
+    ErrorKind.CONNECTION_TIMEOUT: "Timeout",
+    ErrorKind.CANCELLED: "Cancelled",
+}
+
+
+def native_kind_name(error: SidecarError) -> str:
+    """The native sidecar's name for ``error``'s kind: ``InvalidRequest``, ``Unavailable``, ``Internal``, …"""
+    return _NATIVE_KIND_NAME[error.kind]
+
+
+def native_error_text(error: SidecarError) -> str:
+    """``{Kind}: {message}``, e.g. ``InvalidRequest: StartWeightUpdate: … (FailedPrecondition)``."""
+    return f"{native_kind_name(error)}: {error}"

@@ -109,6 +109,11 @@ class DiscoveredModel:
         return self.identity.served_model_aliases
 
     @property
+    def supports_lora(self) -> bool:
+        """The server advertises LoRA support with room for at least one adapter (``max_loras`` > 0)."""
+        return bool(self.model_info.supports_lora) and self.server_info.max_loras > 0
+
+    @property
     def supports_multimodal(self) -> bool:
         return self.model_info.supports_multimodal
 

@@ -197,7 +197,9 @@ class ChannelPool:
         self._slots = [_Slot(i + 1, ch) for i, ch in enumerate(channels)]
         self._counter = 0
         self.closed = False
+        #: Broken slots replaced, and replacement attempts that failed (docs/observability.md).
         self.reconnects = 0
+        self.reconnect_failures = 0
 
     def __repr__(self) -> str:
         broken = sum(1 for s in self._slots if _unusable(s.channel))
@@ -208,6 +210,11 @@ class ChannelPool:
 
     def __len__(self) -> int:
         return len(self._slots)
+
+    @property
+    def connections_up(self) -> int:
+        """Slots whose connection is usable now (neither broken nor closed)."""
+        return sum(1 for slot in self._slots if not _unusable(slot.channel))
 
     @property
     def channels(self) -> tuple[Channel, ...]:
@@ -308,6 +315,7 @@ class ChannelPool:
             try:
                 new = await _attempt(self._nursery, self.endpoint, self._config, self._config.connect_attempt_timeout)
             except (OSError, SidecarError, _transport().RpcError) as exc:
+                self.reconnect_failures += 1
                 detail = f"reconnecting {self.name} pool slot {slot.index} to {self.endpoint.canonical} failed: "
                 raise status_to_error(rpc, StatusCode.UNAVAILABLE, detail + cause_chain(exc)) from exc
             if self.closed:

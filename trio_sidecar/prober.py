@@ -61,6 +61,7 @@ from .errors import CannotConnect, ConnectionTimeout, ProtocolError, SidecarErro
 from .model import DiscoveredModel
 from .pool import ChannelPool, cause_chain, channel_options
 from .routing import KvEventSource
+from .stats import SidecarStats
 from .status import StatusCode
 from .transport import Channel, RpcError, connect_channel
 
@@ -175,7 +176,9 @@ class _Prober:
         kv_sources: tuple[KvEventSource, ...],
         health: trio_util.AsyncValue[HealthState],
         on_recovered: Callable[[DiscoveredModel, tuple[KvEventSource, ...]], None],
+        stats: SidecarStats,
     ) -> None:
+        self.stats = stats
         self.endpoint = endpoint
         self.config = config
         self.model = model
@@ -187,8 +190,11 @@ class _Prober:
     # --- publishing ---------------------------------------------------------------------------------
 
     def publish(self, state: HealthState) -> None:
-        if state == self.health.value:
+        current = self.health.value
+        if state == current:
             return
+        if state.kind is not current.kind:
+            self.stats.health_changed(state.kind.value)
         if state.kind in _CLOSED_KINDS and self._warned_kind is not state.kind:
             LOGGER.warning("vLLM is not serving (%s); new requests are rejected", state.reason)
             self._warned_kind = state.kind
@@ -438,6 +444,7 @@ async def run_health_prober(
     kv_sources: tuple[KvEventSource, ...],
     health: trio_util.AsyncValue[HealthState],
     on_recovered: Callable[[DiscoveredModel, tuple[KvEventSource, ...]], None],
+    stats: SidecarStats | None = None,
     task_status=trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
     """Watch vLLM's health until cancelled (docs/reference/sidecar.md#health-prober).
@@ -454,6 +461,8 @@ async def run_health_prober(
             published, with the rediscovered model (its ``instance_id`` may be new) and the rewritten
             KV-event sources (which may differ from the previous ones, docs/reference/sidecar.md#recovery: the caller
             replaces its publishers then). An exception from it propagates out of the prober.
+        stats: where each change of the published state's kind is counted (docs/observability.md); the
+            engine's, else a fresh one.
 
     Returns:
         Never.
@@ -472,6 +481,7 @@ async def run_health_prober(
         kv_sources=kv_sources,
         health=health,
         on_recovered=on_recovered,
+        stats=stats if stats is not None else SidecarStats(),
     )
     task_status.started()
     await prober.run()

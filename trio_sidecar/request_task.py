@@ -33,8 +33,9 @@ abort sender (``abort.AbortSender``).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import trio
@@ -46,7 +47,11 @@ from .convert.response import ResponseState
 from .errors import SidecarError
 from .pool import ChannelPool
 from .protocol import LLMEngineOutput
+from .stats import SidecarStats
 from .transport import ResponseStream
+
+if TYPE_CHECKING:  # (imported only when tracing is on: docs/reference/sidecar.md#opentelemetry-span)
+    from .otel import RequestTracing
 
 __all__ = ["GENERATE_STREAM", "MergingSink", "RequestTask", "RunSink"]
 
@@ -108,6 +113,8 @@ class RequestTask:
     built: BuiltRequest
     decode: bool
     sink: RunSink
+    stats: SidecarStats  # the engine's: time to first token, decode deferrals
+    started_at: float  # ``time.perf_counter()`` when the engine accepted the request
     #: Cancelled by the client's cancellation or by engine shutdown (see the module docstring).
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     opened: trio.Event = attrs.field(factory=trio.Event)  # the open finished (either way)
@@ -119,6 +126,9 @@ class RequestTask:
     #: The scope was cancelled (it has no deadline, so only ``client_cancel``/``cancel_shutdown`` cancel
     #: it); a plain flag, read once per message (``CancelScope.cancel_called`` reads the clock).
     cancelling: bool = False
+    streamed: bool = False  # the stream opened: vLLM received the request
+    first_token_at: float = 0.0  # ``time.perf_counter()`` when the first tokens were delivered
+    first_tokens: int = 0  # how many were delivered then (0: none yet)
 
     def client_cancel(self) -> None:
         """The client's cancellation signal (docs/reference/sidecar.md#cancellation-signals): immediate, or
@@ -126,6 +136,8 @@ class RequestTask:
         if self.done:
             return
         if self.decode and not self.builder.transfer_completed:
+            if not self.request_cancelled:
+                self.stats.decode_deferrals += 1
             self.request_cancelled = True
         else:
             self.cancelling = True
@@ -138,12 +150,16 @@ class RequestTask:
         self.scope.cancel()
         self.sink.cancelled()
 
-    async def run(self, pool: ChannelPool, queue_abort: Callable[[str], None] | None) -> None:
+    async def run(
+        self, pool: ChannelPool, queue_abort: Callable[[str], None] | None, tracing: RequestTracing | None = None
+    ) -> None:
         """Open, read and end the stream; sets ``final`` or ``error``/``open_error`` (never raises but
         ``Cancelled`` of an enclosing scope). ``sink.end`` is left to the caller (the engine first stops
-        counting the request)."""
+        counting the request). ``tracing``: the sidecar's span for a traced request
+        (docs/reference/sidecar.md#opentelemetry-span); ``None``: off."""
         sent = False  # the request left for the server
         server_ended = False  # terminal, EOF, a status, or a lost connection: no Abort needed
+        span = None if tracing is None or not self.ctx.trace_metadata else tracing.start(self)
         try:
             with self.scope:
                 if not self.cancelling:
@@ -152,7 +168,7 @@ class RequestTask:
                     sent = True
                     metadata = self.built.metadata
                     if self.ctx.trace_metadata:  # docs/reference/sidecar.md#trace-context
-                        metadata += self.ctx.trace_metadata
+                        metadata += self.ctx.trace_metadata if span is None else span.metadata
                     # the pool is the one edge for gRPC errors: a transport RpcError leaving the block is
                     # raised as the SidecarError status_to_error makes of it
                     async with pool.stream(
@@ -163,6 +179,7 @@ class RequestTask:
                         metadata=metadata,
                         channel=channel,
                     ) as stream:
+                        self.streamed = True
                         self.opened.set()
                         server_ended = await self._listen(stream)
         except SidecarError as exc:
@@ -181,6 +198,8 @@ class RequestTask:
             self.done = True
             self.opened.set()
             self.ctx._unsubscribe(self.client_cancel)
+            if span is not None:
+                span.end(self)
 
     def end(self) -> None:
         """Hand the outcome to the sink (once, after :meth:`run`)."""
@@ -215,9 +234,18 @@ class RequestTask:
         sink = self.sink
         run = sink.run
         failure: list[BaseException] = []
+        # Time to first token (docs/observability.md): the first run that converted a token takes the
+        # time; every later run pays one test of a flag. (The inter-token latency is taken once per request,
+        # at its end: no clock read per run.)
+        state = self.state
+        waiting_first = True
 
         def deliver() -> bool:  # never raises; True: stop listening (a failure, or the sink paused)
+            nonlocal waiting_first
             try:
+                if waiting_first and state.completion_tokens:
+                    waiting_first = False
+                    self._first_tokens_delivered()
                 items = take_items()
                 if items:
                     return run(items)
@@ -254,6 +282,12 @@ class RequestTask:
             if not stopped:
                 return self._end(builder.eof(self.request_cancelled))
             await sink.wait_taken()  # the sink paused: listen again once it took the runs it holds
+
+    def _first_tokens_delivered(self) -> None:
+        now = time.perf_counter()
+        self.first_token_at = now
+        self.first_tokens = self.state.completion_tokens
+        self.stats.ttft.observe(now - self.started_at)
 
     def _end(self, ending: Ending) -> bool:
         """Apply the builder's ending; returns whether the server ended the stream."""

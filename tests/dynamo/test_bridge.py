@@ -971,3 +971,73 @@ async def test_the_asyncio_loop_ending_fails_its_trio_callers_instead_of_leaving
     finally:
         await thread.stop()
     assert [str(exc) for exc in outcome] == [LOOP_ENDED]
+
+
+# -- worker-side prefill completion (docs/dynamo.md#router-load-signals) -------------------------------------
+
+
+class FirstTokenContext(FakeDynamoContext):
+    """Records how many frames the push sender had sent at each ``notify_first_token()``."""
+
+    def __init__(self, request_id: str, sender: FakeResponseSender) -> None:
+        super().__init__(request_id)
+        self.sender = sender
+        self.frames_at_notify: list[int] = []
+
+    def notify_first_token(self) -> None:
+        super().notify_first_token()
+        self.frames_at_notify.append(len(self.sender.frames))
+
+
+def tokens_after_an_empty_chunk(nursery: trio.Nursery):
+    """``Sidecar.submit`` for a request whose first output has no token (then three with one each)."""
+
+    def submit(request: dict, ctx, sink) -> None:
+        async def run() -> None:
+            for step, token_ids in enumerate(([], [5], [6], [7])):
+                sink.chunk(Chunk({"token_ids": token_ids, "index": 0, "step": step}))  # "step": never merged
+                await trio.lowlevel.checkpoint()
+            sink.end(None, None)
+
+        nursery.start_soon(run)
+
+    return submit
+
+
+@pytest.mark.parametrize("egress", ["pull", "push"])
+@pytest.mark.parametrize("bound", [True, False])
+async def test_a_bound_request_notifies_its_first_token_once_when_the_first_token_is_handed_over(
+    loop_thread, egress, bound
+):
+    binds: list[tuple[str, dict]] = []
+
+    def bind_context(context, request) -> bool:
+        binds.append((context.id(), request))
+        return bound
+
+    bridge = RequestBridge(loop_thread, make_context=FakeGenerateContext, bind_context=bind_context)
+    request = {"token_ids": [1], "routing": {"dp_rank": 0}}
+    sender = FakeResponseSender()
+    ctx = FirstTokenContext("ft", sender)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(bridge.run_dispatcher, tokens_after_an_empty_chunk(nursery))
+        with trio.fail_after(10):
+            if egress == "push":
+                assert await loop_thread.run(push, bridge, request, ctx, sender) is None
+                out = sender.frames
+            else:
+                out = await loop_thread.run(consume, bridge, request, ctx)
+            await bridge.wait_idle()
+        nursery.cancel_scope.cancel()
+
+    async def loop_thread_id():
+        return threading.get_ident()
+
+    assert tokens_of(out) == [5, 6, 7]
+    assert binds == [("ft", request)]
+    if not bound:
+        assert ctx.first_token_threads == []
+        return
+    assert ctx.first_token_threads == [await loop_thread.run(loop_thread_id)]
+    if egress == "push":
+        assert ctx.frames_at_notify == [1]  # after the empty chunk, before the first token's frame

@@ -31,9 +31,9 @@ ENGINE_ARGS = {**FAST_ENGINE_ARGS, "token_seed_source": "prompt"}
 # engine-native generate and LoRA capabilities in runtime_data; trio-sidecar sets
 # kv_event_publishing_enabled (docs/reference/worker.md#registration).
 CARD_IGNORED = {"runtime_data", "kv_event_publishing_enabled"}
-# The native worker process (aggregated and decode) also registers an active-sequence event channel on its
-# component, from a KV router embedded in the process; trio-sidecar has none (docs/dynamo.md).
-NATIVE_ONLY_EVENTS = {("event_channels", "backend", "generate", "active_sequences_events")}
+# Aggregated and decode workers register the channel of their worker-side prefill completion
+# (docs/dynamo.md#router-load-signals); prefill workers do not.
+PREFILL_COMPLETION = ("event_channels", "backend", "generate", "active_sequences_events")
 
 
 @pytest.fixture(scope="module")
@@ -192,8 +192,8 @@ def _fold_stream(chunks: list[dict]) -> dict:
 
 def _registrations(dep) -> dict[str, dict]:
     """Per side: each component's (endpoint, model card) from ``v1/mdc`` (the deliberate differences of
-    ``CARD_IGNORED`` removed), and the KV publishers: the (component, endpoint, topic) of every event source
-    and event channel the side's processes registered."""
+    ``CARD_IGNORED`` removed), and the event publishers: the (component, endpoint, topic) of every event
+    source and event channel the side's processes registered (KV events, prefill completion)."""
     sides: dict[str, dict] = {"native": {"cards": {}, "events": set()}, "trio": {"cards": {}, "events": set()}}
 
     def side_of(name: str) -> str:
@@ -211,8 +211,6 @@ def _registrations(dep) -> dict[str, dict]:
             name = urllib.parse.unquote(path.name)
             scope = json.loads(path.read_text())["scope"]["endpoint"]
             entry = (kind, scope["component"], scope["name"], json.loads(path.read_text())["topic"])
-            if side_of(name) == "native" and entry in NATIVE_ONLY_EVENTS:
-                continue
             sides[side_of(name)]["events"].add(entry)
     return sides
 
@@ -220,6 +218,7 @@ def _registrations(dep) -> dict[str, dict]:
 def test_same_model_card_and_kv_publishers_as_the_native_sidecar(agg_pair):
     regs = _registrations(agg_pair.dep)
     assert set(regs["native"]["cards"]) == {"backend"}
+    assert PREFILL_COMPLETION in regs["native"]["events"]
     assert regs["trio"] == regs["native"]
 
 
@@ -233,7 +232,8 @@ def test_prefill_and_decode_register_the_same_cards_and_kv_publishers_as_the_nat
     assert prefill_card["runtime_config"]["enable_local_indexer"] is True
     assert decode_card["runtime_config"]["enable_local_indexer"] is True
     assert ("event_sources", "prefill", "generate", "kv-events") in native["events"]
-    assert not any(component == "backend" for _, component, _, _ in native["events"])
+    # The decode worker publishes no KV events, only its prefill completion.
+    assert {e for e in native["events"] if e[1] == "backend"} == {PREFILL_COMPLETION}
     assert trio["cards"] == native["cards"]
     assert trio["events"] == native["events"]
 

@@ -3,7 +3,7 @@
 What Dynamo 1.6.1 does, as observed here: with its OpenTelemetry layer on in both the frontend and the worker
 (``DYN_LOGGING_JSONL=1``), the frontend continues the client's ``traceparent`` and the worker's
 ``context.trace_headers()`` gives a ``traceparent`` with the client's trace id and the worker's own
-``engine.generate`` span as the parent (a new span id, not the client's); the client's ``tracestate`` is not
+``handle_payload`` span as the parent (a new span id, not the client's); the client's ``tracestate`` is not
 propagated. Without the layer, ``trace_headers()`` is ``None`` and nothing is forwarded.
 """
 

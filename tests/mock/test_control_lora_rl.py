@@ -74,14 +74,31 @@ def test_lora_table_errors_use_vllms_texts_in_vllms_order():
     )
     table.load("a", "/p")
     assert rejected(table.load, "a", "/p") == (C.ALREADY_EXISTS, "LoRA adapter `a` is already loaded")
-    assert rejected(table.load, "b", "/p") == (
-        C.RESOURCE_EXHAUSTED,
-        "cannot load LoRA adapter `b`: max_loras (1) adapters are already loaded",
-    )
     assert rejected(table.unload, "") == (C.INVALID_ARGUMENT, "lora_name is required")
     assert rejected(table.unload, "b") == (C.NOT_FOUND, "LoRA adapter `b` is not loaded")
     assert rejected(table.check_request, "b") == (C.NOT_FOUND, "LoRA adapter `b` is not loaded")
     table.check_request("a")
+    # max_loras (1) bounds the adapters of one batch, not the table: vLLM loads more (it evicts and reloads).
+    assert table.load("b", "/p").lora_id == 2 and [a.lora_name for a in table.list()] == ["a", "b"]
+
+
+def test_lora_table_evicts_the_least_recently_used_adapter_and_cannot_unload_it_until_used():
+    """As vLLM 0.32's engine cache (capacity max_loras): eviction keeps the adapter listed and usable."""
+    table = LoraTable(2, ())
+    a, b, c = (table.load(name, f"/adapters/{name}") for name in "abc")
+    assert table.resident == ("b", "c") and table.list() == [a, b, c]
+    assert rejected(table.unload, "a") == (C.INTERNAL, "engine rejected removal of LoRA adapter `a` with id 1")
+    assert table.list() == [a, b, c]
+    table.check_request("a")  # an evicted adapter still serves requests
+    assert table.resident == ("b", "c")  # checking is not using
+    table.use("a")
+    assert table.resident == ("c", "a")
+    assert table.unload("a") == a and table.resident == ("c",)
+    assert rejected(table.unload, "b") == (C.INTERNAL, "engine rejected removal of LoRA adapter `b` with id 2")
+    table.use("c")
+    table.use("b")
+    assert table.resident == ("c", "b")
+    assert table.unload("b") == b and table.unload("c") == c and table.list() == [] and table.resident == ()
 
 
 def test_disabled_lora_table_refuses_everything_but_checks_an_empty_unload_name_first():
@@ -201,6 +218,20 @@ async def test_server_and_model_info_advertise_lora_and_rl_capabilities():
         sleep_mode_enabled=True,
         draft_weight_updates_enabled=True,
     )
+
+
+async def test_a_request_brings_an_evicted_adapter_back_so_that_it_can_be_unloaded():
+    """vLLM 0.32 with --max-loras 2 and three adapters (docs/reference/mock.md#lora-adapters)."""
+    async with running_mock(served_model_name="tiny", engine_args={"max_loras": 2}) as (mock, ch):
+        for name in "abc":
+            await rpc(ch, "LoadLora", lora_name=name, source_path=f"/adapters/{name}")
+        evicted = (C.INTERNAL, "engine rejected removal of LoRA adapter `a` with id 1")
+        assert await rpc_status(ch, "UnloadLora", lora_name="a") == evicted
+        assert [a.lora_name for a in (await rpc(ch, "ListLoras")).adapters] == ["a", "b", "c"]
+        messages = await collect(ch, gen("with-a", max_new_tokens=2, lora_name="a"))
+        assert messages[-1].outputs.finish_info.finish_reason == FinishReason.LENGTH
+        assert mock.lora.resident == ("c", "a")
+        assert (await rpc(ch, "UnloadLora", lora_name="a")).adapter.lora_id == 1
 
 
 async def test_lora_lifecycle_and_generate_with_the_adapter_are_recorded():

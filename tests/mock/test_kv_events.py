@@ -159,6 +159,10 @@ def test_event_maps_use_the_field_names():
         "group_idx": 0,
     }
     assert encode_event(BlockRemoved((3,))) == {"type": "BlockRemoved", "block_hashes": [3], "group_idx": 0}
+    # Multimodal blocks: vLLM's per-block extra_keys, [identifier, offset from the block start] pairs.
+    image = encode_event(BlockStored((1, 2), None, tuple(range(8)), 4, (None, (("ab" * 32, -1),))))
+    assert image["extra_keys"] == [None, [["ab" * 32, -1]]]
+    assert "extra_keys" not in stored
     # u64 hashes survive MessagePack.
     assert msgpack.unpackb(msgpack.packb(stored))["block_hashes"][1] == 2**64 - 1
 

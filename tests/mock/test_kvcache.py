@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trio_sidecar.mock.kvcache import BlockRemoved, BlockStored, KvPool, SeqKv, block_hash
+from trio_sidecar.mock.kvcache import BlockRemoved, BlockStored, KvPool, MmSpan, SeqKv, block_hash
 
 
 def run_prefill(pool: KvPool, seq: SeqKv, n: int) -> int:
@@ -26,6 +26,33 @@ def test_block_hash_matches_the_spec_formula():
     child = [5, 6, 7, 8]
     data = expected.to_bytes(8, "little") + b"".join(t.to_bytes(4, "little") for t in child)
     assert block_hash(expected, child) == int.from_bytes(blake3.blake3(data).digest()[:8], "little")
+
+
+def test_images_key_the_blocks_they_overlap_and_are_reported_as_extra_keys():
+    """Two images behind the same placeholder ids never share a block; text before them still does."""
+    prompt = (1, 2, 3, 9, 9, 9, 9, 9, 9, 4, 5, 6)  # an image of 6 placeholders at offset 3, block size 4
+    red, green = "a" * 64, "b" * 64
+    first, second = SeqKv(prompt, mm=(MmSpan(3, 6, red),)), SeqKv(prompt, mm=(MmSpan(3, 6, green),))
+    assert first.hash_of(0, 4) != second.hash_of(0, 4)
+    assert first.extra_keys(0, 4) == ((red, 3),) and first.extra_keys(4, 8) == ((red, -1),)
+    assert first.extra_keys(8, 12) == ((red, -5),)
+    data = bytes(8) + b"".join(t.to_bytes(4, "little") for t in prompt[:4])
+    data += b"mm\0" + red.encode() + b"\0" + (3).to_bytes(8, "little", signed=True)
+    assert first.hash_of(0, 4) == int.from_bytes(blake3.blake3(data).digest()[:8], "little")
+    text_only = SeqKv(prompt[:3] + (7,), mm=(MmSpan(4, 6, red),))
+    assert text_only.hash_of(0, 4) == block_hash(None, prompt[:3] + (7,))
+
+    pool = KvPool(num_blocks=16, block_size=4)
+    run_prefill(pool, first, len(prompt))
+    run_prefill(pool, SeqKv((1, 2, 3, 4)), 4)
+    image, text = pool.drain_events()
+    assert isinstance(image, BlockStored) and isinstance(text, BlockStored)
+    assert image.extra_keys == (((red, 3),), ((red, -1),), ((red, -5),))
+    assert text.extra_keys is None
+    # The other image is not a prefix hit: all its blocks are computed and stored.
+    assert run_prefill(pool, second, len(prompt)) == 0
+    (other,) = pool.drain_events()
+    assert other.extra_keys == (((green, 3),), ((green, -1),), ((green, -5),))
 
 
 def test_salt_changes_the_whole_chain():

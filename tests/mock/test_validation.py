@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import blake3
 import pytest
 from google.protobuf import struct_pb2
 
@@ -13,6 +14,7 @@ from trio_sidecar.mock.handoff import (
     classify_kv_transfer_params,
     prefill_terminal_params,
 )
+from trio_sidecar.mock.kvcache import MmSpan
 from trio_sidecar.mock.multimodal import check_media, expand_image_placeholders
 from trio_sidecar.mock.validation import RequestPolicy, format_f32, parse_dp_rank, prepare_request
 from trio_sidecar.status import StatusCode as C
@@ -341,6 +343,20 @@ def test_multimodal_request_prompt_is_expanded():
         token_ids=pb.TokenIds(ids=[1, 31999, 2]), media=[pb.MediaItem(modality=pb.MODALITY_IMAGE, url="http://x")]
     )
     assert prepare_request(req, policy).prompt == (1, *[31999] * 16, 2)
+
+
+def test_each_expanded_image_is_a_feature_keyed_by_its_uuid_or_the_digest_of_its_source():
+    policy = RequestPolicy(served_model_name="m", supports_multimodal=True, tokens_per_image=3)
+    uuid = "f8a38c4266c6e1eb" + "0" * 48
+    media = [
+        pb.MediaItem(modality=pb.MODALITY_IMAGE, url="http://x", uuid=uuid),
+        pb.MediaItem(modality=pb.MODALITY_IMAGE, data_uri="data:image/png;base64,AA=="),
+    ]
+    prepared = prepare_request(gen(token_ids=pb.TokenIds(ids=[1, 31999, 2, 31999]), media=media), policy)
+    assert prepared.prompt == (1, 31999, 31999, 31999, 2, 31999, 31999, 31999)
+    digest = blake3.blake3(b"data:image/png;base64,AA==").hexdigest()
+    assert prepared.mm_spans == (MmSpan(1, 3, uuid), MmSpan(5, 3, digest))
+    assert prepare_request(gen(token_ids=pb.TokenIds(ids=[1, 2])), policy).mm_spans == ()
 
 
 @pytest.mark.parametrize(("value", "text"), [(2.0, "2"), (1.5, "1.5"), (1.1, "1.1"), (float("nan"), "NaN")])

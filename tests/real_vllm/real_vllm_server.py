@@ -109,7 +109,16 @@ def process_exited(pid: int) -> bool:
 class RealVllmServer:
     """One running server process tree; ``launch`` is "python" (``vllm serve``) or "rust" (``vllm-rs serve``)."""
 
-    def __init__(self, env: RealVllmEnv, *, launch: str = "python", extra_args: tuple[str, ...] = ()):
+    def __init__(
+        self,
+        env: RealVllmEnv,
+        *,
+        launch: str = "python",
+        extra_args: tuple[str, ...] = (),
+        extra_env: dict[str, str] | None = None,
+    ):
+        """``extra_env`` is added to the server's environment last (``PYTHONPATH`` included, which is otherwise
+        never inherited)."""
         self.env = env
         self.launch = launch
         self.http_port, self.grpc_port = free_ports(2)
@@ -156,6 +165,7 @@ class RealVllmServer:
             # Keep vLLM's own caches next to the provisioned venv, not in the user's home.
             VLLM_CACHE_ROOT=str(env.python.parent.parent.parent / "vllm-cache"),
         )
+        child_env.update(extra_env or {})
         self._log = open(self.log_path, "wb")
         self.started_at = time.monotonic()
         self.popen = subprocess.Popen(

@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import signal
-import struct
 import sys
 import tempfile
 import time
@@ -27,6 +26,7 @@ import trio
 from real_vllm_client import open_direct_channel, rpc_error_types
 from real_vllm_health import assert_left_serving, observe_shutdown
 from real_vllm_helpers import collect, generate_request, unique_id
+from real_vllm_lora import ALLOWED_PREFIXES, make_tiny_lora
 from real_vllm_server import (
     SERVED_MODEL_NAME,
     TIMINGS,
@@ -45,7 +45,6 @@ from trio_sidecar.mock import MockConfig, open_mock_server
 from trio_sidecar.status import StatusCode
 
 MAX_LORAS = 2
-ALLOWED_PREFIXES = "VLLM_RUNTIME_LORA_ALLOWED_PATH_PREFIXES"
 
 
 @pytest.fixture(scope="module")
@@ -213,42 +212,6 @@ async def test_unknown_lora_adapter_on_a_lora_engine_is_not_found(direct):
     assert (out.phase, out.code, out.message) == ("open", StatusCode.NOT_FOUND, "LoRA adapter `adapter` is not loaded")
 
 
-def write_tiny_adapter(directory: Path, rank: int = 4, hidden: int = 128, layers: int = 2) -> Path:
-    """A PEFT LoRA adapter for the tiny Llama (q_proj and v_proj, zero weights), written without torch:
-    ``adapter_config.json`` and a safetensors file (8-byte header length, JSON header, raw little-endian F32)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "adapter_config.json").write_text(
-        json.dumps(
-            {
-                "peft_type": "LORA",
-                "task_type": "CAUSAL_LM",
-                "r": rank,
-                "lora_alpha": 2 * rank,
-                "lora_dropout": 0.0,
-                "target_modules": ["q_proj", "v_proj"],
-                "bias": "none",
-                "fan_in_fan_out": False,
-                "inference_mode": True,
-            }
-        )
-    )
-    header, offset = {}, 0
-    for layer in range(layers):
-        for module in ("q_proj", "v_proj"):
-            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
-            for name, shape in (
-                (f"{prefix}.lora_A.weight", [rank, hidden]),
-                (f"{prefix}.lora_B.weight", [hidden, rank]),
-            ):
-                size = shape[0] * shape[1] * 4
-                header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
-                offset += size
-    encoded = json.dumps(header).encode()
-    encoded += b" " * (-len(encoded) % 8)
-    (directory / "adapter_model.safetensors").write_bytes(struct.pack("<Q", len(encoded)) + encoded + bytes(offset))
-    return directory
-
-
 async def _control_outcome(channel, rpc: str, request):
     response_type = getattr(control_pb2, f"{rpc}Response")
     try:
@@ -261,7 +224,7 @@ async def test_lora_lifecycle_refusals_match_the_mock(direct, variant_server):
     """The LoRA errors the mock copies (docs/reference/mock.md#lora-adapters), on a LoRA engine and on the mock.
     vLLM checks a local path (allowed prefix, existence) before the base-model conflict, so that case uses a
     real adapter directory; the mock does not check paths."""
-    adapter = str(write_tiny_adapter(variant_server.adapter_dir / "tiny-adapter"))
+    adapter = str(make_tiny_lora(variant_server.adapter_dir / "tiny-adapter", force=True))
     cases = [
         ("LoadLora", control_pb2.LoadLoraRequest(source_path=adapter)),
         ("LoadLora", control_pb2.LoadLoraRequest(lora_name="a")),
@@ -285,8 +248,11 @@ async def test_lora_lifecycle_refusals_match_the_mock(direct, variant_server):
 
 
 async def test_the_cpu_build_cannot_load_a_local_adapter(direct, variant_server):
-    """Recorded in docs/conformance.md: the path checks pass, then the engine's ``add_lora`` refuses the call."""
-    adapter = write_tiny_adapter(variant_server.adapter_dir / "tiny-adapter")
+    """Recorded in docs/conformance.md (row 8c): the path checks pass, then the engine cannot decode the
+    ``LoRARequest`` its Rust frontend sends (element 4 is the frontend's ``tensorizer_config_dict``, the
+    engine's ``load_inplace``). This server runs without the field-order fix ``test_real_lora.py`` uses, so
+    this fails the day vLLM realigns the two sides."""
+    adapter = make_tiny_lora(variant_server.adapter_dir / "tiny-adapter", force=True)
     missing = await _control_outcome(
         direct,
         "LoadLora",

@@ -42,7 +42,11 @@ RUN_CASES = [
         {},
         "encode mode is not supported by the vLLM sidecar",
     ),
-    (["--grpc-endpoint", ENDPOINT, "--enable-rl"], {}, "RL controls are not supported by trio-sidecar"),
+    (
+        ["--grpc-endpoint", ENDPOINT, "--enable-rl", "--vllm-http-endpoint", "http://user@127.0.0.1:9"],
+        {},
+        "`--vllm-http-endpoint` must not include user information",
+    ),
     (["--grpc-endpoint", ENDPOINT, "--no-such-flag"], {}, "--no-such-flag"),
     (["--grpc-endpoint", ENDPOINT], {"DYN_SIDECAR_GRPC_CONNECTIONS": "many"}, "DYN_SIDECAR_GRPC_CONNECTIONS"),
     (["--grpc-endpoint", ENDPOINT], {"TRIO_SIDECAR_HEALTH_PROBER": "perhaps"}, "TRIO_SIDECAR_HEALTH_PROBER"),

@@ -113,6 +113,8 @@ async def test_abort_failures_are_logged_never_raised(fake, caplog_sidecar):
             async for _chunk in stream:
                 ctx.stop()
     assert "Control.Abort failed for ['x']: Abort: abort broke (Internal)" in caplog_sidecar.text
+    stats = sidecar.stats()
+    assert (stats.aborts_queued, stats.aborts_sent, stats.aborts_failed, stats.aborts_timed_out) == (1, 0, 1, 0)
 
 
 async def test_cleanup_flushes_aborts_within_the_shielded_grace(fake, monkeypatch):

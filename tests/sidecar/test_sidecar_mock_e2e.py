@@ -313,6 +313,10 @@ async def test_connection_lost_mid_stream_keeps_the_token_and_the_slot_reconnect
                 again = await collect(sidecar, dict(body, stop_conditions={"max_tokens": 3}))
                 assert again[-1].finish_reason == "length"
                 assert sidecar.engine.pool.reconnects == 1
+                stats = sidecar.stats()
+                assert (stats.pool_connections, stats.pool_connections_up) == (1, 1)
+                assert (stats.pool_reconnects, stats.pool_reconnect_failures) == (1, 0)
+                assert stats.request_errors["cannot_connect"] == 1 and stats.requests_finished["length"] == 1
             nursery.cancel_scope.cancel()
 
 

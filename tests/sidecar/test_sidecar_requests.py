@@ -548,6 +548,8 @@ async def test_abort_timeout_is_logged_with_the_configured_value(fake, face, cap
         with trio.fail_after(2):
             while "Abort did not respond within 0.2s" not in caplog_sidecar.text:
                 await trio.sleep(0.02)
+        stats = sidecar.stats()
+        assert (stats.aborts_queued, stats.aborts_sent, stats.aborts_failed, stats.aborts_timed_out) == (1, 0, 0, 1)
 
 
 # ---------------------------------------------------------------------------- cancellation
@@ -882,6 +884,10 @@ async def test_decode_stop_while_headers_are_held_waits_for_the_first_token(fake
     assert first_token_notified == [True]
     assert fake.abort_calls == [["dec"]]
     assert fake.requests[0][0].kv.kv_transfer_params["remote_port"] == "20097"
+    stats = sidecar.stats()
+    assert stats.decode_deferrals == 1  # docs/observability.md
+    assert stats.requests_finished["cancelled"] == 1 and stats.completion_tokens == 1
+    assert (stats.aborts_queued, stats.aborts_sent) == (1, 1)
 
 
 async def test_decode_stop_before_the_request_still_submits_it(fake, face):
@@ -944,6 +950,7 @@ async def test_decode_stop_after_the_first_token_is_immediate(fake, face):
     assert final.finish_reason == "cancelled"
     assert usage(final) == (3, len(tokens), 3 + len(tokens))
     assert fake.abort_calls == [["dec-late"]]
+    assert sidecar.stats().decode_deferrals == 0  # the transfer had completed: no deferral
 
 
 async def test_decode_cleanup_while_headers_are_held_does_not_wait_for_the_transfer(fake, face):

@@ -98,8 +98,10 @@ async def test_broken_slot_reconnect_failure_is_cannot_connect_unavailable(fake)
         channel = await pool.channel("x")
         await channel.aclose()
         pool.endpoint = parse_grpc_endpoint(f"127.0.0.1:{closed_port()}")  # the server "went away"
+        assert pool.connections_up == 0
         with pytest.raises(CannotConnect, match=r"^GenerateStream: reconnecting .* \(Unavailable\)$"):
             await pool.channel("GenerateStream")
+        assert (pool.reconnects, pool.reconnect_failures) == (0, 1)
 
 
 async def test_engine_survives_a_lost_connection(fake):

@@ -23,7 +23,7 @@ from trio_sidecar.errors import InvalidArgument
 ENCODE = "encode mode is not supported by the vLLM sidecar"
 ENCODER = "route-to-encoder is not supported by the vLLM sidecar"
 PARSERS = "vLLM gRPC does not preserve the request options required by Dynamo tool-call and reasoning parsers"
-RL = "RL controls are not supported by trio-sidecar"
+ADMIN_URL = "`--vllm-http-endpoint` must not include a query or fragment"
 ENDPOINT = "`--grpc-endpoint` must include a host"
 
 
@@ -76,7 +76,11 @@ ORDER = [
     (dict(), dict(route_to_encoder=True, tool_call_parser="hermes", enable_rl=True), ENCODER),
     (dict(), dict(tool_call_parser="hermes", enable_rl=True), PARSERS),
     (dict(), dict(reasoning_parser="deepseek_r1"), PARSERS),
-    (dict(grpc_endpoint="http://", grpc_connections=0), dict(enable_rl=True), RL),
+    (
+        dict(grpc_endpoint="http://", grpc_connections=0),
+        dict(enable_rl=True, vllm_http_endpoint="http://a?b"),
+        ADMIN_URL,
+    ),
     (dict(grpc_endpoint="http://", grpc_connections=0), dict(), ENDPOINT),
 ]
 

@@ -111,7 +111,7 @@ def test_run_help_shows_defaults_choices_no_forms_env_and_exit_codes(capsys):
     assert "[default: etcd; choices: kubernetes, etcd, file, mem; env: DYN_DISCOVERY_BACKEND]" in text
     assert "[default: true; choices: true, false; env: DYN_EXCLUDE_TOOLS_WHEN_TOOL_CHOICE_NONE]" in text
     assert "[default: on; env: TRIO_SIDECAR_HEALTH_PROBER]" in text
-    assert "must be off: RL controls are not supported by trio-sidecar" in text
+    assert "publish this worker's engine control/update routes on the RL request-plane endpoint" in text
     for code in (
         "0 clean shutdown after serving",
         "1 failure after startup began",
@@ -140,9 +140,10 @@ def test_both_commands_report_usage_errors_as_one_error_line(capsys):
     assert mock_err == "error: unrecognized arguments: --bogus (see `trio-sidecar mock --help`)\n"
 
 
-def test_enable_rl_text_matches_the_readme(capsys):
-    assert main(["run", "--grpc-endpoint", "127.0.0.1:1", "--enable-rl"], environ={}) == 2
-    assert capsys.readouterr().err == "error: RL controls are not supported by trio-sidecar\n"
+def test_a_bad_rl_admin_url_is_one_line_with_the_native_text(capsys):
+    argv = ["run", "--grpc-endpoint", "127.0.0.1:1", "--enable-rl", "--vllm-http-endpoint", "http://x?a=1"]
+    assert main(argv, environ={}) == 2
+    assert capsys.readouterr().err == "error: `--vllm-http-endpoint` must not include a query or fragment\n"
 
 
 def test_a_signal_before_the_trio_run_is_one_line_and_128_plus_the_signal(capsys, monkeypatch):

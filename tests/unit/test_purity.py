@@ -23,9 +23,13 @@ PURE = {
     "convert.response",
     "convert.batch",
     "multimodal",
+    "mm_routing",
     "routing",
     "sampling_checks",
     "tracecontext",
+    "rl",
+    "stats",
+    "dynamo.metrics",
 }
 FORBIDDEN_TOP = {"trio", "trio_util", "anyio", "asyncio", "socket", "purerpc", "h2", "zmq", "subprocess", "threading"}
 

@@ -279,8 +279,13 @@ def test_unknown_flag_exits_2(worker: list, capsys: pytest.CaptureFixture[str]) 
 @pytest.mark.parametrize(
     ("args", "env", "message"),
     [
-        (["--enable-rl"], {}, "RL controls are not supported by trio-sidecar"),
-        ([], {"DYN_ENABLE_RL": "true"}, "RL controls are not supported by trio-sidecar"),
+        (
+            ["--vllm-http-endpoint", ""],
+            {},
+            "`--vllm-http-endpoint` is required and must specify an HTTP server address",
+        ),
+        ([], {"VLLM_HTTP_ENDPOINT": "ftp://x"}, "`--vllm-http-endpoint` must use HTTP or HTTPS and include a host"),
+        (["--vllm-rl-world-size", "4294967296"], {}, "`--vllm-rl-world-size` must be between 1 and 4294967295"),
         (["--disaggregation-mode", "encode"], {}, "encode mode is not supported by the vLLM sidecar"),
         (["--route-to-encoder"], {}, "route-to-encoder is not supported by the vLLM sidecar"),
         (["--dyn-tool-call-parser", "hermes"], {}, "tool-call and reasoning parsers"),

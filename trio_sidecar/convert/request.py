@@ -68,6 +68,8 @@ def build_generate_request(
     request_id: str,
     served_model_name: str,
     mode: DisaggregationMode,
+    *,
+    lora_supported: bool = False,
 ) -> BuiltRequest:
     """Validate (in the order of docs/reference/sidecar.md#validation-order) and map (docs/reference/sidecar.md#field-mapping) a request.
 
@@ -76,6 +78,8 @@ def build_generate_request(
         request_id: the context's id; empty → a fresh UUID4 string.
         served_model_name: the discovered name; always sent as ``model``.
         mode: the sidecar's disaggregation mode.
+        lora_supported: the server advertises LoRA (``max_loras`` > 0): a ``routing.lora_name`` is then
+            forwarded as ``lora_name`` (an adapter vLLM does not hold is vLLM's error, docs/lora.md).
 
     Returns:
         The ``GenerateRequest`` plus per-call metadata and bookkeeping for ``ResponseState``.
@@ -98,7 +102,7 @@ def build_generate_request(
         raise InvalidArgument("preprocessed multimodal features are not supported by vLLM gRPC")
     if mode is DisaggregationMode.ENCODE:
         raise InvalidArgument("encode mode is not supported by the vLLM sidecar")
-    if routing.lora_name:
+    if routing.lora_name and not lora_supported:
         raise InvalidArgument("LoRA request selection is not supported by vLLM gRPC v0.25.1")
     if request.bootstrap_info is not None:
         raise InvalidArgument("Dynamo bootstrap handoff is not supported by the vLLM sidecar")
@@ -142,7 +146,7 @@ def build_generate_request(
         token_ids=inference_pb2.TokenIds(ids=token_ids),
         truncate_prompt_tokens=0,
         priority=routing.priority or 0,
-        lora_name="",
+        lora_name=routing.lora_name or "",
     )
     if sampling.temperature is not None:
         message.temperature = sampling.temperature

@@ -251,7 +251,7 @@ class _Waker:
 class _Stream:
     """One request on the asyncio side: its outbox, stop request and cancellation watcher."""
 
-    __slots__ = ("loop", "outbox", "request_id", "request_stop", "watcher", "ended", "warned")
+    __slots__ = ("loop", "outbox", "request_id", "request_stop", "watcher", "ended", "warned", "first_token")
 
     def __init__(
         self,
@@ -268,6 +268,9 @@ class _Stream:
         self.watcher = watcher
         self.ended = False
         self.warned = False
+        # The request's context until its first output with tokens is taken, when the request's prefill
+        # completion must be published (``RequestBridge``'s ``bind_context``); else None.
+        self.first_token: Any = None
 
     async def wait(self, drain: Callable[[], bool] | None = None) -> None:
         """Park until Trio emits (the waiter handshake in "Wake-ups" above); with ``drain`` (push), until an
@@ -303,7 +306,11 @@ class _Stream:
             items.popleft()
             self.ended = True
             raise dynamo_exception(out)
-        return take_merged(items)
+        out = take_merged(items)
+        if self.first_token is not None and out.get("token_ids"):
+            context, self.first_token = self.first_token, None
+            _notify_first_token(context)
+        return out
 
     def close(self) -> None:
         """Leave the request: stop the Trio side unless it already ended."""
@@ -367,15 +374,21 @@ class RequestBridge:
         thread: the running :class:`AsyncioThread`.
         make_context: ``make_context(request_id, on_first_token, traceparent=..., tracestate=...) -> ctx``
             with ``ctx.stop()``; by default :class:`trio_sidecar.api.GenerateContext`.
+        bind_context: ``bind_context(context, request) -> bool``, called on the asyncio thread for every
+            request before it is handed to Trio (the worker binds the request to its prefill-completion
+            source, :mod:`.prefill_completion`); when it returns True, ``context.notify_first_token()`` is
+            called once, as the request's first output with tokens is handed to Dynamo.
     """
 
     def __init__(
         self,
         thread: AsyncioThread,
         make_context: Callable[..., Any] | None = None,
+        bind_context: Callable[[Any, dict], bool] | None = None,
     ) -> None:
         self._thread = thread
         self._make_context = make_context or _default_context
+        self._bind_context = bind_context
         self._submit: _Submit | None = None  # set while run_dispatcher() runs
         self._dispatcher_done = False  # run_dispatcher() ended: requests handed over now are refused
         self._pending: list[RequestItem] = []  # handed over before run_dispatcher() ran
@@ -413,6 +426,7 @@ class RequestBridge:
             waker = self._waker = _Waker(loop, self._poke)
         outbox = Outbox()
         request_id = str(context.id())
+        bound = self._bind_context is not None and self._bind_context(context, request)
         handle = CancelHandle()
         token = self._thread._token
         assert token is not None
@@ -438,7 +452,10 @@ class RequestBridge:
 
         watcher = asyncio.ensure_future(context.async_killed_or_stopped())
         watcher.add_done_callback(lambda f: None if f.cancelled() else request_stop())
-        return _Stream(loop, outbox, request_id, request_stop, watcher)
+        stream = _Stream(loop, outbox, request_id, request_stop, watcher)
+        if bound:
+            stream.first_token = context
+        return stream
 
     async def _pull(self, request: dict, context: Any):
         stream = self._open(request, context)

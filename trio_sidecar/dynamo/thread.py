@@ -23,7 +23,7 @@ from typing import Any
 
 import trio
 
-__all__ = ["AsyncioThread", "LOOP_ENDED"]
+__all__ = ["AsyncioThread", "LOOP_ENDED", "TrioCalls"]
 
 LOOP_ENDED = "the asyncio thread's loop ended"
 
@@ -152,3 +152,68 @@ class AsyncioThread:
                 coro.close()
             raise RuntimeError(LOOP_ENDED) from self._error
         return future.result()
+
+
+class TrioCalls:
+    """asyncio → Trio for whole coroutines: ``await calls.call(async_fn, *args)`` on the loop runs
+    ``async_fn(*args)`` as a task in a Trio nursery and gives back its result (or raises its exception).
+
+    Used by callbacks Dynamo runs on the loop (the system port's engine routes) to reach the sidecar, which
+    is Trio's. Nothing blocks: the task is started with ``run_sync_soon`` and the result comes back with
+    ``call_soon_threadsafe``. Cancelling the asyncio caller cancels the Trio task (best effort); a task
+    cancelled by Trio (the nursery closing), or a Trio run that is over, raises ``RuntimeError`` on the loop.
+    """
+
+    def __init__(self, token: trio.lowlevel.TrioToken, nursery: trio.Nursery) -> None:
+        self._token = token
+        self._nursery = nursery
+
+    async def call(self, async_fn: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        scope = trio.CancelScope()
+
+        def deliver(fn: Callable[[asyncio.Future[Any]], None]) -> None:  # the loop's thread
+            if not future.done():
+                fn(future)
+
+        def post(fn: Callable[[asyncio.Future[Any]], None]) -> None:  # the Trio thread
+            try:
+                loop.call_soon_threadsafe(deliver, fn)
+            except RuntimeError:  # the loop is closed: nobody waits any more
+                pass
+
+        async def task() -> None:
+            result: Any = None
+            error: BaseException | None = None
+            with scope:
+                try:
+                    result = await async_fn(*args)
+                except trio.Cancelled:
+                    post(lambda f: f.set_exception(RuntimeError("the sidecar stopped before the call finished")))
+                    raise
+                except Exception as exc:  # noqa: BLE001 - handed to the asyncio caller
+                    error = exc
+            if scope.cancelled_caught:
+                post(lambda f: f.set_exception(RuntimeError("the call was cancelled")))
+            elif error is not None:
+                post(lambda f, e=error: f.set_exception(e))  # type: ignore[misc]
+            else:
+                post(lambda f: f.set_result(result))
+
+        def spawn() -> None:  # the Trio thread
+            try:
+                self._nursery.start_soon(task)
+            except RuntimeError:  # the nursery is closed
+                post(lambda f: f.set_exception(RuntimeError("the sidecar is not running")))
+
+        try:
+            self._token.run_sync_soon(spawn)
+        except trio.RunFinishedError:
+            raise RuntimeError("the sidecar is not running") from None
+        try:
+            return await future
+        except asyncio.CancelledError:
+            with contextlib.suppress(trio.RunFinishedError):
+                self._token.run_sync_soon(scope.cancel)
+            raise

@@ -12,7 +12,7 @@ is created and touched only there, through :meth:`AsyncioThread.run`. Lifetimes 
           └─ asyncio thread + runtime      DistributedRuntime, endpoint (docs/reference/worker.md#startup-sequence)
              └─ open_sidecar(expected=…)   the start phase (docs/reference/sidecar.md#start-phase, docs/reference/sidecar.md#identity-check), prober, abort sender
                 └─ request nursery         the bridge's dispatcher (requests are the engine's tasks)
-                   registration            serve_endpoint, register_model, KvEventPublisher per source
+                   registration            serve_endpoint, register_model, metrics callbacks, KvEventPublisher per source
                    health supervisor       unregister/re-register on NOT_SERVING (docs/reference/worker.md#out-of-rotation-while-vllm-is-not-serving, docs/reference/sidecar.md#recovery)
                    wait                    for the shutdown request, a fatal prober error or a dead runtime
 
@@ -50,12 +50,15 @@ from ..config import SidecarConfig, WorkerOptions
 from ..diagnostics import startup_hint
 from ..errors import SidecarError, format_duration
 from ..progress import StartupProgress, tracking
+from ..rl import parse_admin_base_url, rl_endpoint_name, rl_world_size, system_port_required
 from ..transport import collapse_single_exception
 from .bridge import RequestBridge
+from .lora_routes import publish_held, start_lora
 from .plan import WorkerPlan, endpoint_path, plan_registration
 from .reporter import Reporter
+from .rl_routes import RlSurface
 from .runtime import DynamoSide
-from .thread import AsyncioThread
+from .thread import AsyncioThread, TrioCalls
 
 if TYPE_CHECKING:
     from ..api import Sidecar
@@ -293,7 +296,9 @@ async def _run_with_runtime(
     if scope.cancelled_caught:
         return _interrupted(state)
 
-    bridge = RequestBridge(thread)
+    bridge = RequestBridge(
+        thread, bind_context=lambda context, request: dynamo.prefill_completion.bind(context, request)
+    )
     code = 0
     with state.startup() as scope:
         state.phase = "start phase"
@@ -308,7 +313,7 @@ async def _run_with_runtime(
                             async with trio.open_nursery() as requests:
                                 requests.start_soon(bridge.run_dispatcher, sidecar.submit)
                                 code = await _register_and_serve(
-                                    config, options, state, reporter, thread, dynamo, bridge, sidecar
+                                    config, options, state, reporter, thread, dynamo, bridge, sidecar, requests
                                 )
                                 requests.cancel_scope.cancel()
         except SidecarError as exc:
@@ -331,12 +336,28 @@ async def _register_and_serve(
     dynamo: DynamoSide,
     bridge: RequestBridge,
     sidecar: Sidecar,
+    requests: trio.Nursery,
 ) -> int:
     sources = tuple(sidecar.kv_event_sources)
     plan = plan_registration(config, options, sidecar.engine_config, sources)
     state.phase = "registration with Dynamo"
     reporter.phase(state.phase)
+    # Before registering, as native: its outcome is logged even when registration then fails.
+    await thread.run(dynamo.resolve_image_token_id, plan.model_path, sidecar.model.supports_multimodal)
+    # The LoRA and RL engine routes go in before the model is listed, so a client that saw it can manage
+    # adapters and pause it (docs/lora.md, docs/rl.md).
+    lora = await start_lora(thread, dynamo, plan, sidecar, requests)
+    rl = await _start_rl(options, thread, dynamo, plan, sidecar, requests, lora=lora)
     await thread.run(dynamo.serve_and_register, plan, bridge.handler)
+    if lora:
+        await publish_held(sidecar.lora)
+    if rl is not None:
+        await thread.run(dynamo.serve_rl_endpoint, rl.endpoint_path, rl.rl_handler)
+        LOGGER.info("serving the RL routes on %s: %s", rl.endpoint_path, ", ".join(rl.routes))
+    try:
+        await thread.run(dynamo.register_metrics, plan, sidecar.stats)
+    except Exception as exc:  # noqa: BLE001 - metrics must not keep the worker from serving
+        LOGGER.error("registering the metrics callbacks on endpoint.metrics failed: %s", exc)
     count = await thread.run(dynamo.replace_publishers, plan, sources)
     await thread.run(dynamo.set_ready, True)
     reporter.phase_done(state.phase)
@@ -359,6 +380,43 @@ async def _register_and_serve(
         return 1
     await _drain(options, thread, dynamo, sidecar)
     return 0
+
+
+async def _start_rl(
+    options: WorkerOptions,
+    thread: AsyncioThread,
+    dynamo: DynamoSide,
+    plan: WorkerPlan,
+    sidecar: Sidecar,
+    nursery: trio.Nursery,
+    *,
+    lora: bool,
+) -> RlSurface | None:
+    """Register the engine routes of the RL controls (always, like the native sidecar); with ``--enable-rl``
+    return the surface whose ``rl`` endpoint is to be served (``DYN_RL_ENDPOINT`` renames it), else None.
+
+    ``lora``: whether the LoRA surface is on (its three routes are then listed with these).
+
+    Raises:
+        InvalidArgument: ``RL endpoint configuration: …`` (a bad ``DYN_RL_ENDPOINT``, or no system server).
+    """
+    endpoint_path = None
+    if options.enable_rl:
+        name = rl_endpoint_name(os.environ)
+        if not await thread.run(_call_sync, dynamo.system_url):
+            raise system_port_required()
+        endpoint_path = f"{plan.endpoint_path.rsplit('.', 1)[0]}.{name}"
+    surface = RlSurface(
+        dynamo,
+        sidecar,
+        TrioCalls(trio.lowlevel.current_trio_token(), nursery),
+        lora=lora,
+        world_size=rl_world_size(sidecar.model.server_info, options.vllm_rl_world_size),
+        admin_base_url=parse_admin_base_url(options.vllm_http_endpoint) if options.vllm_http_endpoint else None,
+        endpoint_path=endpoint_path,
+    )
+    await thread.run(_call_sync, lambda: dynamo.register_engine_routes(surface.callbacks()))
+    return surface if endpoint_path is not None else None
 
 
 async def _set_when(event: trio.Event, scope: trio.CancelScope) -> None:
@@ -438,6 +496,8 @@ async def _supervise_health(
                 sources = current
             except Exception as exc:  # noqa: BLE001
                 LOGGER.error("re-creating the KV publishers failed: %s", exc)
+        if not registered and dynamo.rl_withdrawn:
+            registered = True  # paused or asleep through the RL controls: their resume puts it back
         if not registered:
             try:
                 await thread.run(dynamo.register)

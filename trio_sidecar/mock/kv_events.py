@@ -55,7 +55,7 @@ class KvEventBindError(OSError):
 def encode_event(event: KvEvent) -> dict[str, Any]:
     """The MessagePack map of one event (docs/reference/mock.md#kv-event-messages); GPU tier, so no ``medium`` key."""
     if isinstance(event, BlockStored):
-        return {
+        stored: dict[str, Any] = {
             "type": "BlockStored",
             "block_hashes": list(event.block_hashes),
             "parent_block_hash": event.parent_block_hash,
@@ -63,6 +63,12 @@ def encode_event(event: KvEvent) -> dict[str, Any]:
             "block_size": event.block_size,
             "group_idx": 0,
         }
+        if event.extra_keys is not None:  # vLLM's per-block list: None, or [[mm identifier, offset], ...]
+            stored["extra_keys"] = [
+                None if keys is None else [[identifier, offset] for identifier, offset in keys]
+                for keys in event.extra_keys
+            ]
+        return stored
     if isinstance(event, BlockRemoved):
         return {"type": "BlockRemoved", "block_hashes": list(event.block_hashes), "group_idx": 0}
     raise TypeError(f"not a KV event: {event!r}")

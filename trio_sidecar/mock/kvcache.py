@@ -42,7 +42,20 @@ from collections.abc import Sequence
 import attrs
 import blake3
 
-__all__ = ["BlockRemoved", "BlockStored", "KvEvent", "KvPool", "SeqKv", "block_hash"]
+__all__ = ["BlockRemoved", "BlockStored", "ExtraKeys", "KvEvent", "KvPool", "MmSpan", "SeqKv", "block_hash"]
+
+#: The extra keys of one block: ``(mm identifier, offset of the feature relative to the block start)`` pairs,
+#: in feature order, as vLLM publishes them (untagged) in ``BlockStored.extra_keys``.
+ExtraKeys = tuple[tuple[str, int], ...]
+
+
+@attrs.frozen
+class MmSpan:
+    """One multimodal feature of a prompt: ``length`` tokens from ``offset``, keyed by ``identifier``."""
+
+    offset: int
+    length: int
+    identifier: str
 
 
 @attrs.frozen
@@ -54,6 +67,8 @@ class BlockStored:
     parent_block_hash: int | None
     token_ids: tuple[int, ...]
     block_size: int
+    #: Per block, its multimodal extra keys or None; None altogether when no block has any.
+    extra_keys: tuple[ExtraKeys | None, ...] | None = None
 
 
 @attrs.frozen
@@ -68,18 +83,27 @@ KvEvent = BlockStored | BlockRemoved
 _ZERO_PARENT = bytes(8)
 
 
-def block_hash(parent: int | None, tokens: Sequence[int], salt: str = "") -> int:
+def block_hash(parent: int | None, tokens: Sequence[int], salt: str = "", extra: ExtraKeys = ()) -> int:
     """Chained content hash of one full block (project choice, docs/reference/mock.md#kv-cache-and-kv-events).
 
     ``u64_le(blake3(parent as u64 LE, or 8 zero bytes for the first block ‖ tokens as u32 LE)[0:8])``;
     a non-empty cache salt is appended (UTF-8) to the *first* block's input only, so the whole chain of a
-    salted prompt differs from the unsalted one.
+    salted prompt differs from the unsalted one. Each multimodal extra key of the block is appended as
+    ``b"mm\\0" ‖ identifier (UTF-8) ‖ b"\\0" ‖ offset (i64 LE)``, so two images behind the same placeholder
+    ids never share a block.
     """
     head = _ZERO_PARENT if parent is None else parent.to_bytes(8, "little")
     data = head + struct.pack(f"<{len(tokens)}I", *tokens)
     if parent is None and salt:
         data += salt.encode("utf-8")
+    for identifier, offset in extra:
+        data += b"mm\0" + identifier.encode("utf-8") + b"\0" + offset.to_bytes(8, "little", signed=True)
     return int.from_bytes(blake3.blake3(data).digest(length=8), "little")
+
+
+def _extra_keys(spans: Sequence[MmSpan], start: int, end: int) -> ExtraKeys:
+    """The features overlapping tokens ``[start, end)``, with their offsets relative to ``start``."""
+    return tuple((s.identifier, s.offset - start) for s in spans if s.offset < end and start < s.offset + s.length)
 
 
 class _Block:
@@ -99,7 +123,7 @@ class SeqKv:
     the blocks it holds, and the chained hashes of its full blocks (memoised; the content never changes,
     so they survive preemption)."""
 
-    __slots__ = ("_blocks", "_committed", "_hashes", "bypass_prefix_cache", "plan", "prompt", "salt")
+    __slots__ = ("_blocks", "_committed", "_hashes", "bypass_prefix_cache", "mm", "plan", "prompt", "salt")
 
     def __init__(
         self,
@@ -108,10 +132,12 @@ class SeqKv:
         *,
         salt: str = "",
         bypass_prefix_cache: bool = False,
+        mm: Sequence[MmSpan] = (),
     ) -> None:
         self.prompt = prompt
         self.plan = plan
         self.salt = salt
+        self.mm = tuple(mm)
         self.bypass_prefix_cache = bypass_prefix_cache
         self._blocks: list[_Block] = []
         self._hashes: list[int] = []
@@ -136,8 +162,13 @@ class SeqKv:
         while len(hashes) <= index:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(block_hash(parent, self.tokens(i * block_size, (i + 1) * block_size), self.salt))
+            start, end = i * block_size, (i + 1) * block_size
+            hashes.append(block_hash(parent, self.tokens(start, end), self.salt, self.extra_keys(start, end)))
         return hashes[index]
+
+    def extra_keys(self, start: int, end: int) -> ExtraKeys:
+        """The multimodal extra keys of the tokens ``[start, end)`` (empty without features)."""
+        return _extra_keys(self.mm, start, end) if self.mm else ()
 
 
 class KvPool:
@@ -157,7 +188,7 @@ class KvPool:
         self._heap: list[tuple[int, int, int, _Block]] = []  # (tick, -depth, unique, block)
         self._tick = 0
         self._unique = itertools.count()
-        self._events: list[tuple] = []  # (kind, hashes, parent, token ids), see _emit_*
+        self._events: list[tuple] = []  # (kind, hashes, parent, token ids, extra keys), see _emit_*
 
     # --- counters ---------------------------------------------------------------------------------
 
@@ -321,7 +352,8 @@ class KvPool:
             self._registry[h] = block
             if parent is not None:
                 self._children[parent] = self._children.get(parent, 0) + 1
-            self._emit_stored(h, parent, seq.tokens(index * bs, (index + 1) * bs))
+            start, end = index * bs, (index + 1) * bs
+            self._emit_stored(h, parent, seq.tokens(start, end), seq.extra_keys(start, end) or None)
         seq._committed = full
 
     def release(self, seq: SeqKv) -> None:
@@ -349,7 +381,7 @@ class KvPool:
 
     # --- events -----------------------------------------------------------------------------------
 
-    def _emit_stored(self, h: int, parent: int | None, tokens: Sequence[int]) -> None:
+    def _emit_stored(self, h: int, parent: int | None, tokens: Sequence[int], extra: ExtraKeys | None) -> None:
         # Pending events are mutable lists until drained, so merging a long chain stays linear.
         events = self._events
         if events:
@@ -357,23 +389,25 @@ class KvPool:
             if last[0] is BlockStored and parent is not None and last[1][-1] == parent:
                 last[1].append(h)
                 last[3].extend(tokens)
+                last[4].append(extra)
                 return
-        events.append((BlockStored, [h], parent, list(tokens)))
+        events.append((BlockStored, [h], parent, list(tokens), [extra]))
 
     def _emit_removed(self, h: int) -> None:
         events = self._events
         if events and events[-1][0] is BlockRemoved:
             events[-1][1].append(h)
         else:
-            events.append((BlockRemoved, [h], None, None))
+            events.append((BlockRemoved, [h], None, None, None))
 
     def drain_events(self) -> list[KvEvent]:
         """Take the events queued since the last call, in order of occurrence."""
         pending, self._events = self._events, []
         out: list[KvEvent] = []
-        for kind, hashes, parent, tokens in pending:
+        for kind, hashes, parent, tokens, extra in pending:
             if kind is BlockStored:
-                out.append(BlockStored(tuple(hashes), parent, tuple(tokens), self.block_size))
+                extra_keys = tuple(extra) if any(e is not None for e in extra) else None
+                out.append(BlockStored(tuple(hashes), parent, tuple(tokens), self.block_size, extra_keys))
             else:
                 out.append(BlockRemoved(tuple(hashes)))
         return out

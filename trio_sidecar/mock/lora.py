@@ -40,11 +40,20 @@ class LoraAdapter:
 
 
 class LoraTable:
-    """The adapters loaded on one server, in load order, at most ``max_loras`` of them.
+    """The adapters loaded on one server, in load order.
 
     ``max_loras == 0`` means LoRA is disabled: every operation fails as vLLM's does without
-    ``--enable-lora``. Methods raise :class:`~trio_sidecar.mock.generation.RequestRejected` with the
-    status and text the client receives.
+    ``--enable-lora``. Otherwise it does not limit the table: vLLM's ``--max-loras`` bounds the adapters
+    used in one batch, and the real server loads more.
+
+    What it does limit is the engine's cache of adapters in memory (``--max-cpu-loras``, which defaults to
+    ``max_loras``): loading an adapter, or a request using one, puts it in the cache and evicts the least
+    recently used one beyond ``max_loras``. A request for an evicted adapter brings it back, but
+    ``UnloadLora`` of an evicted adapter fails, and the adapter stays listed, until a request uses it again.
+    The table keeps that cache too (``resident``), to answer as vLLM does.
+
+    Methods raise :class:`~trio_sidecar.mock.generation.RequestRejected` with the status and text the
+    client receives.
     """
 
     def __init__(self, max_loras: int, base_model_names: tuple[str, ...]) -> None:
@@ -52,6 +61,8 @@ class LoraTable:
         self._base_names = frozenset(base_model_names)
         self._adapters: dict[str, LoraAdapter] = {}
         self._next_id = 1
+        #: The engine's adapter cache, least recently used first (names; a subset of the table).
+        self._resident: list[str] = []
 
     @property
     def enabled(self) -> bool:
@@ -80,16 +91,22 @@ class LoraTable:
             )
         if name in self._adapters:
             raise RequestRejected(StatusCode.ALREADY_EXISTS, f"LoRA adapter `{name}` is already loaded")
-        if len(self._adapters) >= self.max_loras:
-            # The mock's own limit and text: vLLM keeps more adapters than GPU slots (it evicts).
-            raise RequestRejected(
-                StatusCode.RESOURCE_EXHAUSTED,
-                f"cannot load LoRA adapter `{name}`: max_loras ({self.max_loras}) adapters are already loaded",
-            )
         adapter = LoraAdapter(self._next_id, name, source_path)
         self._next_id += 1
         self._adapters[name] = adapter
+        self._use(name)
         return adapter
+
+    @property
+    def resident(self) -> tuple[str, ...]:
+        """The adapters in the engine's cache, least recently used first."""
+        return tuple(self._resident)
+
+    def _use(self, name: str) -> None:
+        if name in self._resident:
+            self._resident.remove(name)
+        self._resident.append(name)
+        del self._resident[: -self.max_loras]
 
     def unload(self, name: str) -> LoraAdapter:
         """``UnloadLora``: vLLM checks the name before whether LoRA is enabled."""
@@ -97,9 +114,16 @@ class LoraTable:
             raise RequestRejected(StatusCode.INVALID_ARGUMENT, "lora_name is required")
         if not self.enabled:
             raise lora_disabled()
-        adapter = self._adapters.pop(name, None)
+        adapter = self._adapters.get(name)
         if adapter is None:
             raise _not_loaded(name)
+        if name not in self._resident:
+            # vLLM's engine finds nothing to remove; its frontend keeps the adapter listed.
+            raise RequestRejected(
+                StatusCode.INTERNAL, f"engine rejected removal of LoRA adapter `{name}` with id {adapter.lora_id}"
+            )
+        self._resident.remove(name)
+        del self._adapters[name]
         return adapter
 
     def list(self) -> list[LoraAdapter]:
@@ -114,3 +138,8 @@ class LoraTable:
             raise lora_disabled()
         if name not in self._adapters:
             raise _not_loaded(name)
+
+    def use(self, name: str) -> None:
+        """An accepted request runs with adapter ``name``: it is (back) in the engine's cache."""
+        if name in self._adapters:
+            self._use(name)

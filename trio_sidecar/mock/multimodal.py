@@ -4,14 +4,22 @@ Images are never fetched or decoded. With ``--supports-multimodal`` each image p
 (``image_token_id``, default 31999) in ``token_ids`` stands for one ``media`` item and is expanded to
 ``tokens_per_image`` copies (default 16), which is what the scheduler computes and what ``PromptInfo``
 reports. A request without media (a decode request carrying already-expanded ids) is taken as-is.
+
+Each expanded run is one multimodal feature (:class:`~trio_sidecar.mock.kvcache.MmSpan`) whose identifier is
+the item's ``uuid``, or the hex blake3 digest of its source without one (vLLM's content hash plays that
+part). The KV cache keys the blocks a feature overlaps on its identifier and reports it in ``BlockStored``
+``extra_keys``, as vLLM does (docs/reference/mock.md#kv-cache-and-kv-events).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import blake3
+
 from trio_sidecar._proto.vllm import inference_pb2 as pb
 from trio_sidecar.mock.generation import RequestRejected
+from trio_sidecar.mock.kvcache import MmSpan
 from trio_sidecar.status import StatusCode
 
 __all__ = [
@@ -20,6 +28,8 @@ __all__ = [
     "MULTIMODAL_DISABLED",
     "check_media",
     "expand_image_placeholders",
+    "image_spans",
+    "media_identifier",
 ]
 
 DEFAULT_IMAGE_TOKEN_ID = 31999
@@ -71,3 +81,28 @@ def expand_image_placeholders(
         else:
             out.append(t)
     return tuple(out)
+
+
+def media_identifier(item: pb.MediaItem) -> str:
+    """The feature identifier of one media item: its ``uuid``, else the hex blake3 digest of its source."""
+    if item.uuid:
+        return item.uuid
+    source = item.WhichOneof("source")
+    value = getattr(item, source) if source is not None else b""
+    data = value.encode("utf-8") if isinstance(value, str) else bytes(value)
+    return blake3.blake3(data).hexdigest()
+
+
+def image_spans(
+    token_ids: Sequence[int], media: Sequence[pb.MediaItem], image_token_id: int, tokens_per_image: int
+) -> tuple[MmSpan, ...]:
+    """The features of the expanded prompt: the ``i``-th placeholder of the *unexpanded* ``token_ids`` becomes
+    the run ``[offset, offset + tokens_per_image)`` of media item ``i``. Call after
+    :func:`expand_image_placeholders` accepted the same ids (one placeholder per item)."""
+    spans: list[MmSpan] = []
+    for position, token in enumerate(token_ids):
+        if token == image_token_id:
+            index = len(spans)
+            offset = position + index * (tokens_per_image - 1)
+            spans.append(MmSpan(offset, tokens_per_image, media_identifier(media[index])))
+    return tuple(spans)

@@ -53,7 +53,7 @@ from trio.lowlevel import Abort, current_task, reschedule, wait_task_rescheduled
 
 from trio_sidecar.mock.engine_args import EngineArgs, PreemptionMode
 from trio_sidecar.mock.generation import TokenPlan, token_at
-from trio_sidecar.mock.kvcache import KvPool, SeqKv
+from trio_sidecar.mock.kvcache import KvPool, MmSpan, SeqKv
 from trio_sidecar.mock.timing import pass_seconds
 from trio_sidecar.status import StatusCode
 
@@ -138,6 +138,7 @@ class SimRequest:
     cache_salt: str = ""
     bypass_prefix_cache: bool = False
     priority: int = 0  # recorded, not used for ordering (as upstream)
+    mm_spans: tuple[MmSpan, ...] = ()  # multimodal features of the prompt (block keys, BlockStored extra_keys)
 
 
 class OutputSignal(NamedTuple):
@@ -323,7 +324,9 @@ class _Req:
         self.sim = sim
         self.send = send
         self.plan = sim.plan
-        self.kv = SeqKv(sim.prompt, sim.plan, salt=sim.cache_salt, bypass_prefix_cache=sim.bypass_prefix_cache)
+        self.kv = SeqKv(
+            sim.prompt, sim.plan, salt=sim.cache_salt, bypass_prefix_cache=sim.bypass_prefix_cache, mm=sim.mm_spans
+        )
         self.num_tokens = len(sim.prompt)  # current sequence: prompt + generated
         self.num_computed = 0  # tokens with KV
         self.generated = 0

@@ -285,6 +285,7 @@ class _Call:
                 cache_salt=p.cache_salt,
                 bypass_prefix_cache=p.bypass_prefix_cache,
                 priority=p.priority,
+                mm_spans=p.mm_spans,
             )
         )
 
@@ -509,6 +510,8 @@ class MockServer:
         call = _Call(self, prepared, rank)
         self._routes[prepared.uuid] = call
         self._active.value = len(self._routes)
+        if request.lora_name:
+            self.lora.use(request.lora_name)
         return call
 
     def _unregister(self, call: _Call) -> None:
@@ -930,8 +933,6 @@ async def open_mock_server(config: MockConfig) -> AsyncIterator[MockServer]:
 
     prepared = prepare_config(config)
     publishers = _open_publishers(prepared)
-    if config.supports_multimodal and prepared.args.enable_prefix_caching:
-        LOGGER.warning("multimodal with prefix caching: KV blocks are keyed by token ids only")
     try:
         with collapse_single_exception():
             async with trio.open_nursery() as nursery:

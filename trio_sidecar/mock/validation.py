@@ -37,6 +37,7 @@ from trio_sidecar.mock.generation import (
     token_seed,
 )
 from trio_sidecar.mock.handoff import Role
+from trio_sidecar.mock.kvcache import MmSpan
 from trio_sidecar.sampling_checks import format_f32, sampling_error
 from trio_sidecar.status import StatusCode
 
@@ -119,6 +120,7 @@ class PreparedRequest:
     cache_salt: str = ""
     bypass_prefix_cache: bool = False
     priority: int = 0
+    mm_spans: tuple[MmSpan, ...] = ()
 
 
 def _new_request_id() -> str:
@@ -165,10 +167,13 @@ def prepare_request(
         policy.lora.check_request(request.lora_name)
     # Rows 9–10, then the placeholder expansion of docs/reference/mock.md#multimodal.
     multimodal.check_media(request.media, policy.supports_multimodal)
+    mm_spans: tuple[MmSpan, ...] = ()
     if request.media:
+        unexpanded = prompt
         prompt = multimodal.expand_image_placeholders(
             prompt, len(request.media), policy.image_token_id, policy.tokens_per_image
         )
+        mm_spans = multimodal.image_spans(unexpanded, request.media, policy.image_token_id, policy.tokens_per_image)
     # Row 11, then vLLM's sampling checks (docs/reference/mock.md#request-validation).
     if request.sampling.num_sequences > 1:
         raise _invalid("num_sequences must be 0 or 1")
@@ -222,4 +227,5 @@ def prepare_request(
         cache_salt=request.kv.cache_salt,
         bypass_prefix_cache=request.kv.bypass_prefix_cache,
         priority=request.priority,
+        mm_spans=mm_spans,
     )
