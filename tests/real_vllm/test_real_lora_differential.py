@@ -123,8 +123,11 @@ def _same(stack: Stack, step: str, port: str, method: str, path: str, body: Any 
     """The step's answer on both sides (``port``: "system" or "http"), which must be equal; returns it."""
     got = {side: _request(getattr(s, f"{port}_port"), method, path, body) for side, s in stack.sides.items()}
     for status, answer in got.values():  # a model list's "created" is the second it was asked
-        for model in answer.get("data", ()) if status == 200 and isinstance(answer, dict) else ():
+        models = answer.get("data") if status == 200 and isinstance(answer, dict) else None
+        for model in models or ():
             model.pop("created", None)
+        if models and all(isinstance(m, dict) and "id" in m for m in models):
+            models.sort(key=lambda m: m["id"])  # the frontend lists models in no fixed order (seen in CI)
     assert got["trio"] == got["native"], f"{step}: native {got['native']!r}, trio {got['trio']!r}"
     return got["trio"]
 
