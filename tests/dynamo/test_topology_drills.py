@@ -232,9 +232,14 @@ def _service_drill(cluster: Cluster, fault: str, outage_s: float = OUTAGE_S) -> 
             pending = {
                 k: [a - b for a, b in zip(s.served(), served_at_restart[k], strict=True)] for k, s in sides.items()
             }
-            if all(min(counts) >= 5 for counts in pending.values()):
+            # ... and the clients got the answers (the engines count a request before its HTTP response ends;
+            # stopping the load on the engines' count alone raced the check below, seen in CI).
+            answered = {k: load.successes_since(killed_at) for k, load in loads.items()}
+            if all(min(counts) >= 5 for counts in pending.values()) and min(answered.values()) >= 10:
                 break
-            assert time.monotonic() < deadline, f"not every worker serves again after the {fault} restart: {pending}"
+            assert time.monotonic() < deadline, (
+                f"not every worker serves again after the {fault} restart: {pending}, answered {answered}"
+            )
             time.sleep(0.2)
     finally:
         results = {k: load.stop() for k, load in loads.items()}
