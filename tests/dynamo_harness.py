@@ -3,7 +3,9 @@ per-module deployment. It sits beside the root conftest, whose directory pytest 
 
 from __future__ import annotations
 
+import http.client
 import importlib.util
+import json
 import os
 import pty
 import select
@@ -293,3 +295,15 @@ def run_on_a_tty(
             proc.wait()
         os.close(master)
     return code, out.decode(errors="replace")
+
+
+def system_request(port: int, method: str, path: str, payload: dict | None = None) -> tuple[int, object]:
+    """One JSON request to a worker's system status server (``DYN_SYSTEM_PORT``): (status, decoded body)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        body = None if payload is None else json.dumps(payload)
+        conn.request(method, path, body=body, headers={"content-type": "application/json"} if body else {})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()

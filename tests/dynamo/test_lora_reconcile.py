@@ -10,29 +10,17 @@ discovery records follow what vLLM then holds (an adapter that could not be load
 
 from __future__ import annotations
 
-import http.client
 import json
 import time
 
 import pytest
-from dynamo_harness import FAST_ENGINE_ARGS, free_system_port
+from dynamo_harness import FAST_ENGINE_ARGS, free_system_port, system_request
 
 from trio_sidecar._devtools import local
 from trio_sidecar.mock.generation import RequestRejected
 from trio_sidecar.status import StatusCode
 
 pytestmark = pytest.mark.dynamo
-
-
-def _system(port: int, method: str, path: str, payload: dict | None = None) -> tuple[int, object]:
-    conn = http.client.HTTPConnection(local.LOOPBACK, port, timeout=30)
-    try:
-        body = None if payload is None else json.dumps(payload)
-        conn.request(method, path, body=body, headers={"content-type": "application/json"} if body else {})
-        resp = conn.getresponse()
-        return resp.status, json.loads(resp.read())
-    finally:
-        conn.close()
 
 
 def _wait(predicate, what: str, proc, timeout: float = 60.0) -> None:
@@ -74,7 +62,10 @@ def test_adapters_are_loaded_again_after_a_vllm_restart_and_discovery_follows(de
     )
     dep.wait_ready("tiny")
     for name in ("a", "b"):
-        assert _system(port, "POST", "/v1/loras", {"lora_name": name, "source": {"uri": f"file://{adapter}"}})[0] == 200
+        assert (
+            system_request(port, "POST", "/v1/loras", {"lora_name": name, "source": {"uri": f"file://{adapter}"}})[0]
+            == 200
+        )
     _wait(lambda: {"a", "b"} <= set(local.list_models(dep.http_port)), "adapters never listed", proc)
 
     # vLLM restarts and can load `a` again but not `b` (its files are gone): `b` leaves discovery.
@@ -103,5 +94,5 @@ def test_adapters_are_loaded_again_after_a_vllm_restart_and_discovery_follows(de
     assert (status, body.get("model")) == (200, "a"), body
     rpc, request, _, _ = new.recorded()[-1]
     assert (rpc, request.lora_name, request.model) == ("GenerateStream", "a", "tiny")
-    assert _system(port, "GET", "/v1/loras") == (200, {"status": "success", "loras": {"a": 1}, "count": 1})
+    assert system_request(port, "GET", "/v1/loras") == (200, {"status": "success", "loras": {"a": 1}, "count": 1})
     assert "LoRA 'b' was not loaded again after the vLLM restart" in " ".join(proc.log().split())

@@ -8,12 +8,11 @@ the native sidecar only: it is what a LoRA-capable ``trio-sidecar run`` must rep
 
 from __future__ import annotations
 
-import http.client
 import json
 import time
 
 import pytest
-from dynamo_harness import FAST_ENGINE_ARGS, free_system_port
+from dynamo_harness import FAST_ENGINE_ARGS, free_system_port, system_request
 
 from trio_sidecar._devtools import local
 
@@ -37,17 +36,6 @@ def native(deployment_factory, tmp_path_factory):
     )
     (adapter / "adapter_model.safetensors").write_bytes(b"")
     return dep, mock, system_port, adapter
-
-
-def _system(port: int, method: str, path: str, payload: dict | None = None) -> tuple[int, object]:
-    conn = http.client.HTTPConnection(local.LOOPBACK, port, timeout=30)
-    try:
-        body = None if payload is None else json.dumps(payload)
-        conn.request(method, path, body=body, headers={"content-type": "application/json"} if body else {})
-        resp = conn.getresponse()
-        return resp.status, json.loads(resp.read())
-    finally:
-        conn.close()
 
 
 class _Calls:
@@ -75,11 +63,11 @@ def _wait_model(port: int, name: str, present: bool, timeout: float = 30.0) -> N
 def test_native_reference_lora_load_generate_with_the_adapter_unload(native):
     dep, mock, system_port, adapter = native
     calls = _Calls(mock)
-    assert _system(system_port, "GET", "/v1/loras") == (200, {"status": "success", "loras": {}, "count": 0})
+    assert system_request(system_port, "GET", "/v1/loras") == (200, {"status": "success", "loras": {}, "count": 0})
     assert [name for name, _ in calls.new()] == ["ListLoras"]
 
     calls = _Calls(mock)
-    status, body = _system(system_port, "POST", "/v1/loras", _load_body("a", adapter))
+    status, body = system_request(system_port, "POST", "/v1/loras", _load_body("a", adapter))
     assert (status, body) == (
         200,
         {"status": "success", "message": "LoRA adapter 'a' loaded successfully", "lora_name": "a", "lora_id": 1},
@@ -87,7 +75,10 @@ def test_native_reference_lora_load_generate_with_the_adapter_unload(native):
     made = calls.new()
     assert [name for name, _ in made] == ["ListLoras", "LoadLora"]
     assert (made[1][1].lora_name, made[1][1].source_path) == ("a", str(adapter))
-    assert _system(system_port, "GET", "/v1/loras") == (200, {"status": "success", "loras": {"a": 1}, "count": 1})
+    assert system_request(system_port, "GET", "/v1/loras") == (
+        200,
+        {"status": "success", "loras": {"a": 1}, "count": 1},
+    )
 
     # The adapter is a model of its own on the frontend; its requests reach vLLM with lora_name set.
     _wait_model(dep.http_port, "a", present=True)
@@ -100,7 +91,7 @@ def test_native_reference_lora_load_generate_with_the_adapter_unload(native):
     assert (rpc, request.lora_name, request.model) == ("GenerateStream", "a", "tiny")
 
     calls = _Calls(mock)
-    status, body = _system(system_port, "DELETE", "/v1/loras/a")
+    status, body = system_request(system_port, "DELETE", "/v1/loras/a")
     assert (status, body) == (
         200,
         {"status": "success", "message": "LoRA adapter 'a' unloaded successfully", "lora_name": "a", "lora_id": 1},
@@ -116,14 +107,14 @@ def test_native_reference_lora_load_generate_with_the_adapter_unload(native):
 
 def test_native_reference_lora_errors_are_checked_by_the_sidecar(native):
     _, mock, system_port, adapter = native
-    assert _system(system_port, "POST", "/v1/loras", _load_body("b", adapter))[0] == 200
+    assert system_request(system_port, "POST", "/v1/loras", _load_body("b", adapter))[0] == 200
     try:
         calls = _Calls(mock)
-        assert _system(system_port, "POST", "/v1/loras", _load_body("b", adapter)) == (
+        assert system_request(system_port, "POST", "/v1/loras", _load_body("b", adapter)) == (
             200,
             {"status": "success", "message": "LoRA adapter 'b' already loaded", "lora_name": "b", "lora_id": 2},
         )
-        assert _system(system_port, "POST", "/v1/loras", _load_body("tiny", adapter)) == (
+        assert system_request(system_port, "POST", "/v1/loras", _load_body("tiny", adapter)) == (
             500,
             {
                 "status": "error",
@@ -131,7 +122,7 @@ def test_native_reference_lora_errors_are_checked_by_the_sidecar(native):
                 "message": "InvalidRequest: LoRA adapter `tiny` conflicts with the base model name or one of its aliases",
             },
         )
-        assert _system(system_port, "DELETE", "/v1/loras/zz") == (
+        assert system_request(system_port, "DELETE", "/v1/loras/zz") == (
             500,
             {
                 "status": "error",
@@ -139,8 +130,8 @@ def test_native_reference_lora_errors_are_checked_by_the_sidecar(native):
                 "message": "InvalidRequest: LoRA adapter 'zz' not found. Available LoRAs: [\"b\"]",
             },
         )
-        assert _system(system_port, "POST", "/v1/loras", _load_body("c", adapter))[0] == 200
-        assert _system(system_port, "POST", "/v1/loras", _load_body("d", adapter)) == (
+        assert system_request(system_port, "POST", "/v1/loras", _load_body("c", adapter))[0] == 200
+        assert system_request(system_port, "POST", "/v1/loras", _load_body("d", adapter)) == (
             500,
             {
                 "status": "error",
@@ -152,4 +143,4 @@ def test_native_reference_lora_errors_are_checked_by_the_sidecar(native):
         assert [name for name, _ in calls.new() if name != "ListLoras"] == ["LoadLora"]
     finally:
         for name in ("b", "c"):
-            _system(system_port, "DELETE", f"/v1/loras/{name}")
+            system_request(system_port, "DELETE", f"/v1/loras/{name}")
