@@ -1,0 +1,194 @@
+"""Machinery of the native-vs-trio matrix differential (tests/dynamo/test_native_matrix.py): run one sidecar
+family against a mock, wait until it registered (or exited), and collect everything another process can
+observe of it.
+
+Each side has its own file-discovery store, so both sides run with the same namespace and nothing needs to be
+renamed before comparing; every case uses its own namespace inside the store. One long-lived request-plane
+client per side (``Client``) sends the same ``PreprocessedRequest`` to each registered generate endpoint, and
+the mock records what each sidecar forwarded.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+from dynamo_harness import free_system_port
+
+from trio_sidecar._devtools import local
+
+SIDES = ("native", "trio")
+MODULES = {"native": ("dynamo.vllm.sidecar",), "trio": ("trio_sidecar", "run")}
+
+# One request through the request plane: token ids, two tokens, greedy. The mock seeds tokens by prompt.
+REQUEST: dict[str, Any] = {
+    "token_ids": [1, 2, 3, 4, 5, 6, 7, 8],
+    "stop_conditions": {"max_tokens": 2, "ignore_eos": True},
+    "sampling_options": {"temperature": 0.0},
+    "output_options": {},
+    "eos_token_ids": [2],
+}
+
+_CLIENT = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    from dynamo.runtime import DistributedRuntime
+
+    async def main():
+        runtime = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp")
+        loop = asyncio.get_running_loop()
+        while True:
+            line = await loop.run_in_executor(None, sys.stdin.readline)
+            if not line:
+                break
+            cmd = json.loads(line)
+            try:
+                client = await runtime.endpoint(cmd["endpoint"]).client()
+                await asyncio.wait_for(client.wait_for_instances(), 30)
+                stream = await client.generate(cmd["request"])
+                out = {"ok": [item.data() async for item in stream]}
+            except Exception as exc:  # reported to the test
+                out = {"error": f"{type(exc).__name__}: {exc}"}
+            print(json.dumps(out), flush=True)
+        runtime.shutdown()
+
+    asyncio.run(main())
+    """
+)
+
+
+class Client:
+    """A Dynamo request-plane client on one side's store (a subprocess driven over stdin/stdout)."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _CLIENT],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+
+    def generate(self, endpoint: str, request: dict[str, Any]) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"endpoint": endpoint, "request": request}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the request-plane client exited")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def _store_entries(store: Path, kind: str, namespace: str) -> list[tuple[str, dict[str, Any]]]:
+    """``(key, record)`` of every ``v1/{kind}`` entry whose key names ``namespace``."""
+    out = []
+    for path in sorted((store / "v1" / kind).glob("*")):
+        key = urllib.parse.unquote(path.name)
+        if f"{namespace}/" not in key:
+            continue
+        try:
+            out.append((key, json.loads(path.read_text())))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def start_side(
+    side: str, workdir: Path, store: Path, grpc: str, args: tuple[str, ...], env: dict[str, str], name: str
+) -> tuple[local.Process, int]:
+    """One sidecar of ``side`` (``native``/``trio``) on ``grpc``; returns it and its system (metrics) port."""
+    port = free_system_port()
+    full_env = {**local.dynamo_env(store), "DYN_SYSTEM_PORT": str(port), "DYN_SYSTEM_ENABLED": "true", **env}
+    argv = [sys.executable, "-m", *MODULES[side], "--grpc-endpoint", grpc, "--discovery-backend", "file"]
+    argv += ["--request-plane", "tcp", *args]
+    if side == "trio":
+        argv.append("--no-abort-on-cancel")
+    return local.Process(f"{side}-{name}", argv, env=full_env, log_path=workdir / f"{side}-{name}.log"), port
+
+
+def wait_settled(proc: local.Process, store: Path, namespace: str, cards: int, timeout: float) -> None:
+    """Until ``proc`` exited, or registered ``cards`` model cards and its log says it is ready."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not proc.alive():
+            return
+        if len(_store_entries(store, "mdc", namespace)) >= cards and _ready(proc):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{proc.name} neither registered nor exited within {timeout}s: {proc.log()[-3000:]}")
+
+
+def _ready(proc: local.Process) -> bool:
+    log = proc.log()
+    # trio-sidecar prints `ready:`; native logs its registration; both are written after KV publishers.
+    return "ready:" in log or "Registered" in log or "registered" in log
+
+
+_ERROR_LINE = re.compile(r"(?m)^(?:Error: |error: |.*ERROR[^:]*: )(.*)$")
+
+
+def error_line(log: str) -> str | None:
+    """The startup error a side printed (ANSI-free logs; NO_COLOR is set), without timestamps and prefixes."""
+    for line in reversed(log.splitlines()):
+        match = _ERROR_LINE.match(line)
+        if match:
+            return match.group(1).strip()
+    return None
+
+
+def registration(store: Path, namespace: str) -> dict[str, Any]:
+    """Model cards by component, event sources/channels: what the side wrote into its store."""
+    cards = {}
+    for _key, record in _store_entries(store, "mdc", namespace):
+        card = record["card_json"]
+        cards[(record["component"], record["endpoint"])] = card
+    events = set()
+    for kind in ("event_sources", "event_channels"):
+        for _key, record in _store_entries(store, kind, namespace):
+            scope = record["scope"]["endpoint"]
+            events.add((kind, scope["component"], scope["name"], record["topic"]))
+    endpoints = sorted({(r["component"], r["endpoint"]) for _k, r in _store_entries(store, "instances", namespace)})
+    return {"cards": cards, "events": events, "endpoints": endpoints}
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def scrape(port: int) -> dict[str, set[tuple[tuple[str, str], ...]]]:
+    """``/metrics`` as {sample name: label sets}; values are dropped (they depend on timing)."""
+    conn = http.client.HTTPConnection(local.LOOPBACK, port, timeout=10)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    except OSError:
+        return {}
+    finally:
+        conn.close()
+    families: dict[str, set[tuple[tuple[str, str], ...]]] = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if not match or line.startswith("#"):
+            continue
+        labels = tuple(sorted(_LABEL.findall(match.group(2) or "")))
+        families.setdefault(match.group(1), set()).add(labels)
+    return families
