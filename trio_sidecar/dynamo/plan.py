@@ -109,8 +109,9 @@ def plan_registration(
         "data_parallel_start_rank": engine.data_parallel_start_rank,
     }
     runtime = {k: v for k, v in runtime.items() if v is not None}
-    # Publishers need a block size (KvEventPublisher rejects 0); without one no events are relayed.
-    runtime["kv_event_publishing_enabled"] = bool(sources) and engine.kv_cache_block_size is not None
+    # Capability flags native 1.6.1 writes in every mode: LoRA adapters must be registered before use, and
+    # the worker speaks vLLM's v1 generate protocol.
+    runtime["runtime_data"] = dict(RUNTIME_DATA)
     runtime["exclude_tools_when_tool_choice_none"] = bool(options.exclude_tools_when_tool_choice_none)
     # The native 1.6.1 sidecar's model card says enable_local_indexer=true in every mode; decode workers
     # get no KV publishers anyway (vLLM reports no KV-event sources in decode mode).
@@ -135,6 +136,8 @@ def plan_registration(
 
 
 HEALTH_CHECK_KEY = "_HEALTH_CHECK"
+#: ``runtime_config.runtime_data`` as Dynamo 1.6.1's native vLLM sidecar registers it.
+RUNTIME_DATA = {"lora_requires_registration": True, "vllm_inference_v1_generate": True}
 
 
 def _truthy(value: str | None) -> bool:

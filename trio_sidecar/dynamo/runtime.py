@@ -42,8 +42,7 @@ class DynamoSide:
         self.endpoint: Endpoint | None = None
         self.serve: asyncio.Future[None] | None = None
         self.publishers: list[KvEventPublisher] = []
-        # Set by the LoRA surface before registration: the cards then say that a request for an adapter may
-        # only go to workers that registered it (``runtime_data.lora_requires_registration``, as native's).
+        # Set by the LoRA surface before registration (the card then carries ``max_gpu_lora_count``).
         self.lora_enabled = False
         self.max_loras = 0
         # The image placeholder the publishers key image blocks on (resolve_image_token_id); None = raw ids.
@@ -86,9 +85,12 @@ class DynamoSide:
 
         rc = ModelRuntimeConfig()
         for key, value in plan.runtime_config.items():
-            setattr(rc, key, value)
+            if key == "runtime_data":
+                for data_key, data_value in value.items():
+                    rc.set_engine_specific(data_key, data_value)
+            else:
+                setattr(rc, key, value)
         if self.lora_enabled:
-            rc.set_engine_specific("lora_requires_registration", "true")
             extra.setdefault("max_gpu_lora_count", self.max_loras)
         model_type = getattr(ModelType, plan.model_types[0])
         for type_name in plan.model_types[1:]:
