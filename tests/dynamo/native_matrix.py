@@ -103,7 +103,7 @@ def _store_entries(store: Path, kind: str, namespace: str) -> list[tuple[str, di
     out = []
     for path in sorted((store / "v1" / kind).glob("*")):
         key = urllib.parse.unquote(path.name)
-        if f"{namespace}/" not in key:
+        if namespace not in key:
             continue
         try:
             out.append((key, json.loads(path.read_text())))

@@ -7,6 +7,7 @@ worker awaits the coroutines with ``AsyncioThread.run``.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from .. import mm_routing
 from ..config import WorkerOptions
 from .prefill_completion import PrefillCompletion
+from .metrics import Lifecycle
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator
@@ -47,6 +49,8 @@ class DynamoSide:
         self.max_loras = 0
         # The image placeholder the publishers key image blocks on (resolve_image_token_id); None = raw ids.
         self.image_token_id: int | None = None
+        # The lifecycle gauges on /metrics (written by the worker, read at each scrape).
+        self.lifecycle = Lifecycle()
         # Worker-side prefill completion for the KV router (created with the registration).
         self.prefill_completion = PrefillCompletion()
 
@@ -87,7 +91,7 @@ class DynamoSide:
         for key, value in plan.runtime_config.items():
             if key == "runtime_data":
                 for data_key, data_value in value.items():
-                    rc.set_engine_specific(data_key, data_value)
+                    rc.set_engine_specific(data_key, json.dumps(data_value))  # takes JSON text
             else:
                 setattr(rc, key, value)
         if self.lora_enabled:
@@ -173,12 +177,22 @@ class DynamoSide:
         labels = common_labels(
             namespace=namespace, component=component, endpoint=name, model=plan.served_model_name, worker_id=worker_id
         )
+        # The lifecycle gauges carry native's model labels: the model path, and the served name.
+        lifecycle_labels = common_labels(
+            namespace=namespace,
+            component=component,
+            endpoint=name,
+            model=plan.model_path,
+            model_name=plan.served_model_name,
+            worker_id=worker_id,
+        )
+        lifecycle = self.lifecycle
 
         def text() -> str:
-            return render_text(snapshot(), labels)
+            return render_text(snapshot(), labels, lifecycle, lifecycle_labels)
 
         def typed() -> list[Any]:
-            return list(render_typed(snapshot(), labels))
+            return list(render_typed(snapshot(), labels, lifecycle, lifecycle_labels))
 
         endpoint.metrics.register_prometheus_expfmt_callback(text)
         endpoint.metrics.register_prometheus_typed_callback(typed)

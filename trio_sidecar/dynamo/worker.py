@@ -307,7 +307,9 @@ async def _run_with_runtime(
             with collapse_single_exception():
                 with tracking(StartupProgress()) as progress:
                     async with reporter.waiting(vllm, config.startup_deadline, progress=progress) as waiting:
+                        started = trio.current_time()
                         async with open_sidecar(config, expected=bootstrap) as sidecar:
+                            dynamo.lifecycle.model_load_time_seconds = trio.current_time() - started
                             await waiting.stop()
                             reporter.phase_done(state.phase)
                             async with trio.open_nursery() as requests:
@@ -316,6 +318,8 @@ async def _run_with_runtime(
                                     config, options, state, reporter, thread, dynamo, bridge, sidecar, requests
                                 )
                                 requests.cancel_scope.cancel()
+                            cleanup_started = trio.current_time()
+                        dynamo.lifecycle.cleanup_time_seconds = trio.current_time() - cleanup_started
         except SidecarError as exc:
             _print_error(str(exc))
             return 1
@@ -439,6 +443,7 @@ async def _drain(options: WorkerOptions, thread: AsyncioThread, dynamo: DynamoSi
     (``EngineShutdown``, which the frontend migrates), and its in-flight count is what the drain waits for.
     """
     engine = sidecar.engine
+    started = trio.current_time()
     LOGGER.info("draining %d in-flight request(s) (up to %s)", engine.in_flight, format_duration(options.drain_timeout))
     await thread.run(dynamo.shutdown)
     engine.stop_admission()
@@ -452,6 +457,7 @@ async def _drain(options: WorkerOptions, thread: AsyncioThread, dynamo: DynamoSi
         with trio.move_on_after(STOP_GRACE):
             await engine.wait_idle()
             await thread.run(dynamo.wait_serving_ended)
+    dynamo.lifecycle.drain_time_seconds = trio.current_time() - started
 
 
 async def _supervise_health(
