@@ -223,6 +223,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None
     data_parallel_size: int | None
     data_parallel_start_rank: int | None
+    max_gpu_lora_count: int | None = None  # ``max_loras`` when the server supports LoRA
     tool_call_parser: None = None
     reasoning_parser: None = None
 
@@ -254,6 +255,7 @@ def engine_config(model: DiscoveredModel) -> EngineConfig:
         max_num_batched_tokens=nz(info.max_batched_tokens),
         data_parallel_size=dp_size,
         data_parallel_start_rank=dp_start,
+        max_gpu_lora_count=info.max_loras if model.supports_lora else None,
     )
 
 

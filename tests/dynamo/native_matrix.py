@@ -96,6 +96,8 @@ class Client:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
 
 
 def _store_entries(store: Path, kind: str, namespace: str) -> list[tuple[str, dict[str, Any]]]:
@@ -126,41 +128,53 @@ def start_side(
 
 
 def wait_settled(proc: local.Process, store: Path, namespace: str, cards: int, timeout: float) -> None:
-    """Until ``proc`` exited, or registered ``cards`` model cards and its log says it is ready."""
+    """Until ``proc`` exited, or registered ``cards`` model cards and nothing it registers changed for 2 s
+    (KV publishers and their query endpoints are registered one by one)."""
     deadline = time.monotonic() + timeout
+    last: Any = None
+    stable_since = time.monotonic()
     while time.monotonic() < deadline:
         if not proc.alive():
             return
-        if len(_store_entries(store, "mdc", namespace)) >= cards and _ready(proc):
-            return
-        time.sleep(0.1)
+        if len(_store_entries(store, "mdc", namespace)) >= cards:
+            now = _snapshot(store, namespace)
+            if now != last:
+                last, stable_since = now, time.monotonic()
+            elif time.monotonic() - stable_since >= 2.0:
+                return
+        time.sleep(0.2)
     raise AssertionError(f"{proc.name} neither registered nor exited within {timeout}s: {proc.log()[-3000:]}")
 
 
-def _ready(proc: local.Process) -> bool:
-    log = proc.log()
-    # trio-sidecar prints `ready:`; native logs its registration; both are written after KV publishers.
-    return "ready:" in log or "Registered" in log or "registered" in log
+def _snapshot(store: Path, namespace: str) -> list[str]:
+    return sorted(
+        key for kind in ("mdc", "instances", "event_sources", "event_channels") for key, _ in _store_entries(store, kind, namespace)
+    )
 
 
-_ERROR_LINE = re.compile(r"(?m)^(?:Error: |error: |.*ERROR[^:]*: )(.*)$")
+_ERROR_LINE = re.compile(r"^(?:[A-Za-z]*Error|Exception|error|Error): (.*)$")
+_ERROR_KINDS = ("Internal: ", "InvalidArgument: ", "InvalidRequest: ", "EngineShutdown: ", "CannotConnect: ")
 
 
 def error_line(log: str) -> str | None:
-    """The startup error a side printed (ANSI-free logs; NO_COLOR is set), without timestamps and prefixes."""
+    """The startup error a side printed as its last error line (native: the Python launcher's exception,
+    ``ValueError: Internal: …``; trio-sidecar: ``error: …``), without the exception and error-kind prefixes."""
     for line in reversed(log.splitlines()):
-        match = _ERROR_LINE.match(line)
+        match = _ERROR_LINE.match(line.strip())
         if match:
-            return match.group(1).strip()
+            text = match.group(1).strip()
+            for kind in _ERROR_KINDS:
+                text = text.removeprefix(kind)
+            return text
     return None
 
 
 def registration(store: Path, namespace: str) -> dict[str, Any]:
-    """Model cards by component, event sources/channels: what the side wrote into its store."""
+    """Model cards by ``component/endpoint``, event sources/channels and served endpoints: what the side
+    wrote into its store."""
     cards = {}
     for _key, record in _store_entries(store, "mdc", namespace):
-        card = record["card_json"]
-        cards[(record["component"], record["endpoint"])] = card
+        cards[f"{record['component']}/{record['endpoint']}"] = record["card_json"]
     events = set()
     for kind in ("event_sources", "event_channels"):
         for _key, record in _store_entries(store, kind, namespace):

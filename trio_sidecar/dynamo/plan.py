@@ -60,6 +60,8 @@ class WorkerPlan:
     worker_type: str  # dynamo.llm.WorkerType member name
     needs: tuple[tuple[str, ...], ...]  # DNF of WorkerType names the role depends on (required for P/D)
     kv_cache_block_size: int | None
+    #: The base card's LoRA slot count whenever vLLM supports LoRA (``DYN_LORA_ENABLED`` or not), as native.
+    max_gpu_lora_count: int | None
     runtime_config: dict[str, Any]  # ModelRuntimeConfig attributes to set (None values already dropped)
     custom_template_path: str | None
     # Dynamo's canary request, only when canaries are enabled (DYN_HEALTH_CHECK_ENABLED): with a payload the
@@ -126,6 +128,7 @@ def plan_registration(
         worker_type=_WORKER_TYPES[mode],
         needs=_NEEDS.get(mode, ()),
         kv_cache_block_size=engine.kv_cache_block_size,
+        max_gpu_lora_count=engine.max_gpu_lora_count,
         runtime_config=runtime,
         custom_template_path=options.custom_jinja_template,
         health_check_payload=(

@@ -44,9 +44,6 @@ class DynamoSide:
         self.endpoint: Endpoint | None = None
         self.serve: asyncio.Future[None] | None = None
         self.publishers: list[KvEventPublisher] = []
-        # Set by the LoRA surface before registration (the card then carries ``max_gpu_lora_count``).
-        self.lora_enabled = False
-        self.max_loras = 0
         # The image placeholder the publishers key image blocks on (resolve_image_token_id); None = raw ids.
         self.image_token_id: int | None = None
         # The lifecycle gauges on /metrics (written by the worker, read at each scrape).
@@ -94,8 +91,8 @@ class DynamoSide:
                     rc.set_engine_specific(data_key, json.dumps(data_value))  # takes JSON text
             else:
                 setattr(rc, key, value)
-        if self.lora_enabled:
-            extra.setdefault("max_gpu_lora_count", self.max_loras)
+        if plan.max_gpu_lora_count is not None:
+            extra.setdefault("max_gpu_lora_count", plan.max_gpu_lora_count)
         model_type = getattr(ModelType, plan.model_types[0])
         for type_name in plan.model_types[1:]:
             model_type = model_type | getattr(ModelType, type_name)

@@ -211,6 +211,10 @@ async def _run(config: SidecarConfig, options: WorkerOptions, state: _Shutdown, 
             with tracking(StartupProgress()) as progress:
                 async with reporter.waiting(vllm, config.startup_deadline, progress=progress):
                     bootstrap = await discover(config)
+            if options.enable_rl:
+                # As native: the RL worker's world size is checked on the bootstrap model, before Dynamo (the
+                # start phase's parallelism is the same, so _start_rl derives the same value).
+                rl_world_size(bootstrap.server_info, options.vllm_rl_world_size)
         except SidecarError as exc:
             _print_error(str(exc))
             return 1
