@@ -99,9 +99,7 @@ class DiscoveredModel:
             max_loras=server_info.max_loras,
             supports_multimodal=model_info.supports_multimodal,
         )
-        return cls(
-            identity=identity, model_info=_copy(model_info), server_info=_copy(server_info), local_ranks=ranks
-        )
+        return cls(identity=identity, model_info=_copy(model_info), server_info=_copy(server_info), local_ranks=ranks)
 
     # Convenience accessors (the identity holds the original, untrimmed strings).
     @property

@@ -148,7 +148,9 @@ def wait_settled(proc: local.Process, store: Path, namespace: str, cards: int, t
 
 def _snapshot(store: Path, namespace: str) -> list[str]:
     return sorted(
-        key for kind in ("mdc", "instances", "event_sources", "event_channels") for key, _ in _store_entries(store, kind, namespace)
+        key
+        for kind in ("mdc", "instances", "event_sources", "event_channels")
+        for key, _ in _store_entries(store, kind, namespace)
     )
 
 

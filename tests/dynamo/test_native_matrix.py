@@ -68,7 +68,9 @@ class Case:
         return 1
 
 
-def case(name: str, *args: str, env: dict[str, str] | None = None, mode: str = "aggregated", mm: bool = False, **engine: Any) -> Case:
+def case(
+    name: str, *args: str, env: dict[str, str] | None = None, mode: str = "aggregated", mm: bool = False, **engine: Any
+) -> Case:
     return Case(name, args, tuple(sorted((env or {}).items())), tuple(sorted(engine.items())), mode, mm)
 
 
@@ -132,7 +134,15 @@ CASES: list[Case] = [
             case(f"{mode} custom component", *_mode_args(mode), "--component", "ignored", mode=mode),
             case(f"{mode} worker suffix", *_mode_args(mode), env={"DYN_NAMESPACE_WORKER_SUFFIX": "s1"}, mode=mode),
             case(f"{mode} endpoint types chat", *_mode_args(mode), "--endpoint-types", "chat", mode=mode),
-            case(f"{mode} both parsers", *_mode_args(mode), "--dyn-tool-call-parser", "hermes", "--dyn-reasoning-parser", "deepseek_r1", mode=mode),
+            case(
+                f"{mode} both parsers",
+                *_mode_args(mode),
+                "--dyn-tool-call-parser",
+                "hermes",
+                "--dyn-reasoning-parser",
+                "deepseek_r1",
+                mode=mode,
+            ),
             case(f"{mode} route to encoder", *_mode_args(mode), "--route-to-encoder", mode=mode),
         )
     ],
@@ -215,7 +225,9 @@ def _effective(namespace: str, env: dict[str, str]) -> str:
 
 
 def _normalize_endpoints(endpoints: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    return sorted((c, "worker_kv_query_source_*" if e.startswith("worker_kv_query_source_") else e) for c, e in endpoints)
+    return sorted(
+        (c, "worker_kv_query_source_*" if e.startswith("worker_kv_query_source_") else e) for c, e in endpoints
+    )
 
 
 def _label(key: str, value: str) -> str:
@@ -229,7 +241,9 @@ def _metrics(families: dict[str, set]) -> dict[str, set]:
     return {name: {tuple((k, _label(k, v)) for k, v in labels) for labels in sets} for name, sets in families.items()}
 
 
-def _observe(world, c: Case, side: str, mock: MockThread, naming: tuple[dict[str, str], tuple[str, ...], str]) -> dict[str, Any]:
+def _observe(
+    world, c: Case, side: str, mock: MockThread, naming: tuple[dict[str, str], tuple[str, ...], str]
+) -> dict[str, Any]:
     env, ns_args, namespace = naming
     args = tuple(a.replace("{template}", str(world["template"])) for a in c.args)
     store = world["stores"][side]

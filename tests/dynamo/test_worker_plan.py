@@ -178,5 +178,8 @@ def test_a_canary_payload_is_registered_only_when_dynamo_health_checks_are_enabl
 def test_the_capability_flags_are_registered_in_every_mode_and_kv_publishing_is_not_advertised():
     no_block = attrs.evolve(ENGINE, kv_cache_block_size=None)
     for p in (plan(sources=SOURCES), plan(sources=()), plan(engine=no_block, sources=SOURCES)):
-        assert p.runtime_config["runtime_data"] == {"lora_requires_registration": True, "vllm_inference_v1_generate": True}
+        assert p.runtime_config["runtime_data"] == {
+            "lora_requires_registration": True,
+            "vllm_inference_v1_generate": True,
+        }
         assert "kv_event_publishing_enabled" not in p.runtime_config

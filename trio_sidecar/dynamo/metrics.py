@@ -287,7 +287,7 @@ LIFECYCLE_METRICS = (
 def _lifecycle_samples(lifecycle: Lifecycle | None, labels: Labels) -> list[tuple[str, str, Sample]]:
     if lifecycle is None:
         return []
-    out = []
+    out: list[tuple[str, str, Sample]] = []
     for name, help in LIFECYCLE_METRICS:
         value = getattr(lifecycle, name.removeprefix("dynamo_component_"))
         out.append((name, help, (name, tuple(labels), float(value))))
@@ -329,7 +329,9 @@ def render_text(
     ``lifecycle`` gauges (when given) with ``lifecycle_labels``."""
     lines: list[str] = []
     families = [(m.name, m.help, m.kind, _samples(m, snapshot, common)) for m in METRICS]
-    families += [(name, help, "gauge", [sample]) for name, help, sample in _lifecycle_samples(lifecycle, lifecycle_labels)]
+    families += [
+        (name, help, "gauge", [sample]) for name, help, sample in _lifecycle_samples(lifecycle, lifecycle_labels)
+    ]
     for family, help, kind, samples in families:
         lines.append(f"# HELP {family} {help}")
         lines.append(f"# TYPE {family} {kind}")

@@ -102,7 +102,7 @@ def plan_registration(
         if not names:
             raise InvalidArgument("--endpoint-types must name at least one of chat, completions")
         model_types = tuple(dict.fromkeys(names))
-    runtime = {
+    limits = {
         "context_length": engine.context_length,
         "total_kv_blocks": engine.total_kv_blocks,
         "max_num_seqs": engine.max_num_seqs,
@@ -110,7 +110,7 @@ def plan_registration(
         "data_parallel_size": engine.data_parallel_size,
         "data_parallel_start_rank": engine.data_parallel_start_rank,
     }
-    runtime = {k: v for k, v in runtime.items() if v is not None}
+    runtime: dict[str, Any] = {k: v for k, v in limits.items() if v is not None}
     # Capability flags native 1.6.1 writes in every mode: LoRA adapters must be registered before use, and
     # the worker speaks vLLM's v1 generate protocol.
     runtime["runtime_data"] = dict(RUNTIME_DATA)

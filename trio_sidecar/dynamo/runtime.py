@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from .. import mm_routing
 from ..config import WorkerOptions
-from .prefill_completion import PrefillCompletion
 from .metrics import Lifecycle
+from .prefill_completion import PrefillCompletion
 
 if TYPE_CHECKING:
     from collections.abc import AsyncIterator

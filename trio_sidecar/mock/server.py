@@ -862,7 +862,9 @@ def _server_info(prepared: _Prepared) -> control_pb2.ServerInfo:
             data_parallel_rank=args.data_parallel_rank,
             decode_context_parallel_size=1,
             world_size=args.world_size,
-            data_parallel_size_local=len(args.local_ranks) if args.data_parallel_size_local is None else args.data_parallel_size_local,
+            data_parallel_size_local=len(args.local_ranks)
+            if args.data_parallel_size_local is None
+            else args.data_parallel_size_local,
         ),
         max_model_len=args.max_model_len or 0,
         kv_block_size=args.block_size,
