@@ -188,7 +188,7 @@ async def test_discovery_reports_the_real_identity_limits_and_parallelism(real_s
         "data_parallel_size": 1,
         "data_parallel_start_rank": 0,
     }
-    assert runtime["kv_event_publishing_enabled"] is False
+    assert "kv_event_publishing_enabled" not in runtime  # as native
 
 
 # -- item 2: generation matches a direct call --------------------------------------------------------------
