@@ -84,7 +84,8 @@ CASES: list[Case] = [
     # --- Control fields, aggregated ---------------------------------------------------------------------
     case("defaults"),
     case("dp2 per-rank capacity", **DP2),
-    case("dp4 blocks not divisible", dp_size=4, num_gpu_blocks=1023),
+    case("dp4 blocks not divisible", dp_size=4, total_kv_blocks=4097),
+    case("dp4 fewer blocks than ranks", dp_size=4, total_kv_blocks=3),
     case("dp omitted local size", dp_size=2, data_parallel_size_local=0),
     case("hybrid dp ranks 2..3", **HYBRID),
     case("hybrid dp without local size", dp_size=4, data_parallel_rank=2, data_parallel_size_local=0),
@@ -150,6 +151,26 @@ CASES: list[Case] = [
     case("encode on a multimodal model", "--disaggregation-mode", "encode", mm=True),
     case("encode dp2", "--disaggregation-mode", "encode", mm=True, **DP2),
 ]
+
+#: What native registers in the cases the drop-in promise is about, checked on top of the equality (so a
+#: change on both sides cannot go unnoticed): (card path, value).
+EXPECTED = {
+    "dp2 per-rank capacity": [(".backend/generate.runtime_config.total_kv_blocks", 4096)],
+    "dp4 blocks not divisible": [(".backend/generate.runtime_config.total_kv_blocks", 1024)],
+    "dp4 fewer blocks than ranks": [(".backend/generate.runtime_config.total_kv_blocks", 1)],
+    "hybrid dp ranks 2..3": [
+        (".backend/generate.runtime_config.data_parallel_size", 2),
+        (".backend/generate.runtime_config.data_parallel_start_rank", 2),
+        (".backend/generate.runtime_config.total_kv_blocks", 4096),
+    ],
+    "effective attention block size": [(".backend/generate.kv_cache_block_size", 32)],
+    "defaults": [
+        (".backend/generate.runtime_config.runtime_data.lora_requires_registration", True),
+        (".backend/generate.runtime_config.runtime_data.vllm_inference_v1_generate", True),
+    ],
+}
+#: The namespace label Dynamo's own families carry, for the cases with hyphenated namespaces.
+NAMESPACE_LABEL = {"namespace from env with hyphens": "m_trio_", "worker suffix": "m_trio_"}
 
 #: Cases that need the parsers/endpoint-types branch or the encoder-disaggregation branch, not merged into
 #: this one yet: strict xfails, removed once both are merged.
@@ -383,7 +404,10 @@ def test_trio_sidecar_registers_and_forwards_like_the_native_sidecar(world, c):
         assert trio["error"] == native["error"]
         return
     native_metrics, trio_metrics = native.pop("metrics"), trio.pop("metrics")
-    assert _paths(trio["cards"]) == _paths(native["cards"])  # the whole card, field by field
+    cards = _paths(trio["cards"])
+    assert cards == _paths(native["cards"])  # the whole card, field by field
+    for path, value in EXPECTED.get(c.name, []):
+        assert cards[path] == value, path
     assert trio == native
     # Every family native publishes, with the same label sets (worker_id compared as present).
     differing = {
@@ -398,6 +422,8 @@ def test_trio_sidecar_registers_and_forwards_like_the_native_sidecar(world, c):
         for labels in map(dict, family)
         if "dynamo_endpoint" in labels
     }
+    if c.name in NAMESPACE_LABEL:
+        assert {ns for ns, _, _ in hierarchy} and all(ns.startswith(NAMESPACE_LABEL[c.name]) for ns, _, _ in hierarchy)
     for name, label_sets in trio_metrics.items():
         if name in native_metrics:
             continue

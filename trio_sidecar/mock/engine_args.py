@@ -122,6 +122,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     world_size: int = 1
+    # None: ``num_gpu_blocks`` × the hosted ranks, as vLLM sums them; a number: reported as is.
+    total_kv_blocks: int | None = None
     # -1: the same as ``block_size``; None (JSON null): the optional field is absent.
     effective_attention_block_size: int | None = -1
     reasoning_parser: str = ""
@@ -234,6 +236,7 @@ _KEYS: dict[str, tuple[Callable[[str, Any], Any], bool] | object] = {
     "pipeline_parallel_size": (_int, False),
     "world_size": (_int, False),
     "effective_attention_block_size": (_int, True),
+    "total_kv_blocks": (_int, True),
     "reasoning_parser": (_text, False),
     "tool_call_parser": (_text, False),
     "planner_profile_data": _IGNORED,

@@ -869,7 +869,9 @@ def _server_info(prepared: _Prepared) -> control_pb2.ServerInfo:
         max_model_len=args.max_model_len or 0,
         kv_block_size=args.block_size,
         # vLLM sums the KV blocks of the ranks it hosts.
-        total_kv_blocks=args.num_gpu_blocks * len(args.local_ranks),
+        total_kv_blocks=(
+            args.num_gpu_blocks * len(args.local_ranks) if args.total_kv_blocks is None else args.total_kv_blocks
+        ),
         max_running_requests=args.max_num_seqs or 0,
         max_batched_tokens=args.max_num_batched_tokens or 0,
         max_loras=args.max_loras,
