@@ -13,6 +13,7 @@ from __future__ import annotations
 import http.client
 import json
 import re
+import select
 import subprocess
 import sys
 import textwrap
@@ -66,12 +67,23 @@ _CLIENT = textwrap.dedent(
 
 
 class Client:
-    """A Dynamo request-plane client on one side's store (a subprocess driven over stdin/stdout)."""
+    """A Dynamo request-plane client on one side's store (a subprocess driven over stdin/stdout).
+
+    Every endpoint client watches the store (inotify instances are limited per user on Linux, and shared by
+    everything on the machine), so the process is replaced after ``RECYCLE`` requests to release them.
+    """
+
+    RECYCLE = 8
 
     def __init__(self, env: dict[str, str]) -> None:
-        self.proc = subprocess.Popen(
+        self.env = env
+        self.sent = 0
+        self.proc = self._start()
+
+    def _start(self) -> subprocess.Popen[str]:
+        return subprocess.Popen(
             [sys.executable, "-c", _CLIENT],
-            env=env,
+            env=self.env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -79,9 +91,16 @@ class Client:
         )
 
     def generate(self, endpoint: str, request: dict[str, Any]) -> dict[str, Any]:
+        if self.sent == self.RECYCLE:
+            self.close()
+            self.proc, self.sent = self._start(), 0
+        self.sent += 1
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(json.dumps({"endpoint": endpoint, "request": request}) + "\n")
         self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], 120)
+        if not ready:
+            raise AssertionError(f"no answer from {endpoint} within 120 s")
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError("the request-plane client exited")

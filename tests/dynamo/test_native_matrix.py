@@ -184,6 +184,7 @@ PENDING_OTHER_BRANCH = {
     "prefill both parsers",
     "decode both parsers",
     "prefill route to encoder",
+    "decode route to encoder",
     "encode on a text-only model",
     "encode on a multimodal model",
     "encode dp2",
