@@ -345,9 +345,9 @@ OPTIONS: tuple[Option, ...] = (
         "TRIO_SIDECAR_LOG_LEVEL",
         "log_level",
         "worker",
-        "info",
-        "choice",
-        "log level",
+        None,
+        "opt_choice",
+        "log level of the sidecar's own records; unset: from DYN_LOG, else info",
         choices=("debug", "info", "warning", "error"),
     ),
 )
@@ -591,6 +591,9 @@ def _port_warning(endpoint: GrpcEndpoint, raw: str) -> str | None:
 
 
 def _run(argv: Sequence[str], environ: Mapping[str, str] | None) -> int:
+    from ._logging import use_dynamo_logging
+
+    use_dynamo_logging(environ)  # before the first line: JSON lines when Dynamo's environment asks for them
     try:
         config, options = parse_run_args(argv, environ)
         endpoint = prepare(config, options, dynamo_required=True)
@@ -603,7 +606,8 @@ def _run(argv: Sequence[str], environ: Mapping[str, str] | None) -> int:
     warning = _port_warning(endpoint, config.grpc_endpoint)
     if warning is not None:
         emit(warning, level=logging.WARNING)
-    configure_logging(options.log_level)
+    configure_logging(options.log_level, environ=environ)
+    logging.getLogger("trio_sidecar.cli").debug("configuration: %r; %r", config, options)
     from .dynamo.worker import run_worker  # lazy: imports the optional Dynamo extra
 
     return int(run_worker(config, options))
