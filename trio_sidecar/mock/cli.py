@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import logging
 import os
 import signal
@@ -22,7 +23,14 @@ import trio
 
 from trio_sidecar._logging import configure_logging, print_error
 from trio_sidecar._signals import SIGNALS, held, hold_signals
-from trio_sidecar.mock.engine_args import EngineArgs, EngineArgsError, engine_args_from_mapping, parse_engine_args
+from trio_sidecar.mock.engine_args import (
+    EngineArgs,
+    EngineArgsError,
+    TextMode,
+    engine_args_from_mapping,
+    load_engine_args_text,
+    parse_engine_args,
+)
 from trio_sidecar.transport import collapse_single_exception
 
 if TYPE_CHECKING:
@@ -200,8 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="DIR",
         help="create (or reuse) a tiny local model directory at DIR - tokenizer, chat template and config, no "
-        "weights - and serve it as --model, so Dynamo's frontend needs no download (needs the `tokenizers` "
-        "package, which Dynamo brings)",
+        "weights - and serve it as --model, so Dynamo's frontend needs no download; its tokens' text is words "
+        '(text_mode "words" unless --extra-engine-args names one; needs the `mock` extra: '
+        "pip install 'trio-sidecar[mock]')",
     )
     parser.add_argument(
         "--disaggregation-mode",
@@ -240,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
         "zmq_replay_port, token_seed_source, image_token_id, tokens_per_image, text_mode, max_loras, "
         "enable_sleep_mode, weight_transfer_backend, enable_draft_weight_updates, ...): inline when "
         "the value starts with '{', otherwise a path to a JSON file. text_mode \"tags\" (default): each token's "
-        'text is <token:ID>; "bytes": each token is one to three UTF-8 bytes, detokenized incrementally '
+        'text is <token:ID>; "words": a space and a word of the tiny model\'s vocabulary; "bytes": each token is one to three UTF-8 bytes, detokenized incrementally '
         'like vLLM (a message whose character is incomplete carries text "", a later one the completed '
         "character; U+FFFD for invalid bytes and, on finish, for an incomplete tail)",
     )
@@ -318,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             disaggregation_mode=ns.disaggregation_mode,
             seed=ns.seed,
             max_concurrent_requests=ns.max_concurrent_requests,
-            engine_args=_engine_args(ns),
+            engine_args=_engine_args(ns, words=ns.tiny_model is not None),
             supports_multimodal=ns.supports_multimodal,
             record_requests=False,
             handshake_timeout=ns.handshake_timeout,
@@ -346,9 +355,12 @@ def _listen(ns: argparse.Namespace) -> str:
     return f"{host}:{50051 if ns.grpc_port is None else ns.grpc_port}"
 
 
-def _engine_args(ns: argparse.Namespace) -> EngineArgs:
-    """``--extra-engine-args`` with the first-class engine flags given on the command line applied over it."""
+def _engine_args(ns: argparse.Namespace, *, words: bool = False) -> EngineArgs:
+    """``--extra-engine-args`` with the first-class engine flags given on the command line applied over it;
+    ``words``: ``text_mode`` "words" unless the JSON names a text mode (``--tiny-model``'s vocabulary)."""
     args = parse_engine_args(ns.extra_engine_args)
+    if words and "text_mode" not in json.loads(load_engine_args_text(ns.extra_engine_args or "{}")):
+        args = attrs.evolve(args, text_mode=TextMode.WORDS)
     given = {key: getattr(ns, key) for _, key, _, _ in ENGINE_FLAGS if getattr(ns, key) is not None}
     if not given:
         return args
@@ -368,7 +380,7 @@ def _tiny_model(directory: str) -> str:
         return str(make_tiny_model(directory))
     except ImportError:
         raise _TinyModelError(
-            "--tiny-model needs the `tokenizers` package (pip install tokenizers; `make install` brings it with Dynamo)"
+            "--tiny-model needs the `tokenizers` package: pip install 'trio-sidecar[mock]' (`make install` brings it)"
         ) from None
     except OSError as exc:
         raise _TinyModelError(f"cannot create the tiny model directory '{directory}': {exc}") from None

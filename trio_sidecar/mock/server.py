@@ -59,6 +59,7 @@ from trio_sidecar.mock.generation import (
 )
 from trio_sidecar.mock.handoff import Role, prefill_terminal_params
 from trio_sidecar.mock.metrics import MockMetrics
+from trio_sidecar.mock.tiny_model import WordText
 from trio_sidecar.mock.validation import PreparedRequest, RequestPolicy, parse_dp_rank, prepare_request
 from trio_sidecar.status import StatusCode
 from trio_sidecar.transport import (
@@ -394,7 +395,8 @@ class MockServer:
         self._active = trio_util.AsyncValue(0)
         self._shutting_down = False
         self._record = prepared.config.record_requests
-        self._byte_text = prepared.args.text_mode is _engine_args.TextMode.BYTES
+        #: The text of a request's tokens, when not the ``<token:{id}>`` tags: a detokenizer per request.
+        self._text_of: Callable[[], Any] | None = _TEXT_MODES.get(prepared.args.text_mode)
         self.health = HealthServicer({name: SERVING for name in HEALTH_SERVICES})
         self.host = prepared.host
         self.port = 0
@@ -588,8 +590,8 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
                 if terminal is not None:
                     break
             text = None
-            if self._server._byte_text:
-                detokenizer = ByteDetokenizer()
+            if self._server._text_of is not None:
+                detokenizer = self._server._text_of()
                 text = detokenizer.step(tokens)
                 if terminal.finish_reason != FinishReason.ABORTED:
                     text += detokenizer.finish()
@@ -611,7 +613,7 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
             if rejection is not None:
                 raise rejection
             options = call.prepared.output
-            detokenizer = ByteDetokenizer() if self._server._byte_text else None
+            detokenizer = None if self._server._text_of is None else self._server._text_of()
             encode = _framed_token_encoder(options) if detokenizer is None else _byte_text_encoder(options, detokenizer)
             while True:
                 tokens, terminal = await call.next_output()
@@ -646,6 +648,13 @@ def _finished_reason(terminal: pb.FinishInfo | None) -> str | None:
     if terminal is None:
         return None
     return {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}.get(terminal.finish_reason, "abort")
+
+
+#: text_mode -> a new request's detokenizer (``step(tokens)``/``finish()``); the tags need none.
+_TEXT_MODES: dict[_engine_args.TextMode, Callable[[], Any]] = {
+    _engine_args.TextMode.BYTES: ByteDetokenizer,
+    _engine_args.TextMode.WORDS: WordText,
+}
 
 
 # Framed per-token messages by (text, token_ids) option pair, indexed by token - TOKEN_BASE: the mock's
