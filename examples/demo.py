@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
         console.rule("[bold]streamed chat completion")
         console.print(f"[bold]user:[/] {args.prompt}")
-        console.print("[bold]assistant:[/] ", end="")
+        console.print("[bold]assistant:[/]", end="")  # each word brings its leading space
         payload = {
             "model": "tiny",
             "messages": [{"role": "user", "content": args.prompt}],
