@@ -98,3 +98,12 @@ def test_version_prints_the_package_report(capsys):
     assert cli.main(["--version"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith(f"trio-sidecar {trio_sidecar.__version__}") and out[2].startswith("vLLM protocol: ")
+
+
+def test_tiny_model_makes_words_the_text_unless_the_json_names_a_text_mode():
+    from trio_sidecar.mock.engine_args import TextMode
+
+    assert cli._engine_args(_ns("--tiny-model", "x"), words=True).text_mode is TextMode.WORDS
+    named = _ns("--tiny-model", "x", "--extra-engine-args", '{"text_mode": "tags"}')
+    assert cli._engine_args(named, words=True).text_mode is TextMode.TAGS
+    assert cli._engine_args(_ns()).text_mode is TextMode.TAGS
