@@ -70,3 +70,21 @@ def test_without_dyn_log_the_sidecar_logs_at_info(tmp_path, tiny_model):
     code, log = _run_until_ready_then_stop(tmp_path, tiny_model, {"DYN_LOG": "info"})
     assert code == 0, log[-3000:]
     assert READY in log and "configuration: SidecarConfig(" not in log, log[-3000:]
+
+
+def test_with_dynamo_jsonl_a_startup_failure_is_an_error_record_too(tmp_path):
+    require_dynamo()
+    env = {**local.dynamo_env(tmp_path / "kv"), "DYN_LOGGING_JSONL": "1"}
+    closed = f"127.0.0.1:{local.free_port()}"  # nothing listens there
+    proc = local.start_trio_sidecar(
+        tmp_path, env, closed, namespace="logs", extra=("--grpc-startup-deadline-secs", "1")
+    )
+    try:
+        code = proc.wait(60)
+    finally:
+        proc.stop()
+    log = proc.log()
+    assert code == 1, log[-3000:]
+    records = [json.loads(line) for line in log.splitlines()]  # raises on a line that is not JSON
+    errors = [r for r in records if r["level"] == "ERROR" and r["message"].startswith("error: ")]
+    assert len(errors) == 1 and errors[0]["log.target"].startswith("trio_sidecar"), records[-5:]
