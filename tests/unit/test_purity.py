@@ -28,6 +28,7 @@ PURE = {
     "sampling_checks",
     "tracecontext",
     "rl",
+    "health_policy",
     "stats",
     "dynamo.metrics",
 }
