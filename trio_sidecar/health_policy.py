@@ -615,15 +615,19 @@ class RotationPolicy:
 
     def _on_health(self, event: HealthChanged) -> list[RotationAction]:
         self.reason = event.state.reason
-        if event.state.admits == self.admits:
-            return []
-        self.admits = event.state.admits
-        if not self.admits:
+        if not event.state.admits:
+            if not self.admits:
+                return []  # still not serving: the grace runs on
+            self.admits = False
             self.grace_armed = True
             return [ArmTimer(Timer.GRACE, self.grace)]
-        actions: list[RotationAction] = [CancelTimer(Timer.GRACE)] if self.grace_armed else []
-        self.grace_armed = False
-        if event.sources != self.sources:
+        actions: list[RotationAction] = []
+        if not self.admits:
+            self.admits = True
+            if self.grace_armed:
+                self.grace_armed = False
+                actions.append(CancelTimer(Timer.GRACE))
+        if event.sources != self.sources:  # (also without an outage: a replaced vLLM adopted after a hiccup)
             actions.append(ReplacePublishers(event.sources))
         if not self.in_rotation:
             if event.rl_withdrawn:

@@ -423,6 +423,7 @@ ROTATION_SITUATIONS: dict[str, list] = {
     "in grace": [DOWN],
     "out of rotation": [DOWN, TimerFired(Timer.GRACE), RotationDone(in_rotation=False)],
     "unregister failed": [DOWN, TimerFired(Timer.GRACE), RotationDone(in_rotation=True)],
+    "register failed": [DOWN, TimerFired(Timer.GRACE), RotationDone(in_rotation=False), UP, RotationDone(False)],
 }
 
 ROTATION_ROWS = {
@@ -448,6 +449,16 @@ ROTATION_ROWS = {
         "in grace",
         HealthChanged(SERVING_STATE, ()),
         [CancelTimer(Timer.GRACE), ReplacePublishers(())],
+    ),
+    "changed sources while serving re-create the publishers": (
+        "in rotation",
+        HealthChanged(SERVING_STATE, ()),
+        [ReplacePublishers(())],
+    ),
+    "a failed register is retried on the next serving state": (
+        "register failed",
+        HealthChanged(SERVING_STATE, SOURCES),
+        [RestoreToRotation()],
     ),
     "an instance the RL controls withdrew stays out": (
         "out of rotation",

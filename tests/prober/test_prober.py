@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import trio
 from prober_fakes import (
     NOT_SERVING,
@@ -399,3 +400,18 @@ def test_health_state_admission():
     assert HealthState(HealthKind.SERVING).admits
     for kind in (HealthKind.NOT_SERVING, HealthKind.UNREACHABLE, HealthKind.RECOVERING, HealthKind.FAILED):
         assert not HealthState(kind, "x").admits
+
+
+async def test_the_hung_engine_deadline_of_a_hiccup_is_keepalive_time_plus_timeout(nursery, autojump_clock):
+    fail, watching = trio.Event(), []
+    vllm = ScriptedVllm(nursery, health=_failing_health(fail, watching, then_silent=True))
+    await vllm.start()
+    config = prober_config(vllm.port, keepalive_time=10.0, keepalive_timeout=4.0, retry_interval=60.0)
+    async with running_prober(vllm, config=config) as prober:
+        await wait_watching(watching, 2)
+        fail.set()
+        failed = trio.current_time()
+        state = await prober.wait_for(HealthKind.UNREACHABLE, timeout=60)
+        assert trio.current_time() - failed == pytest.approx(14.0, abs=0.1)
+        assert state.reason.endswith("; not watching again within 14s"), state.reason
+        assert prober.health.kinds() == [HealthKind.SERVING, HealthKind.UNREACHABLE]

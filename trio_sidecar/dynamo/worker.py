@@ -34,10 +34,8 @@ ends within 1.5 s even if Dynamo's runtime is stuck (e.g. waiting for an etcd th
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
-import operator
 import os
 import signal
 import sys
@@ -493,11 +491,19 @@ async def _supervise_health(
     policy = RotationPolicy(grace=options.unserving_grace, sources=sources)
     grace_due = math.inf
     last: HealthState | None = None
+    fed_sources = sources
+
+    def changed(state: HealthState) -> bool:
+        # A change from what was fed last, or new KV-event sources: a replaced vLLM adopted after a prober
+        # hiccup passes through RECOVERING at once, which this task may not see if it is busy meanwhile.
+        return state != last or tuple(sidecar.kv_event_sources) != fed_sources
+
     while True:
         event: RotationEvent | None = None
         with trio.move_on_at(grace_due):
-            last = await health.wait_value(functools.partial(operator.ne, last))  # a change from the last one fed
-            event = HealthChanged(last, tuple(sidecar.kv_event_sources), rl_withdrawn=dynamo.rl_withdrawn)
+            last = await health.wait_value(changed)
+            fed_sources = tuple(sidecar.kv_event_sources)
+            event = HealthChanged(last, fed_sources, rl_withdrawn=dynamo.rl_withdrawn)
         if event is None:
             grace_due = math.inf
             event = TimerFired(Timer.GRACE)
