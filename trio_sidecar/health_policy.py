@@ -40,8 +40,9 @@ timers. It publishes :class:`HealthState` (admission is open only in ``SERVING``
 
 :class:`RotationPolicy` runs only in the Dynamo worker (``dynamo/worker.py``), which sees the prober
 through the published state: after ``unserving_grace`` of continuous non-``SERVING`` it takes the instance
-out of rotation; back at ``SERVING`` it re-creates the KV publishers if the sources changed and puts the
-instance back, unless a pause or sleep of the RL controls holds it out (their resume puts it back).
+out of rotation; back at ``SERVING`` it puts the instance back, unless a pause or sleep of the RL controls
+holds it out (their resume puts it back). Whenever the KV-event sources change while serving (after a
+recovery, or a replaced vLLM adopted after a hiccup), it re-creates the KV publishers first.
 """
 
 from __future__ import annotations
