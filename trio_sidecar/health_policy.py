@@ -1,5 +1,5 @@
-"""The health policy: what the prober and the worker's rotation decide (docs/reference/sidecar.md#health-prober,
-docs/reference/worker.md#out-of-rotation-while-vllm-is-not-serving). PURE: no Trio, no I/O, no clock.
+"""The health policy: what the prober decides (docs/reference/sidecar.md#health-prober). PURE: no Trio, no
+I/O, no clock.
 
 Theory of operation
 -------------------
@@ -38,11 +38,10 @@ timers. It publishes :class:`HealthState` (admission is open only in ``SERVING``
   OK, ``UNREACHABLE(detail)`` otherwise) and the next session starts after ``retry_interval``.
 * ``FAILED`` is final: nothing is published over it.
 
-:class:`RotationPolicy` runs only in the Dynamo worker (``dynamo/worker.py``), which sees the prober
-through the published state: after ``unserving_grace`` of continuous non-``SERVING`` it takes the instance
-out of rotation; back at ``SERVING`` it puts the instance back, unless a pause or sleep of the RL controls
-holds it out (their resume puts it back). Whenever the KV-event sources change while serving (after a
-recovery, or a replaced vLLM adopted after a hiccup), it re-creates the KV publishers first.
+The worker's rotation (``dynamo/rotation.py``, :class:`~trio_sidecar.dynamo.rotation.RotationPolicy`) is a
+second machine of the same kind, with the same timer actions, fed with the states published here. It is
+separate because it lives elsewhere: the prober runs in every sidecar (the embedded API too), the rotation
+only in the Dynamo worker, which sees the prober through the published state.
 """
 
 from __future__ import annotations
@@ -68,7 +67,6 @@ __all__ = [
     "WATCH_ENDED",
     "CHECK_NOT_SERVING",
     "HealthPolicy",
-    "RotationPolicy",
 ]
 
 SERVICES: tuple[str, ...] = ("vllm.Control", "vllm.Inference")
@@ -113,7 +111,7 @@ class Timer(enum.Enum):
     RECOVERY_RETRY = "recovery_retry"  # the next recovery after a transient failure
     HICCUP_DEADLINE = "hiccup_deadline"  # the session after a hiccup must be established by then
     HICCUP_WINDOW = "hiccup_window"  # while armed, another hiccup is an outage
-    GRACE = "grace"  # RotationPolicy: out of rotation when it fires
+    GRACE = "grace"  # the worker's rotation: out of rotation when it fires
 
 
 class EndCause(enum.Enum):
@@ -254,22 +252,6 @@ class Fatal:
     error: Exception
 
 
-@attrs.frozen
-class TakeOutOfRotation:
-    reason: str
-    grace: float
-
-
-@attrs.frozen
-class RestoreToRotation:
-    pass
-
-
-@attrs.frozen
-class ReplacePublishers:
-    sources: tuple[KvEventSource, ...]
-
-
 HealthAction = Publish | Connect | EndSession | StartRecovery | AbandonRecovery | ArmTimer | CancelTimer | Adopt | Fatal
 
 
@@ -325,7 +307,6 @@ class HealthPolicy:
         self.attempts = 0
         self.verifying = False  # the running recovery keeps admission open (after a hiccup)
         self.hiccup: str | None = None  # the forgiven end, while its reconnect is not established
-        self.hiccup_window = False
         self.adopting = False
         self.warned_kind: HealthKind | None = None
         self.armed: set[Timer] = set()
@@ -466,12 +447,11 @@ class HealthPolicy:
             self.published.admits
             and event.cause is not EndCause.HUNG
             and self.hiccup is None
-            and not self.hiccup_window
+            and Timer.HICCUP_WINDOW not in self.armed
         )
         if forgivable:
             reason = WATCH_ENDED if event.cause is EndCause.ENDED else event.reason
             self.hiccup = reason
-            self.hiccup_window = True
             return [
                 *self._end_session(),
                 *self._abandon_recovery(),
@@ -521,27 +501,33 @@ class HealthPolicy:
         return self._fatal(event.error)
 
     def _on_timer(self, event: TimerFired) -> list[HealthAction]:
-        timer = event.timer
-        if timer not in self.armed:
+        if event.timer not in self.armed:
             return []  # cancelled meanwhile
-        self.armed.discard(timer)
-        if timer is Timer.INITIAL_STATUS:
-            if self.watching and not self.established:
-                return self._outage(HealthState(HealthKind.UNREACHABLE, WATCH_TIMED_OUT))
-        elif timer is Timer.RECONNECT:
-            if self.session is None:
-                return self._connect()
-        elif timer is Timer.RECOVERY_RETRY:
-            if self.watching and not self.attempt and self._all_serving() and not self.published.admits:
-                return self._start_recovery(verify=False)
-        elif timer is Timer.HICCUP_DEADLINE:
-            if self.hiccup is not None:
-                reason = f"{self.hiccup}; not watching again within {self.hiccup_deadline:g}s"
-                self.hiccup = None
-                return self._publish(HealthState(HealthKind.UNREACHABLE, reason))
-        elif timer is Timer.HICCUP_WINDOW:
-            self.hiccup_window = False
+        self.armed.discard(event.timer)
+        return _TIMER_HANDLERS[event.timer](self)
+
+    def _initial_status_due(self) -> list[HealthAction]:
+        if self.watching and not self.established:
+            return self._outage(HealthState(HealthKind.UNREACHABLE, WATCH_TIMED_OUT))
         return []
+
+    def _reconnect_due(self) -> list[HealthAction]:
+        return self._connect() if self.session is None else []
+
+    def _recovery_retry_due(self) -> list[HealthAction]:
+        if self.watching and not self.attempt and self._all_serving() and not self.published.admits:
+            return self._start_recovery(verify=False)
+        return []
+
+    def _hiccup_deadline_due(self) -> list[HealthAction]:
+        if self.hiccup is None:
+            return []
+        reason = f"{self.hiccup}; not watching again within {self.hiccup_deadline:g}s"
+        self.hiccup = None
+        return self._publish(HealthState(HealthKind.UNREACHABLE, reason))
+
+    def _hiccup_window_over(self) -> list[HealthAction]:
+        return []  # (only its being armed matters: another hiccup within it is an outage)
 
 
 _SESSION_EVENTS = (Connected, ConnectFailed, StatusReceived, WatchEnded)
@@ -556,83 +542,10 @@ _HANDLERS: Mapping[type, Callable] = {
     AdoptionFailed: HealthPolicy._on_adoption_failed,
     TimerFired: HealthPolicy._on_timer,
 }
-
-
-# --- the worker's rotation ---------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class HealthChanged:
-    """The published state changed (to ``state``); what the worker knew at that moment."""
-
-    state: HealthState
-    sources: tuple[KvEventSource, ...]
-    rl_withdrawn: bool = False
-
-
-@attrs.frozen
-class RotationDone:
-    """The outcome of ``TakeOutOfRotation`` (``in_rotation`` False if it succeeded) or ``RestoreToRotation``."""
-
-    in_rotation: bool
-
-
-@attrs.frozen
-class PublishersReplaced:
-    sources: tuple[KvEventSource, ...]
-
-
-RotationEvent = HealthChanged | TimerFired | RotationDone | PublishersReplaced
-RotationAction = ArmTimer | CancelTimer | TakeOutOfRotation | RestoreToRotation | ReplacePublishers
-
-
-class RotationPolicy:
-    """Out of rotation after ``grace`` seconds of continuous non-``SERVING``; back on ``SERVING``."""
-
-    def __init__(self, *, grace: float, sources: tuple[KvEventSource, ...]) -> None:
-        self.grace = grace
-        self.sources = tuple(sources)  # what the KV publishers relay
-        self.admits = True
-        self.reason = ""
-        self.in_rotation = True
-        self.grace_armed = False
-
-    def __repr__(self) -> str:
-        return f"<RotationPolicy admits={self.admits} in_rotation={self.in_rotation}>"
-
-    def handle(self, event: RotationEvent) -> list[RotationAction]:
-        if isinstance(event, HealthChanged):
-            return self._on_health(event)
-        if isinstance(event, TimerFired):
-            if event.timer is not Timer.GRACE or not self.grace_armed:
-                return []
-            self.grace_armed = False
-            return [TakeOutOfRotation(self.reason, self.grace)]
-        if isinstance(event, RotationDone):
-            self.in_rotation = event.in_rotation
-            return []
-        self.sources = event.sources
-        return []
-
-    def _on_health(self, event: HealthChanged) -> list[RotationAction]:
-        self.reason = event.state.reason
-        if not event.state.admits:
-            if not self.admits:
-                return []  # still not serving: the grace runs on
-            self.admits = False
-            self.grace_armed = True
-            return [ArmTimer(Timer.GRACE, self.grace)]
-        actions: list[RotationAction] = []
-        if not self.admits:
-            self.admits = True
-            if self.grace_armed:
-                self.grace_armed = False
-                actions.append(CancelTimer(Timer.GRACE))
-        if event.sources != self.sources:  # (also without an outage: a replaced vLLM adopted after a hiccup)
-            actions.append(ReplacePublishers(event.sources))
-        if not self.in_rotation:
-            if event.rl_withdrawn:
-                self.in_rotation = True  # paused or asleep through the RL controls: their resume puts it back
-            else:
-                actions.append(RestoreToRotation())
-        return actions
+_TIMER_HANDLERS: Mapping[Timer, Callable[[HealthPolicy], list[HealthAction]]] = {
+    Timer.INITIAL_STATUS: HealthPolicy._initial_status_due,
+    Timer.RECONNECT: HealthPolicy._reconnect_due,
+    Timer.RECOVERY_RETRY: HealthPolicy._recovery_retry_due,
+    Timer.HICCUP_DEADLINE: HealthPolicy._hiccup_deadline_due,
+    Timer.HICCUP_WINDOW: HealthPolicy._hiccup_window_over,
+}

@@ -1,4 +1,5 @@
-"""The health policy's transitions as tables: events in, actions out, no Trio, no sockets, no clock.
+"""The pure health policies as tables (the prober's ``HealthPolicy``, the worker's ``RotationPolicy``): events
+in, actions out; no Trio, no sockets, no clock.
 
 Each row starts the policy in a named situation (reached by feeding it the events of a normal run), feeds
 one more event and states the exact actions and the published state that follow. The rotation policy of the
@@ -11,6 +12,15 @@ import attrs
 import pytest
 from prober_fakes import model_info, server_info
 
+from trio_sidecar.dynamo.rotation import (
+    HealthChanged,
+    PublishersReplaced,
+    ReplacePublishers,
+    RestoreToRotation,
+    RotationDone,
+    RotationPolicy,
+    TakeOutOfRotation,
+)
 from trio_sidecar.errors import ProtocolError
 from trio_sidecar.health_policy import (
     RECOVERING_STATE,
@@ -30,21 +40,14 @@ from trio_sidecar.health_policy import (
     EndCause,
     EndSession,
     Fatal,
-    HealthChanged,
     HealthKind,
     HealthPolicy,
     HealthState,
     Publish,
-    PublishersReplaced,
     RecoveryDone,
     RecoveryFailed,
-    ReplacePublishers,
-    RestoreToRotation,
-    RotationDone,
-    RotationPolicy,
     StartRecovery,
     StatusReceived,
-    TakeOutOfRotation,
     Timer,
     TimerFired,
     WatchEnded,

@@ -31,6 +31,7 @@ PURE = {
     "health_policy",
     "stats",
     "dynamo.metrics",
+    "dynamo.rotation",
 }
 FORBIDDEN_TOP = {"trio", "trio_util", "anyio", "asyncio", "socket", "purerpc", "h2", "zmq", "subprocess", "threading"}
 

@@ -50,22 +50,7 @@ from .._signals import SIGNALS, held, hold_signals, interrupted_code
 from ..config import SidecarConfig, WorkerOptions
 from ..diagnostics import startup_hint
 from ..errors import SidecarError, format_duration
-from ..health_policy import (
-    ArmTimer,
-    CancelTimer,
-    HealthChanged,
-    HealthState,
-    PublishersReplaced,
-    ReplacePublishers,
-    RestoreToRotation,
-    RotationAction,
-    RotationDone,
-    RotationEvent,
-    RotationPolicy,
-    TakeOutOfRotation,
-    Timer,
-    TimerFired,
-)
+from ..health_policy import ArmTimer, CancelTimer, HealthState, Timer, TimerFired
 from ..progress import StartupProgress, tracking
 from ..rl import parse_admin_base_url, rl_endpoint_name, rl_world_size, system_port_required
 from ..transport import collapse_single_exception
@@ -74,6 +59,17 @@ from .lora_routes import publish_held, start_lora
 from .plan import WorkerPlan, endpoint_path, plan_registration
 from .reporter import Reporter
 from .rl_routes import RlSurface
+from .rotation import (
+    HealthChanged,
+    PublishersReplaced,
+    ReplacePublishers,
+    RestoreToRotation,
+    RotationAction,
+    RotationDone,
+    RotationEvent,
+    RotationPolicy,
+    TakeOutOfRotation,
+)
 from .runtime import DynamoSide
 from .thread import AsyncioThread, TrioCalls
 
