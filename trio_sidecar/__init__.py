@@ -70,8 +70,8 @@ if TYPE_CHECKING:
         RequestCancelled,
         SidecarError,
     )
+    from .health_policy import HealthKind, HealthState
     from .model import DiscoveredModel, EngineConfig, ModelIdentity
-    from .prober import HealthKind, HealthState
     from .protocol import LLMEngineOutput, PreprocessedRequest, structure_request
     from .rl import PauseMode, RlCapabilities
     from .rl_controls import WakeState
@@ -95,8 +95,8 @@ _HOMES = {
     "ModelIdentity": "model",
     "EngineConfig": "model",
     "KvEventSource": "routing",
-    "HealthKind": "prober",
-    "HealthState": "prober",
+    "HealthKind": "health_policy",
+    "HealthState": "health_policy",
     "PauseMode": "rl",
     "RlCapabilities": "rl",
     "WakeState": "rl_controls",

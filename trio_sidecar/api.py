@@ -27,10 +27,11 @@ from .config import SidecarConfig, validate_sidecar_config
 from .context import ChunkSink, GenerateContext
 from .discovery import discover
 from .engine import SidecarEngine
+from .health_policy import HealthState
 from .lora import LoadResult, LoraAdapter
 from .lora_lifecycle import LoraLifecycle
 from .model import DiscoveredModel, EngineConfig
-from .prober import HealthState, run_health_prober
+from .prober import run_health_prober
 from .protocol import LLMEngineOutput, PreprocessedRequest
 from .rl import (
     PauseMode,

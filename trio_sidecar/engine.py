@@ -46,9 +46,9 @@ from .discovery import (
 )
 from .endpoint import GrpcEndpoint
 from .errors import CannotConnect, EngineShutdown, InvalidArgument, SidecarError
+from .health_policy import SERVING_STATE, HealthState
 from .model import DiscoveredModel, EngineConfig, engine_config, ensure_startup_compatible
 from .pool import ChannelPool
-from .prober import SERVING_STATE, HealthState
 from .protocol import PreprocessedRequest, structure_request
 from .request_task import GENERATE_STREAM, MergingSink, RequestTask, RunSink
 from .routing import KvEventSource

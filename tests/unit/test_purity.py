@@ -28,8 +28,10 @@ PURE = {
     "sampling_checks",
     "tracecontext",
     "rl",
+    "health_policy",
     "stats",
     "dynamo.metrics",
+    "dynamo.rotation",
 }
 FORBIDDEN_TOP = {"trio", "trio_util", "anyio", "asyncio", "socket", "purerpc", "h2", "zmq", "subprocess", "threading"}
 
