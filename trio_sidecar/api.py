@@ -159,14 +159,15 @@ class Sidecar:
     async def complete_many(
         self,
         prompts: Sequence[Prompt],
-        params: SamplingParams | None = None,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         limit: int = 8,
         return_exceptions: bool = False,
     ) -> AsyncIterator[trio.MemoryReceiveChannel[Result]]:
         """Complete every prompt, at most ``limit`` at a time; yield ``(index, completion)`` pairs in
         completion order: ``async with sidecar.complete_many(prompts, params) as results: async for index,
-        completion in results: ...``.
+        completion in results: ...``. ``params`` is one ``SamplingParams`` for all, or one per prompt (as
+        vLLM's ``LLM.generate``).
 
         A failed request (a ``SidecarError``) cancels the others (each is stopped in vLLM) and is raised
         from the block, unless ``return_exceptions``: then its pair carries the error and the others go on.
@@ -174,13 +175,19 @@ class Sidecar:
         ended (stream reset, no longer in ``engine.in_flight``) when the block is left.
 
         Raises:
-            ValueError: ``limit`` below 1.
+            ValueError: ``limit`` below 1, or not one ``SamplingParams`` per prompt.
             SidecarError: the first failure (without ``return_exceptions``); never an ``ExceptionGroup``
                 for one failure.
         """
+        if params is None or isinstance(params, SamplingParams):
+            each: Sequence[SamplingParams | None] = [params] * len(prompts)
+        elif len(params) == len(prompts):
+            each = params
+        else:
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
 
-        async def one(prompt: Prompt) -> Completion:
-            return await self.complete(prompt, params)
+        async def one(index: int, prompt: Prompt) -> Completion:
+            return await self.complete(prompt, each[index])
 
         async with open_many(one, prompts, limit=limit, return_exceptions=return_exceptions) as results:
             yield results

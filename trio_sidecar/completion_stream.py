@@ -92,13 +92,13 @@ class CompletionStream:
 
 @asynccontextmanager
 async def open_many(
-    complete: Callable[[Prompt], Awaitable[Completion]],
+    complete: Callable[[int, Prompt], Awaitable[Completion]],
     prompts: Sequence[Prompt],
     *,
     limit: int,
     return_exceptions: bool,
 ) -> AsyncIterator[trio.MemoryReceiveChannel[Result]]:
-    """Run ``complete(prompt)`` for every prompt, at most ``limit`` at a time, in a nursery of the block;
+    """Run ``complete(index, prompt)`` for every prompt, at most ``limit`` at a time, in a nursery of the block;
     yield the results as they complete (see ``Sidecar.complete_many``)."""
     if limit < 1:
         raise ValueError("limit must be at least 1")
@@ -107,7 +107,7 @@ async def open_many(
     async def one(index: int, prompt: Prompt, limiter: trio.CapacityLimiter) -> None:
         try:
             try:
-                result: Completion | SidecarError = await complete(prompt)
+                result: Completion | SidecarError = await complete(index, prompt)
             except SidecarError as exc:
                 if not return_exceptions:
                     raise
