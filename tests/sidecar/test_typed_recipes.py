@@ -137,7 +137,7 @@ async def test_a_deadline_around_complete_stops_the_request_in_vllm(autojump_clo
 
 
 async def first_of(sidecar, prompts, params) -> Completion:
-    """The first completion of several (docs/embedded.md#first-of-n): the others are cancelled, which stops
+    """The first completion of several (docs/embedded.md#first-of-n-the-others-stopped): the others are cancelled, which stops
     them in vLLM."""
     winner: Completion | None = None
     async with trio.open_nursery() as nursery:
