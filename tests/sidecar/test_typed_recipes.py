@@ -7,7 +7,8 @@ docs/embedded.md#what-a-blocks-exit-guarantees).
 - first-of-N: the first completion wins, the others are stopped in vLLM.
 - the exit guarantee: however a request block is left (end, deadline, exception in the loop, a sibling's
   failure), ``engine.in_flight`` is back to zero when the block has returned; the mock then sees every
-  stream ended, none finished by itself.
+  stream ended, none finished by itself. The wait is bounded: a request task that cannot end is left
+  running after ``EXIT_WAIT``.
 
 The mock models its pass times (``speedup_ratio`` below 1 makes them long) and the tests run on the
 ``autojump_clock``, so the deadlines are exact and nothing waits in real time.
@@ -21,7 +22,9 @@ from sidecar_fakes import FAST_ENGINE_ARGS, sidecar_config
 
 from trio_sidecar import Completion, InvalidArgument, SamplingParams, open_sidecar
 from trio_sidecar.completion_stream import open_many
+from trio_sidecar.engine import EXIT_WAIT
 from trio_sidecar.mock import MockConfig, open_mock_server
+from trio_sidecar.request_task import RequestTask
 
 #: ~0.1 s of modelled time per decode pass.
 SLOW = {**FAST_ENGINE_ARGS, "speedup_ratio": 0.05, "max_model_len": 256}
@@ -198,3 +201,26 @@ async def test_the_dynamo_shaped_generate_block_has_the_same_exit_guarantee(auto
             assert sidecar.engine.in_flight == 0
         ended = await settled(mock, sidecar)
     assert len(ended) == 1 and set(ended.values()) <= STOPPED
+
+
+async def test_the_exit_wait_is_bounded_when_a_request_task_cannot_end(autojump_clock, monkeypatch):
+    original = RequestTask.run
+
+    async def wedged(self, *args, **kwargs):  # a request task that cannot end (as on a wedged connection)
+        await original(self, *args, **kwargs)
+        with trio.CancelScope(shield=True):
+            await trio.sleep(30)
+
+    monkeypatch.setattr(RequestTask, "run", wedged)
+    async with open_mock_server(mock_config()) as mock:
+        async with open_sidecar(sidecar_config(mock.address)) as sidecar:
+            started = trio.current_time()
+            with trio.move_on_after(1.0):
+                async with sidecar.stream([1, 2, 3], tokens(200)) as stream:
+                    async for _delta in stream:
+                        pass
+            assert trio.current_time() - started == pytest.approx(1.0 + EXIT_WAIT, abs=0.1)
+            assert sidecar.engine.in_flight == 1  # what remains, as documented; it ends later
+            await sidecar.engine.wait_idle()
+            assert trio.current_time() - started == pytest.approx(31.0, abs=0.5)
+        await settled(mock, sidecar)
