@@ -121,6 +121,18 @@ async def test_leaving_complete_many_early_stops_the_rest(autojump_clock):
     assert sorted(ended.values())[-1] == "finish" and set(sorted(ended.values())[:3]) <= STOPPED
 
 
+async def test_an_exception_in_the_complete_many_loop_propagates_as_itself_and_stops_the_rest(autojump_clock):
+    async with open_mock_server(mock_config()) as mock:
+        async with open_sidecar(sidecar_config(mock.address)) as sidecar:
+            with pytest.raises(KeyError, match="consumer failed"):
+                async with sidecar.complete_many([[1], [2], [3]], [tokens(2), tokens(200), tokens(200)]) as results:
+                    async for _pair in results:
+                        raise KeyError("consumer failed")
+            assert sidecar.engine.in_flight == 0
+        ended = await settled(mock, sidecar)
+    assert sorted(ended.values())[-1] == "finish" and set(sorted(ended.values())[:2]) <= STOPPED
+
+
 async def test_a_deadline_around_complete_stops_the_request_in_vllm(autojump_clock):
     async with open_mock_server(mock_config()) as mock:
         async with open_sidecar(sidecar_config(mock.address)) as sidecar:
