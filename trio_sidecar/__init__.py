@@ -28,6 +28,7 @@ __all__ = [
     "SidecarEngine",
     # typed API (docs/embedded.md)
     "SamplingParams",
+    "StructuredOutputs",
     "Completion",
     "CompletionStream",
     "Delta",
@@ -68,7 +69,7 @@ __all__ = [
 if TYPE_CHECKING:
     from .api import Sidecar, discover, open_sidecar
     from .completion_stream import CompletionStream
-    from .completions import Completion, Delta, Logprob, SamplingParams, Usage
+    from .completions import Completion, Delta, Logprob, SamplingParams, StructuredOutputs, Usage
     from .config import DisaggregationMode, SidecarConfig, WorkerOptions
     from .context import ChunkSink, GenerateContext
     from .engine import SidecarEngine
@@ -98,6 +99,7 @@ _HOMES = {
     "ChunkSink": "context",
     "SidecarEngine": "engine",
     "SamplingParams": "completions",
+    "StructuredOutputs": "completions",
     "Completion": "completions",
     "CompletionStream": "completion_stream",
     "Delta": "completions",

@@ -17,6 +17,7 @@ reasons ``"stop"``, ``"length"`` and ``"abort"``, logprobs as one ``{token_id: L
 
 from __future__ import annotations
 
+import json as _json
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,6 +35,7 @@ __all__ = [
     "Delta",
     "Logprob",
     "SamplingParams",
+    "StructuredOutputs",
     "Usage",
     "prompt_token_ids",
 ]
@@ -54,12 +56,56 @@ def _ints(value: Sequence[int] | None) -> tuple[int, ...]:
     return () if value is None else tuple(value)
 
 
+def _choices(value: Sequence[str] | None) -> tuple[str, ...] | None:
+    return None if value is None else tuple(value)
+
+
+@attrs.frozen(kw_only=True)
+class StructuredOutputs:
+    """Constrained decoding, one constraint per request: vLLM's ``StructuredOutputsParams`` (the constraints
+    vLLM's gRPC request carries).
+
+    ``json`` is a JSON schema (a ``dict``, or its text); ``regex`` a regular expression; ``choice`` the
+    allowed outputs; ``grammar`` an EBNF grammar; ``structural_tag`` vLLM's structural-tag JSON text.
+    Setting more than one is refused when the ``SamplingParams`` holding it is built (the conversion's
+    ``only one structured output constraint may be set``).
+    """
+
+    json: str | dict[str, Any] | None = attrs.field(default=None, hash=False)
+    regex: str | None = None
+    choice: tuple[str, ...] | None = attrs.field(default=None, converter=_choices)
+    grammar: str | None = None
+    structural_tag: str | None = None
+
+    def guided_decoding(self) -> dict[str, Any]:
+        """The Dynamo ``sampling_options.guided_decoding`` object.
+
+        Raises:
+            InvalidArgument: ``json`` is text that is not JSON.
+        """
+        schema: Any = self.json
+        if isinstance(schema, str):
+            try:
+                schema = _json.loads(schema)
+            except ValueError as exc:
+                raise InvalidArgument(f"structured_outputs.json must be a JSON schema: {exc}") from None
+        fields = {
+            "json": schema,
+            "regex": self.regex,
+            "choice": None if self.choice is None else list(self.choice),
+            "grammar": self.grammar,
+            "structural_tag": self.structural_tag,
+        }
+        return {key: value for key, value in fields.items() if value is not None}
+
+
 @attrs.frozen(kw_only=True)
 class SamplingParams:
     """How to sample one completion: vLLM's ``SamplingParams`` names and defaults (the subset vLLM's gRPC
     ``GenerateRequest`` carries).
 
     ``stop`` takes a string or a list of strings, ``stop_token_ids`` a list (both kept as tuples).
+    ``structured_outputs`` constrains the output (:class:`StructuredOutputs`).
     ``max_tokens=None`` means as many as the context allows. ``n`` and ``best_of`` exist for vLLM's
     signature; anything but one sequence is refused, as the conversion refuses it.
 
@@ -88,6 +134,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None
 
     def __attrs_post_init__(self) -> None:
         # The conversion is the one home of the rules; a one-token prompt stands in for the real one.
@@ -121,6 +168,9 @@ class SamplingParams:
                     "min_p": self.min_p,
                     "seed": self.seed,
                     "include_stop_str_in_output": self.include_stop_str_in_output,
+                    "guided_decoding": None
+                    if self.structured_outputs is None
+                    else self.structured_outputs.guided_decoding(),
                 },
                 "output_options": {
                     "logprobs": self.logprobs,

@@ -4,20 +4,22 @@ of vLLM's own OpenAI server (the same engine's ``/v1/completions``) for the same
 
 The real server advertises ``supports_text_input``, so a text prompt is sent as text; the last test makes
 the sidecar take the other path (tokenize locally with the model directory's tokenizer, ``model_id``) and
-gets the same answer, so the local tokenization is vLLM's.
+gets the same answer, so the local tokenization is vLLM's. ``StructuredOutputs`` constrain the engine's
+output (a choice, a regular expression).
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import re
 from typing import Any
 
 import pytest
 import trio
 from real_vllm_server import SERVED_MODEL_NAME
 
-from trio_sidecar import SamplingParams, SidecarConfig, open_sidecar
+from trio_sidecar import SamplingParams, SidecarConfig, StructuredOutputs, open_sidecar
 
 PROMPTS = ["The quick brown fox jumps over", "Structured concurrency means"]
 MAX_TOKENS = 12
@@ -110,3 +112,19 @@ async def test_a_text_prompt_tokenized_locally_gives_the_same_completion(real_se
             completion = await sidecar.complete(prompt, GREEDY)
     assert completion.prompt_token_ids is not None and len(completion.prompt_token_ids) == expected["usage"][0]
     assert typed(completion) == expected
+
+
+async def test_structured_outputs_constrain_the_real_engines_output(real_server):
+    # Without ignore_eos: once the constraint is satisfied only EOS is allowed and vLLM stops.
+    choice = SamplingParams(
+        max_tokens=24, temperature=0.0, structured_outputs=StructuredOutputs(choice=["alpha", "beta"])
+    )
+    regex = SamplingParams(
+        max_tokens=24, temperature=0.0, structured_outputs=StructuredOutputs(regex="(yes|no)[0-9]{3}")
+    )
+    with trio.fail_after(TIMEOUT_S):
+        async with open_sidecar(sidecar_config(real_server)) as sidecar:
+            chosen = await sidecar.complete(PROMPTS[0], choice)
+            matched = await sidecar.complete(PROMPTS[1], regex)
+    assert chosen.text in ("alpha", "beta") and chosen.finish_reason == "stop"
+    assert re.fullmatch("(yes|no)[0-9]{3}", matched.text) and matched.finish_reason == "stop"

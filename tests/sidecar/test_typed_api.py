@@ -15,7 +15,7 @@ import pytest
 import trio
 from sidecar_fakes import FAST_ENGINE_ARGS, sidecar_config
 
-from trio_sidecar import Completion, Delta, InvalidArgument, SamplingParams, open_sidecar
+from trio_sidecar import Completion, Delta, InvalidArgument, SamplingParams, StructuredOutputs, open_sidecar
 from trio_sidecar.mock import MockConfig, open_mock_server
 from trio_sidecar.mock import server as mock_server
 from trio_sidecar.mock.tiny_model import make_tiny_model
@@ -166,3 +166,13 @@ async def test_vllm_refusals_reach_the_caller_with_vllms_text(tiny_model):
             with pytest.raises(InvalidArgument, match="stop strings cannot be empty"):
                 await sidecar.complete([1, 2, 3], SamplingParams(stop=[""]))
             assert sidecar.engine.in_flight == 0
+
+
+async def test_the_mock_accepts_structured_outputs_and_receives_the_constraint(tiny_model):
+    params = SamplingParams(max_tokens=3, structured_outputs=StructuredOutputs(choice=["yes", "no"]))
+    async with open_mock_server(mock_config(tiny_model)) as mock:
+        async with open_sidecar(sidecar_config(mock.address)) as sidecar:
+            completion = await sidecar.complete([1, 2, 3], params)
+        [(_, request, _, _)] = mock.recorded_requests
+    assert list(request.decoding.choice.choices) == ["yes", "no"]
+    assert len(completion.token_ids) == 3  # (the mock ignores the constraint)

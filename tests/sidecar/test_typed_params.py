@@ -10,7 +10,7 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from trio_sidecar import InvalidArgument, SamplingParams
+from trio_sidecar import InvalidArgument, SamplingParams, StructuredOutputs
 from trio_sidecar.completions import CompletionBuilder, Logprob
 from trio_sidecar.config import DisaggregationMode
 from trio_sidecar.convert.request import build_generate_request
@@ -114,3 +114,25 @@ def test_the_builder_joins_deltas_into_the_completion_with_vllms_names():
     assert completion.logprobs == ({10: Logprob(-0.5)}, {11: Logprob(-1.0), 12: Logprob(-0.25, 1)})
     assert (completion.usage.prompt_tokens, completion.usage.completion_tokens) == (2, 2)
     assert completion.prompt_token_ids == (1, 2)
+
+
+def test_structured_outputs_map_to_vllms_constraint_and_refuse_two_with_the_conversions_text():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for constraint, field, value in [
+        (StructuredOutputs(json=schema), "json", '{"type":"object","properties":{"a":{"type":"integer"}}}'),
+        (StructuredOutputs(json='{"type": "object"}'), "json", '{"type":"object"}'),
+        (StructuredOutputs(regex="[0-9]+"), "regex", "[0-9]+"),
+        (StructuredOutputs(grammar="root ::= 'x'"), "grammar", "root ::= 'x'"),
+    ]:
+        params = SamplingParams(structured_outputs=constraint)
+        message = build_generate_request(params.request([1]), "r", "m", DisaggregationMode.AGG).message
+        assert getattr(message.decoding, field) == value
+    params = SamplingParams(structured_outputs=StructuredOutputs(choice=["yes", "no"]))
+    message = build_generate_request(params.request([1]), "r", "m", DisaggregationMode.AGG).message
+    assert list(message.decoding.choice.choices) == ["yes", "no"]
+    expected = conversion_error({"sampling_options": {"guided_decoding": {"regex": "x", "choice": ["a"]}}})
+    with pytest.raises(InvalidArgument) as caught:
+        SamplingParams(structured_outputs=StructuredOutputs(regex="x", choice=["a"]))
+    assert str(caught.value) == expected == "only one structured output constraint may be set"
+    with pytest.raises(InvalidArgument, match="structured_outputs.json must be a JSON schema"):
+        SamplingParams(structured_outputs=StructuredOutputs(json="{not json"))
