@@ -186,8 +186,10 @@ def prompt_token_ids(prompt: Sequence[int]) -> list[int]:
 
     Raises:
         InvalidArgument: an id that is not a non-negative 32-bit integer (``invalid PreprocessedRequest:
-            ...``), or no ids (``token_ids must not be empty``).
+            ...``), no ids (``token_ids must not be empty``), or ``bytes``.
     """
+    if isinstance(prompt, bytes | bytearray):  # (a Sequence[int] too: its byte values are not token ids)
+        raise InvalidArgument("a prompt is a str or token ids, not bytes")
     return list(structure_request({"token_ids": list(prompt)}).token_ids) or _empty()
 
 

@@ -150,6 +150,7 @@ async def test_a_model_without_a_local_tokenizer_fails_with_the_loaders_reason(m
         ([], "token_ids must not be empty"),
         ([1, -2], "invalid PreprocessedRequest: "),
         ([1, 2**32], "invalid PreprocessedRequest: "),
+        (b"hello", "a prompt is a str or token ids, not bytes"),
     ],
 )
 async def test_bad_token_id_prompts_are_refused_before_sending(prompt, message, tiny_model):
