@@ -83,17 +83,25 @@ async def test_complete_many_keeps_at_most_limit_requests_running(autojump_clock
 
 async def test_a_failure_in_complete_many_cancels_and_stops_the_rest(autojump_clock):
     too_long = list(range(1, 300))  # beyond max_model_len: vLLM refuses it
+    # limit 2: [1, 2] finishes first, then the refused prompt starts while [3, 4] is still generating.
+    prompts, params = [[1, 2], [3, 4], too_long], [tokens(5), tokens(100), tokens(5)]
     async with open_mock_server(mock_config()) as mock:
         async with open_sidecar(sidecar_config(mock.address)) as sidecar:
             got = []
             with pytest.raises(InvalidArgument, match="maximum context length is 256 tokens"):
-                async with sidecar.complete_many([[1, 2], [3, 4], too_long], tokens(100), limit=3) as results:
+                async with sidecar.complete_many(prompts, params, limit=2) as results:
                     async for pair in results:
                         got.append(pair)
             assert sidecar.engine.in_flight == 0
-        ended = await settled(mock, sidecar)
-    assert got == []
-    assert "finish" not in ended.values()
+        await settled(mock, sidecar)
+        by_prompt = {
+            tuple(request.token_ids.ids): mock.call_record(request.request_id)
+            for _rpc, request, _m, _p in mock.recorded_requests
+        }
+    assert [(index, len(c.token_ids)) for index, c in got] == [(0, 5)]
+    assert by_prompt[(1, 2)].ended == "finish"
+    assert by_prompt[(3, 4)].ended in STOPPED and 0 < by_prompt[(3, 4)].tokens_sent < 100
+    assert by_prompt[tuple(too_long)] is None  # refused before it was admitted
 
 
 async def test_complete_many_with_return_exceptions_reports_the_failure_and_goes_on(autojump_clock):
