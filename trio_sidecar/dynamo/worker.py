@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
-from .._logging import emit, print_error
+from .._logging import emit, notice, print_error
 from .._signals import SIGNALS, held, hold_signals, interrupted_code
 from ..config import SidecarConfig, WorkerOptions
 from ..diagnostics import startup_hint
@@ -114,8 +114,7 @@ class _Shutdown:
         self.signals += 1
         name = signal.Signals(signum).name
         if self.signals > 1:
-            sys.stderr.write(f"received {name} again; exiting immediately\n")
-            sys.stderr.flush()
+            notice(f"received {name} again; exiting immediately")
             os._exit(1)
         self.requested.set()
         if self.serving:
