@@ -11,6 +11,7 @@ import trio_sidecar
 
 ROOT = Path(trio_sidecar.__file__).parent
 PURE = {
+    "completions",
     "status",
     "errors",
     "config",

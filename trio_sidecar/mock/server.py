@@ -207,8 +207,18 @@ def prepare_config(config: MockConfig) -> _Prepared:
         image_token_id=args.image_token_id,
         tokens_per_image=args.tokens_per_image,
         lora=_lora.LoraTable(args.max_loras, (served,)) if args.max_loras > 0 else None,
+        tokenize=_text_tokenizer(config.model),
     )
     return _Prepared(host=host, port=port, mode=mode, args=args, policy=policy, config=config, limits=limits)
+
+
+def _text_tokenizer(model: str) -> Callable[[str], list[int]] | None:
+    """Text prompts are served when the model is a directory with a tokenizer (``--tiny-model``) and the
+    ``tokenizers`` package is installed (docs/reference/mock.md#request-validation)."""
+    from trio_sidecar.tokenizer import local_tokenizer
+
+    encoder = local_tokenizer(model)
+    return None if encoder is None else encoder.encode
 
 
 def _enum_value(value: Any) -> Any:
@@ -909,7 +919,7 @@ def _model_info(prepared: _Prepared) -> control_pb2.ModelInfo:
     return control_pb2.ModelInfo(
         model_id=config.model,
         served_model_name=prepared.policy.served_model_name,
-        supports_text_input=False,
+        supports_text_input=prepared.policy.tokenize is not None,
         supports_token_ids_input=True,
         supports_lora=prepared.args.max_loras > 0,
         supports_multimodal=config.supports_multimodal,
