@@ -22,7 +22,7 @@ from trio_sidecar.dynamo.metrics import (
     render_typed,
 )
 from trio_sidecar.errors import ErrorKind
-from trio_sidecar.prober import HealthKind
+from trio_sidecar.health_policy import HealthKind
 from trio_sidecar.stats import (
     ERROR_TYPES,
     HEALTH_STATES,
