@@ -23,7 +23,6 @@ __all__ = [
     "registered_component",
     "endpoint_path",
     "worker_type_name",
-    "model_type_names",
     "nz",
 ]
 
@@ -159,7 +158,8 @@ def nz(value: int) -> int | None:
 class EngineConfig:
     """Registration data (docs/reference/sidecar.md#registration-data): identity from the model, capacity from the start-phase ``ServerInfo``.
 
-    Parsers are never advertised (Control's parser names are intentionally dropped).
+    Control's parser names are never advertised: the registered parsers are only those the operator
+    configures (``WorkerOptions.tool_call_parser`` / ``reasoning_parser``).
     """
 
     model: str
@@ -207,8 +207,6 @@ _WORKER_TYPE = {
     DisaggregationMode.ENCODE: "Encode",
 }
 
-_MODEL_TYPE = {"chat": "Chat", "completions": "Completions"}
-
 
 def registered_component(mode: DisaggregationMode, component: str) -> str:
     """docs/reference/sidecar.md#component-by-mode: aggregated honours ``--component``; prefill is ``prefill``; decode is ``backend``."""
@@ -223,8 +221,3 @@ def endpoint_path(options: WorkerOptions, mode: DisaggregationMode) -> str:
 def worker_type_name(mode: DisaggregationMode) -> str:
     """The ``dynamo.llm.WorkerType`` member name for ``mode`` (docs/reference/sidecar.md#registration-data)."""
     return _WORKER_TYPE[DisaggregationMode.parse(mode)]
-
-
-def model_type_names(endpoint_types: tuple[str, ...]) -> tuple[str, ...]:
-    """``dynamo.llm.ModelType`` member names for ``--endpoint-types`` (``chat`` → ``Chat``, ...)."""
-    return tuple(_MODEL_TYPE[t] for t in endpoint_types)

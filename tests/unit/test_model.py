@@ -14,7 +14,6 @@ from trio_sidecar.model import (
     endpoint_path,
     engine_config,
     ensure_startup_compatible,
-    model_type_names,
     registered_component,
     worker_type_name,
 )
@@ -231,8 +230,3 @@ def test_component_by_mode(mode: DisaggregationMode, component: str, expected: s
     assert worker_type_name(mode) == worker_type
     opts = WorkerOptions(namespace="ns", component=component, endpoint="gen")
     assert endpoint_path(opts, mode) == f"ns.{expected}.gen"
-
-
-def test_model_type_names() -> None:
-    assert model_type_names(("chat", "completions")) == ("Chat", "Completions")
-    assert model_type_names(("completions",)) == ("Completions",)
