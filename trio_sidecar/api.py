@@ -103,14 +103,21 @@ class Sidecar:
         """
         return self.engine.generate(request, ctx)
 
-    def submit(self, request: dict[str, Any] | PreprocessedRequest, ctx: GenerateContext, sink: ChunkSink) -> None:
+    def submit(
+        self,
+        request: dict[str, Any] | PreprocessedRequest,
+        ctx: GenerateContext,
+        sink: ChunkSink,
+        *,
+        merge: bool = True,
+    ) -> None:
         """Start one request whose chunks go to ``sink`` (what the Dynamo worker uses); see
-        :meth:`SidecarEngine.submit`.
+        :meth:`SidecarEngine.submit` (``merge``: token chunks of messages read together go over as one).
 
         Raises (synchronously; the sink is not called): ``InvalidArgument`` (conversion), ``CannotConnect``
         (admission closed), ``EngineShutdown`` (not started). Open and stream errors reach ``sink.end``.
         """
-        self.engine.submit(request, ctx, sink)
+        self.engine.submit(request, ctx, sink, merge=merge)
 
     async def list_loras(self) -> list[LoraAdapter]:
         """The adapters vLLM holds (``ListLoras``), in its order (docs/lora.md#embedded-api).
