@@ -254,7 +254,8 @@ def prepare(config: SidecarConfig, worker_options: WorkerOptions, *, dynamo_requ
         raise InvalidArgument("encode mode is not supported by the vLLM sidecar")
     if worker_options.route_to_encoder:
         raise InvalidArgument("route-to-encoder is not supported by the vLLM sidecar")
-    model_type_names(worker_options.endpoint_types)
+    if DisaggregationMode.parse(config.disaggregation_mode) is not DisaggregationMode.PREFILL:
+        model_type_names(worker_options.endpoint_types)  # prefill registers none of them (native ignores them)
     if worker_options.vllm_http_endpoint is not None:
         parse_admin_base_url(worker_options.vllm_http_endpoint)
     if worker_options.vllm_rl_world_size is not None and not 1 <= worker_options.vllm_rl_world_size <= 2**32 - 1:

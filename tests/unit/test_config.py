@@ -178,6 +178,12 @@ def test_config_objects_are_frozen() -> None:
     assert WorkerOptions(endpoint_types="chat, Completions").endpoint_types == ("chat", "completions")
 
 
+def test_a_prefill_worker_ignores_its_endpoint_types_as_native_does() -> None:
+    prepare(_cfg(disaggregation_mode="prefill"), WorkerOptions(endpoint_types="foo"), dynamo_required=False)
+    with pytest.raises(InvalidArgument, match="unknown endpoint type 'foo'"):
+        prepare(_cfg(disaggregation_mode="decode"), WorkerOptions(endpoint_types="foo"), dynamo_required=False)
+
+
 def test_configured_parsers_pass_the_checks() -> None:
     options = WorkerOptions(tool_call_parser="hermes", reasoning_parser="deepseek_r1")
     prepare(_cfg(), options, dynamo_required=False)
