@@ -6,7 +6,9 @@ about the weather gets a Hermes ``<tool_call>`` block after a ``<think>`` block,
 gets the JSON array Dynamo expects for ``tool_choice: required``, any other prompt a ``<think>`` block and an
 answer. Each side has its own frontend (``--namespace``). For each request we compare what a client reads
 (``choices[0].message`` with ``tool_calls`` and ``reasoning_content``, finish reasons, usage; the streamed
-deltas folded), the ``GenerateRequest`` each sidecar sent to the mock, and the model cards.
+deltas folded), the ``GenerateRequest`` each sidecar sent to the mock, and the model cards. The markers are
+single added tokens there, as in real tool-calling models; a second deployment serves the stock tiny model
+(markers spelled byte by byte) with the tool-call parser alone.
 """
 
 from __future__ import annotations
@@ -234,3 +236,26 @@ def test_the_markers_survive_vllms_special_token_skipping(parser_pair):
     assert body["choices"][0]["text"] == f"<think>The user wants the weather.</think>\n{TOOL_CALL}"
     sent = _sent(mock, body["id"])
     assert sent.get("response", {}).get("skip_special_tokens") is None
+
+
+@pytest.fixture(scope="module")
+def hermes_pair(deployment_factory):
+    """The stock tiny model (``<tool_call>`` spelled byte by byte) and a tool-call parser only."""
+    dep = deployment_factory()
+    mock = dep.mock(served_model_name="tiny", engine_args={**FAST_ENGINE_ARGS, "scripted_completions": SCRIPTS})
+    args = ("--dyn-tool-call-parser", "hermes")
+    return start_pair(dep, {"native": (args,), "trio": (args,)}, [mock])
+
+
+def test_a_marker_spelled_with_many_tokens_still_gives_tool_calls_as_with_the_native_sidecar(hermes_pair):
+    (mock,) = hermes_pair.mocks
+    payload = _chat("what is the weather in Paris?", tools=TOOLS, tool_choice="auto")
+    native, trio = _both(hermes_pair, payload)
+    assert _without_ids(trio) == _without_ids(native)
+    assert _sent(mock, trio["id"]) == _sent(mock, native["id"])
+    message = trio["choices"][0]["message"]
+    assert message["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert message["content"] == "<think>The user wants the weather.</think>\n"  # no reasoning parser
+    streams = hermes_pair.stream("/v1/chat/completions", {**payload, "stream": True})
+    assert _fold(streams["trio"]) == _fold(streams["native"])
+    assert _fold(streams["trio"])["finishes"] == ["tool_calls"]
