@@ -119,6 +119,7 @@ class RequestTask:
     #: Cancelled by the client's cancellation or by engine shutdown (see the module docstring).
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     opened: trio.Event = attrs.field(factory=trio.Event)  # the open finished (either way)
+    ended: trio.Event = attrs.field(factory=trio.Event)  # the engine stopped counting it and ``end`` ran
     done: bool = False  # the task ended (its outcome below is final)
     open_error: BaseException | None = None
     final: LLMEngineOutput | None = None
