@@ -259,3 +259,16 @@ def test_a_marker_spelled_with_many_tokens_still_gives_tool_calls_as_with_the_na
     streams = hermes_pair.stream("/v1/chat/completions", {**payload, "stream": True})
     assert _fold(streams["trio"]) == _fold(streams["native"])
     assert _fold(streams["trio"])["finishes"] == ["tool_calls"]
+
+
+def test_an_unknown_tool_call_parser_fails_the_registration_as_with_the_native_sidecar(deployment_factory):
+    """Dynamo's registration rejects the name (exit 1 after discovery); an unknown reasoning parser is kept."""
+    dep = deployment_factory()
+    mock = dep.mock(served_model_name="tiny", engine_args=FAST_ENGINE_ARGS)
+    procs = {
+        "native": dep.native_sidecar(mock, "--dyn-tool-call-parser", "nonsense", name="native-bad-parser"),
+        "trio": dep.trio_sidecar(mock, "--dyn-tool-call-parser", "nonsense", name="trio-bad-parser"),
+    }
+    for side, proc in procs.items():
+        assert proc.wait(120) == 1, f"{side}: {proc.log()[-2000:]}"
+        assert "tool_call_parser 'nonsense' is not supported; available parsers:" in proc.log(), side
