@@ -172,17 +172,10 @@ EXPECTED = {
 #: The namespace label Dynamo's own families carry, for the cases with hyphenated namespaces.
 NAMESPACE_LABEL = {"namespace from env with hyphens": "m_trio_", "worker suffix": "m_trio_"}
 
-#: Cases that need the parsers/endpoint-types branch or the encoder-disaggregation branch, not merged into
-#: this one yet: strict xfails, removed once both are merged.
+#: Cases that need the encoder-disaggregation branch, not merged into this one yet: strict xfails, removed
+#: once it is merged.
 PENDING_OTHER_BRANCH = {
-    "endpoint types embeddings",
-    "endpoint types chat,embeddings",
-    "tool-call parser",
-    "reasoning parser",
-    "both parsers",
     "route to encoder",
-    "prefill both parsers",
-    "decode both parsers",
     "prefill route to encoder",
     "decode route to encoder",
     "encode on a text-only model",
@@ -380,7 +373,7 @@ def _stop(world) -> None:
         pytest.param(
             c,
             id=c.name,
-            marks=[pytest.mark.xfail(strict=True, reason="needs the parsers/encoder branch")]
+            marks=[pytest.mark.xfail(strict=True, reason="needs the encoder-disaggregation branch")]
             if c.name in PENDING_OTHER_BRANCH
             else [],
         )
