@@ -11,13 +11,16 @@ Layers:
 
 * ``_protocol`` (pure): ``GrpcProtocol``, a ``GRPCConnection`` subclass that turns every per-stream failure
   (RST_STREAM from the peer, an oversize message, malformed headers) into an event for that stream instead
-  of an exception that kills the connection, and ``_H2Connection``, which tolerates h2 3.2.0's
-  WINDOW_UPDATE-after-close race inside h2's own frame handling (docs/reference/transport.md#the-h2-320-window_update-race). It also caches HPACK
-  encodings/decodings while the dynamic table is unchanged (steady-state gRPC header blocks repeat).
-  It is the only module that touches h2, hpack or purerpc internals: the layers below use its explicit
-  surface (``open_stream``, ``send_message``/``send_data``/``send_trailers``, ``acknowledge``,
-  ``data_to_send``/``output_size``, ``ping``, ``close_connection``, ...), so the h2 pin (3.2.0) is this
-  module's concern alone (checked by ``tests/transport/test_protocol_boundary.py``).
+  of an exception that kills the connection. It is built from: ``_events`` (the events it reports and the
+  exceptions of its surface), ``_h2`` (``H2Connection``: h2 3.2.0 with gRPC's GOAWAY semantics, the
+  WINDOW_UPDATE-after-close race handled inside h2's own frame handling,
+  docs/reference/transport.md#the-h2-320-window_update-race, and fast frame building), ``_hpack`` (HPACK
+  encodings/decodings cached while the dynamic table is unchanged) and ``_decompress`` (decompression
+  bounded by the message limit). These are the only modules that touch h2, hpack or purerpc internals:
+  the layers below use ``GrpcProtocol``'s explicit surface (``open_stream``,
+  ``send_message``/``send_data``/``send_trailers``, ``acknowledge``, ``data_to_send``/``output_size``,
+  ``ping``, ``close_connection``, ...), so the h2 pin (3.2.0) is their concern alone (checked by
+  ``tests/transport/test_protocol_boundary.py``). ``_wire`` (pure) holds gRPC's framing and header values.
 * ``_connection``: one socket = one ``Connection`` with exactly two tasks. The **reader** feeds received
   bytes to the protocol and dispatches the events to ``Call`` objects (one per HTTP/2 stream) without
   awaiting. The **writer** is the only task that awaits on the socket: everyone else queues frames in h2
@@ -26,8 +29,9 @@ Layers:
   On the latency-critical path (a unary request, a handler's final status, the reader's replies) the
   caller may ``flush()`` instead: one non-blocking ``os.write`` while the writer is idle, the rest (if any)
   left to the writer, first in line.
-* ``_client`` / ``_server``: calls. A call's owner task (the client caller, or the server's handler task)
-  parks on its ``Call`` and re-checks state when woken.
+* ``_client_connection`` (the reader's dispatch to client calls) / ``_client`` (``Channel``,
+  ``ResponseStream``) and ``_server``: calls. A call's owner task (the client caller, or the server's
+  handler task) parks on its ``Call`` and re-checks state when woken.
 
 Rules that close the measured defects:
 

@@ -23,9 +23,10 @@ from trio.lowlevel import Abort, current_task, reschedule, wait_task_rescheduled
 from trio_sidecar.status import StatusCode
 
 from ._errors import ConnectionLostError, RpcError
-from ._protocol import CONNECTION_ERRORS, ErrorCodes, GrpcProtocol, StreamClosed
+from ._events import StreamClosed
+from ._protocol import CONNECTION_ERRORS, ErrorCodes, GrpcProtocol
 
-LOGGER = logging.getLogger("trio_sidecar.transport")
+LOGGER = logging.getLogger("trio_sidecar.transport.connection")
 
 # Below glibc's 128 KiB mmap threshold: CPython allocates the whole buffer for every recv(), and a
 # 256 KiB buffer made each read ~17 µs slower (an mmap/munmap pair), several times per unary call.

@@ -19,10 +19,8 @@ from trio_sidecar.status import StatusCode
 
 from ._connection import Call, Connection, encode_metadata, parse_message
 from ._errors import DEFAULT_MAX_MESSAGE_LENGTH, RpcError
-from ._protocol import (
-    ErrorCodes,
+from ._events import (
     GoAway,
-    GrpcProtocol,
     MessageReceived,
     RequestEnded,
     RequestReceived,
@@ -30,11 +28,10 @@ from ._protocol import (
     StreamFailed,
     StreamReset,
     WindowUpdated,
-    encode_grpc_message,
-    frame_message,
-    frame_messages,
 )
+from ._protocol import ErrorCodes, GrpcProtocol
 from ._util import collapse_single_exception
+from ._wire import encode_grpc_message, frame_message, frame_messages
 
 __all__ = ["CallContext", "FramedMessages", "GrpcServer", "ServerLimits", "serve_grpc"]
 
