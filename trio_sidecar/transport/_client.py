@@ -11,25 +11,24 @@ from typing import Any, NoReturn
 import trio
 from purerpc.grpclib.config import GRPCConfiguration
 
+from trio_sidecar.config import KeepaliveConfig
 from trio_sidecar.status import StatusCode
 
 from ._client_connection import ClientCall, ClientConnection, NoStreamSlot, StreamRefused, listener_failed
 from ._connection import _copy_error, deadline_after, encode_metadata, parse_message
-from ._errors import DEFAULT_MAX_MESSAGE_LENGTH, ConnectionLostError, RpcError
+from ._errors import DEFAULT_MAX_MESSAGE_LENGTH, ConnectionLostError, RpcError, StreamNotProcessedError
 from ._events import GoAway, SettingsReceived, StreamIdsExhausted, StreamLimitReached
+from ._keepalive import keepalive_time_for
 from ._protocol import CONNECTION_ERRORS, GrpcProtocol
 from ._util import collapse_single_exception
 from ._wire import encode_timeout, frame_message
 
-__all__ = ["DEFAULT_KEEPALIVE_TIMEOUT", "Channel", "ResponseStream", "connect_channel", "open_channel"]
+__all__ = ["Channel", "ResponseStream", "connect_channel", "open_channel"]
 
 LOGGER = logging.getLogger("trio_sidecar.transport.channel")
 
 _REQUEST_HEADERS_TAIL = (("te", "trailers"), ("content-type", "application/grpc"))
 _USER_AGENT = ("user-agent", "trio-sidecar (purerpc 0.8.0 core)")
-
-#: gRPC's default ``GRPC_ARG_KEEPALIVE_TIMEOUT_MS`` (20 s), used when only ``keepalive_time`` is given.
-DEFAULT_KEEPALIVE_TIMEOUT = 20.0
 
 
 def _deadline_exceeded() -> RpcError:
@@ -72,12 +71,13 @@ class Channel:
         host: str,
         port: int,
         max_message_length: int,
-        keepalive: tuple[float, float] | None = None,
+        keepalive: KeepaliveConfig | None = None,
     ) -> None:
         description = f"{host}:{port}"
         protocol = GrpcProtocol(GRPCConfiguration(client_side=True, max_message_length=max_message_length))
         self._conn = ClientConnection(stream, protocol, description)
         self._conn.keepalive = keepalive
+        self._conn.keepalive_time = None if keepalive is None else keepalive_time_for(description, keepalive.time)
         authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._head = ((":method", "POST"), (":scheme", "http"), (":authority", authority))
         self.max_message_length = max_message_length
@@ -89,6 +89,22 @@ class Channel:
     def __repr__(self) -> str:
         state = "closed" if self.closed else "broken" if self.broken else "open"
         return f"<Channel {self.host}:{self.port} [{state}, {len(self._conn.calls)} active calls]>"
+
+    @property
+    def draining(self) -> bool:
+        """The server sent GOAWAY but the connection is up: calls already open may still finish."""
+        return self._conn.goaway is not None and self._conn.lost is None
+
+    @property
+    def too_many_pings(self) -> bool:
+        """The server's GOAWAY was ENHANCE_YOUR_CALM ``too_many_pings`` (this target's keepalive is throttled)."""
+        return self._conn.too_many_pings
+
+    async def wait_idle(self) -> None:
+        """Park until no call is open on the connection (or it is lost or closed)."""
+        conn = self._conn
+        while conn.calls and conn.lost is None:
+            await conn.wait_stream_slot()
 
     @property
     def broken(self) -> bool:
@@ -109,7 +125,7 @@ class Channel:
         if conn.lost is not None:
             raise ConnectionLostError("channel closed" if self.closed else conn.lost)
         if conn.goaway is not None:
-            raise ConnectionLostError(conn.goaway)
+            raise StreamNotProcessedError(conn.goaway)
         headers = [*self._head, (":path", method), *_REQUEST_HEADERS_TAIL]
         if timeout is not None:
             headers.append(("grpc-timeout", encode_timeout(timeout)))
@@ -121,7 +137,7 @@ class Channel:
             raise NoStreamSlot from None
         except StreamIdsExhausted:
             conn.goaway = f"connection to {conn.description} ran out of stream ids"
-            raise ConnectionLostError(conn.goaway) from None
+            raise StreamNotProcessedError(conn.goaway) from None
         call = ClientCall(conn, stream_id)
         conn.calls[stream_id] = call
         if conn._keepalive_waiter is not None:
@@ -173,8 +189,11 @@ class Channel:
                 with trio.move_on_at(deadline) as scope:
                     await self._exchange(call, data, headers_only)
                 return call, scope.cancelled_caught
-            except StreamRefused:
+            except StreamRefused as exc:
                 call.close()
+                if self._conn.goaway is not None:
+                    # Refused by a GOAWAY (or refused, then GOAWAY): no new stream on this connection.
+                    raise StreamNotProcessedError(exc.message) from None
                 if attempt == REFUSED_STREAM_RETRIES:
                     raise
                 timeout = await _pause_before_retry(attempt, deadline, timeout)
@@ -447,17 +466,18 @@ async def connect_channel(
     port: int,
     *,
     max_message_length: int = DEFAULT_MAX_MESSAGE_LENGTH,
-    keepalive_time: float | None = None,
-    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
+    keepalive: KeepaliveConfig | None = None,
 ) -> Channel:
     """Connect over TCP and exchange the HTTP/2 preface; returns once the server's SETTINGS arrived.
 
     The channel's reader and writer run in ``nursery``; ``await channel.aclose()`` ends them.
 
-    Keepalive (gRPC's client keepalive; off when ``keepalive_time`` is None, as in gRPC): while a call is
-    open and nothing was read for ``keepalive_time`` seconds, a PING is sent; when nothing is read within
-    ``keepalive_timeout`` seconds after it, the connection is lost and every open call fails with
-    ``ConnectionLostError`` (UNAVAILABLE) naming the keepalive.
+    Keepalive (``keepalive``, gRPC's client keepalive; off when None or its ``time`` is None, as in gRPC):
+    while a call is open and nothing was read for ``keepalive.time`` seconds, a PING is sent, never more
+    often than a gRPC-core server permits (``KeepaliveConfig``); when nothing is read within
+    ``keepalive.timeout`` seconds after it, the connection is lost and every open call fails with
+    ``ConnectionLostError`` (UNAVAILABLE) naming the keepalive. After a GOAWAY ``too_many_pings`` from
+    ``host:port``, new connections to it use twice the keepalive time (``_keepalive``).
 
     Raises:
         OSError: the TCP connection failed (refused, unreachable, ...).
@@ -465,9 +485,6 @@ async def connect_channel(
 
     Cancellation: the caller bounds the attempt with a cancel scope; a cancelled attempt closes its socket.
     """
-    if keepalive_time is not None and not (keepalive_time > 0 and keepalive_timeout > 0):
-        raise ValueError("keepalive_time and keepalive_timeout must be positive")
-    keepalive = None if keepalive_time is None else (keepalive_time, keepalive_timeout)
     stream = await trio.open_tcp_stream(host, port)
     try:
         channel = Channel(stream, host, port, max_message_length, keepalive)
@@ -513,8 +530,7 @@ async def open_channel(
     port: int,
     *,
     max_message_length: int = DEFAULT_MAX_MESSAGE_LENGTH,
-    keepalive_time: float | None = None,
-    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
+    keepalive: KeepaliveConfig | None = None,
 ) -> AsyncIterator[Channel]:
     """``connect_channel`` with its own nursery; the channel is closed when the block exits."""
     with collapse_single_exception():
@@ -524,8 +540,7 @@ async def open_channel(
                 host,
                 port,
                 max_message_length=max_message_length,
-                keepalive_time=keepalive_time,
-                keepalive_timeout=keepalive_timeout,
+                keepalive=keepalive,
             )
             try:
                 yield channel

@@ -15,7 +15,7 @@ import trio
 from trio_sidecar.status import StatusCode
 
 from ._connection import Call, Connection
-from ._errors import ConnectionLostError, RpcError
+from ._errors import RpcError
 from ._events import (
     GoAway,
     MessageReceived,
@@ -26,6 +26,7 @@ from ._events import (
     StreamReset,
     WindowUpdated,
 )
+from ._keepalive import TOO_MANY_PINGS, throttle_keepalive
 from ._protocol import ErrorCodes, GrpcProtocol
 
 __all__ = ["ClientCall", "ClientConnection", "NoStreamSlot", "StreamRefused", "listener_failed"]
@@ -103,6 +104,7 @@ class ClientConnection(Connection):
     def __init__(self, stream: trio.SocketStream, protocol: GrpcProtocol, description: str) -> None:
         super().__init__(stream, protocol, description)
         self.goaway: str | None = None
+        self.too_many_pings = False
         self._slot_waiters: list = []
 
     async def wait_stream_slot(self) -> None:
@@ -223,12 +225,26 @@ class ClientConnection(Connection):
         self.stream_ended()
 
     def _goaway(self, event: GoAway) -> None:
+        """GOAWAY (RFC 9113 section 6.8, as gRPC-core's client takes it): calls on streams above
+        ``last_stream_id`` were not processed and fail with ``StreamRefused`` (the channel raises
+        ``StreamNotProcessedError``, which may be sent again elsewhere); calls at or below it carry on to
+        their end; no new call starts here. The peer closes the connection when it is done."""
+        detail = f": {event.debug_data.decode('utf-8', 'replace')}" if event.debug_data else ""
         if event.error_code:
-            reason = f"connection to {self.description} closed by the peer (GOAWAY, error code {event.error_code})"
+            reason = (
+                f"connection to {self.description} closed by the peer (GOAWAY, error code {event.error_code}{detail})"
+            )
         else:
-            reason = f"connection to {self.description} is shutting down (GOAWAY)"
+            reason = f"connection to {self.description} is shutting down (GOAWAY{detail})"
+        if self.goaway is None:
+            LOGGER.info("transport: %s; %d calls open", reason, len(self.calls))
         self.goaway = reason
+        if event.error_code == ErrorCodes.ENHANCE_YOUR_CALM and event.debug_data == TOO_MANY_PINGS:
+            if not self.too_many_pings and self.keepalive_time is not None:
+                self.keepalive_time = throttle_keepalive(self.description, self.keepalive_time)
+            self.too_many_pings = True
         for stream_id in [sid for sid in self.calls if sid > event.last_stream_id]:
-            self.calls.pop(stream_id).fail(ConnectionLostError(reason))
-        if event.error_code:
-            self.lose(reason)
+            self.calls.pop(stream_id).fail(
+                StreamRefused(StatusCode.UNAVAILABLE, f"{reason}; the call was not processed")
+            )
+        self.stream_ended()

@@ -70,13 +70,15 @@ class StreamFailed:
 
 
 class GoAway:
-    """The peer sent GOAWAY: streams above ``last_stream_id`` were not processed."""
+    """The peer sent GOAWAY: streams above ``last_stream_id`` were not processed (RFC 9113 section 6.8);
+    ``debug_data`` is its additional debug data (gRPC-core's ``too_many_pings``, for one)."""
 
-    __slots__ = ("error_code", "last_stream_id")
+    __slots__ = ("debug_data", "error_code", "last_stream_id")
 
-    def __init__(self, last_stream_id: int, error_code: int) -> None:
+    def __init__(self, last_stream_id: int, error_code: int, debug_data: bytes = b"") -> None:
         self.last_stream_id = last_stream_id
         self.error_code = error_code
+        self.debug_data = debug_data
 
 
 class SettingsReceived:

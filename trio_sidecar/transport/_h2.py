@@ -50,15 +50,16 @@ class H2Connection(h2.connection.H2Connection):
         self.decoder = decoder
 
     def _receive_goaway_frame(self, frame):  # type: ignore[no-untyped-def]
-        """A graceful GOAWAY (NO_ERROR) leaves the connection usable for the streams already open.
+        """Any GOAWAY leaves the connection usable for the streams the peer still processes.
 
-        RFC 9113 section 6.8: streams up to ``last_stream_id`` still complete. h2 3.2.0 instead moves its state
-        machine to CLOSED, so every later frame of those streams (DATA, trailers, the PING grpcio sends
-        right after its GOAWAY) raises a connection-level ProtocolError, and it drops our queued output.
-        The transport refuses new calls itself after a GOAWAY (``GoAway`` event).
+        RFC 9113 section 6.8: streams up to ``last_stream_id`` may still complete, whatever the error code
+        (gRPC-core sends ENHANCE_YOUR_CALM ``too_many_pings``, and a graceful shutdown sends NO_ERROR twice:
+        first with the highest stream id, then, after a PING round trip, with the last one it processes).
+        h2 3.2.0 instead moves its state machine to CLOSED, so every later frame of those streams (HEADERS,
+        DATA, trailers, the PING that follows the GOAWAY) raises a connection-level ProtocolError, and it
+        drops our queued output. The transport refuses new calls itself after a GOAWAY (``GoAway`` event),
+        and the peer closes the socket when it is done.
         """
-        if frame.error_code:
-            return super()._receive_goaway_frame(frame)
         event = h2.events.ConnectionTerminated()
         event.error_code = h2.connection._error_code_from_int(frame.error_code)
         event.last_stream_id = frame.last_stream_id

@@ -120,6 +120,12 @@ class GrpcProtocol(GRPCConnection):
         self.h2_connection.clear_outbound_data_buffer()
         self._set_h2_connection_local_settings()
         self.message_read_buffers: dict[int, MessageReadBuffer] = {}
+        #: HEADERS, DATA and WINDOW_UPDATE frames received (each one resets gRPC-core's ping policing), and
+        #: their count when the last PING acknowledgement was read (-1: none yet).
+        self.data_frames_received = 0
+        self._data_frames_at_ping_ack = -1
+        #: PING acknowledgements received.
+        self.ping_acks_received = 0
         self._dispatch = {
             h2.events.RequestReceived: self._request_received,
             h2.events.ResponseReceived: self._response_received,
@@ -130,6 +136,7 @@ class GrpcProtocol(GRPCConnection):
             h2.events.StreamEnded: self._stream_ended,
             h2.events.StreamReset: self._stream_reset,
             h2.events.ConnectionTerminated: self._connection_terminated,
+            h2.events.PingAckReceived: self._ping_ack_received,
         }
 
     def _set_h2_connection_local_settings(self) -> None:
@@ -255,6 +262,16 @@ class GrpcProtocol(GRPCConnection):
         """How many bytes are queued for the socket (``data_to_send`` takes them)."""
         return len(self.h2_connection._data_to_send)
 
+    def peer_sent_data_since_ping_ack(self) -> bool:
+        """Whether HEADERS, DATA or WINDOW_UPDATE arrived after the acknowledgement of our last PING (or no
+        PING was acknowledged yet).
+
+        The peer wrote such a frame after it had received that PING (frames arrive in the order written),
+        and gRPC-core's server forgives every earlier PING when it writes one: a PING sent now earns no
+        strike, however soon (``KeepaliveConfig``).
+        """
+        return self.data_frames_received != self._data_frames_at_ping_ack
+
     def ping(self, opaque_data: bytes) -> bool:
         """Queue a PING; False when the connection is closing (GOAWAY sent) and nothing was queued."""
         try:
@@ -327,6 +344,7 @@ class GrpcProtocol(GRPCConnection):
                     connection_window.current_window_size -= length
                     stream._inbound_window_manager.current_window_size -= length
                     stream._actual_content_length += length
+                    self.data_frames_received += 1
                     events.extend(self._data_payload(stream_id, buffer, data[position + 9 : end], length))
                     position = end
                     continue
@@ -447,6 +465,7 @@ class GrpcProtocol(GRPCConnection):
         return [request]
 
     def _response_received(self, event: h2.events.ResponseReceived) -> list:
+        self.data_frames_received += 1
         stream_id = event.stream_id
         headers = HeaderDict(event.headers)
         try:
@@ -470,6 +489,7 @@ class GrpcProtocol(GRPCConnection):
         return [response]
 
     def _trailers_received(self, event: h2.events.TrailersReceived) -> list:
+        self.data_frames_received += 1
         try:
             return [
                 ResponseEnded.parse_from_stream_id_and_headers_destructive(event.stream_id, HeaderDict(event.headers))
@@ -479,6 +499,7 @@ class GrpcProtocol(GRPCConnection):
             return [StreamFailed(event.stream_id, StatusCode.UNKNOWN, f"malformed trailers: {exc}")]
 
     def _data_received(self, event: h2.events.DataReceived) -> list:
+        self.data_frames_received += 1
         stream_id = event.stream_id
         buffer = self.message_read_buffers.get(stream_id)
         if buffer is None:
@@ -536,6 +557,7 @@ class GrpcProtocol(GRPCConnection):
         return [MessageReceived(stream_id, data, length) for data, length in messages]
 
     def _window_updated(self, event: h2.events.WindowUpdated) -> list:
+        self.data_frames_received += 1
         return [WindowUpdated(event.stream_id, event.delta)]
 
     def _remote_settings_changed(self, event: h2.events.RemoteSettingsChanged) -> list:
@@ -551,4 +573,9 @@ class GrpcProtocol(GRPCConnection):
         return [StreamReset(event.stream_id, event.error_code)]
 
     def _connection_terminated(self, event: h2.events.ConnectionTerminated) -> list:
-        return [GoAway(event.last_stream_id or 0, event.error_code)]
+        return [GoAway(event.last_stream_id or 0, event.error_code, event.additional_data or b"")]
+
+    def _ping_ack_received(self, event: h2.events.PingAckReceived) -> list:
+        self.ping_acks_received += 1
+        self._data_frames_at_ping_ack = self.data_frames_received
+        return []
