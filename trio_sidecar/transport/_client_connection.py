@@ -15,7 +15,7 @@ import trio
 from trio_sidecar.status import StatusCode
 
 from ._connection import Call, Connection
-from ._errors import RpcError
+from ._errors import RpcError, StreamNotProcessedError
 from ._events import (
     GoAway,
     MessageReceived,
@@ -226,8 +226,8 @@ class ClientConnection(Connection):
 
     def _goaway(self, event: GoAway) -> None:
         """GOAWAY (RFC 9113 section 6.8, as gRPC-core's client takes it): calls on streams above
-        ``last_stream_id`` were not processed and fail with ``StreamRefused`` (the channel raises
-        ``StreamNotProcessedError``, which may be sent again elsewhere); calls at or below it carry on to
+        ``last_stream_id`` were not processed and fail with ``StreamNotProcessedError`` (UNAVAILABLE; they
+        may be sent again on another connection); calls at or below it carry on to
         their end; no new call starts here. The peer closes the connection when it is done."""
         detail = f": {event.debug_data.decode('utf-8', 'replace')}" if event.debug_data else ""
         if event.error_code:
@@ -244,7 +244,5 @@ class ClientConnection(Connection):
                 self.keepalive_time = throttle_keepalive(self.description, self.keepalive_time)
             self.too_many_pings = True
         for stream_id in [sid for sid in self.calls if sid > event.last_stream_id]:
-            self.calls.pop(stream_id).fail(
-                StreamRefused(StatusCode.UNAVAILABLE, f"{reason}; the call was not processed")
-            )
+            self.calls.pop(stream_id).fail(StreamNotProcessedError(f"{reason}; the call was not processed"))
         self.stream_ended()
