@@ -148,7 +148,12 @@ def keepalive_config(config: SidecarConfig) -> KeepaliveConfig:
         raise InvalidArgument("keepalive_time must be a finite number of seconds, 0 or more")
     if not _is_number(config.keepalive_timeout) or not 0 < config.keepalive_timeout < math.inf:
         raise InvalidArgument("keepalive_timeout must be positive")
-    return KeepaliveConfig.client(time=config.keepalive_time or None, timeout=config.keepalive_timeout)
+    gap = config.keepalive_min_ping_interval
+    if not _is_number(gap) or not 0 < gap < math.inf:
+        raise InvalidArgument("keepalive_min_ping_interval must be positive")
+    return KeepaliveConfig.client(
+        time=config.keepalive_time or None, timeout=config.keepalive_timeout, min_ping_interval_without_data=gap
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -173,6 +178,9 @@ class SidecarConfig:
     keepalive_time: float = 10.0
     #: ... and lose it (every call on it fails UNAVAILABLE) when nothing is read this long after the PING.
     keepalive_timeout: float = 4.0
+    #: ... but never sooner than this after the previous PING's acknowledgement, unless vLLM sent data since
+    #: (:attr:`KeepaliveConfig.min_ping_interval_without_data`: gRPC-core's server default, 5 minutes).
+    keepalive_min_ping_interval: float = 300.0
     #: Project addition: open an OpenTelemetry span per request that carries a ``traceparent`` and forward
     #: its context to vLLM (docs/reference/sidecar.md#opentelemetry-span); needs the ``otel`` extra.
     otel: bool = False
