@@ -42,6 +42,9 @@ Rules that close the measured defects:
 2. *Connection loss.* EOF, a socket error, or an HTTP/2 protocol error marks the connection ``lost``:
    every open call fails at once with ``ConnectionLostError`` (UNAVAILABLE), new calls fail the same way,
    and the socket is closed. A channel never reconnects; its owner replaces a ``broken`` channel.
+   GOAWAY is not a loss: calls up to its last stream id finish, calls above it and new calls fail with
+   ``StreamNotProcessedError`` (UNAVAILABLE, safe to send again elsewhere); the channel is ``draining``
+   (docs/reference/transport.md#goaway).
 3. *Deadlines.* A client ``timeout`` is sent as ``grpc-timeout`` and enforced locally
    (DEADLINE_EXCEEDED); the server turns a received ``grpc-timeout`` into its handler scope's deadline.
 4. *Message size.* The limit (default 64 MiB) applies each way; an over-limit message fails only its own
@@ -53,11 +56,12 @@ Rules that close the measured defects:
    single failure leaves the package as an ExceptionGroup.
 7. *Resources.* Closing a channel sends GOAWAY and closes its socket; the server binds exactly the host
    it is given, without SO_REUSEPORT, and closes every connection when cancelled.
-8. *Keepalive* (client, opt-in: ``keepalive_time``/``keepalive_timeout``, gRPC's semantics). A hung peer
-   closes nothing, so while calls are open a connection that read nothing for ``keepalive_time`` sends a
-   PING; when nothing is read within ``keepalive_timeout`` after it, the connection is lost as in rule 2.
-   A third task per connection (parked while the connection has no calls) does this; the reader only
-   records the time of each read.
+8. *Keepalive* (client, opt-in: ``KeepaliveConfig``, gRPC's semantics). A hung peer closes nothing, so
+   while calls are open a connection that read nothing for ``time`` sends a PING; when nothing is read
+   within ``timeout`` after it, the connection is lost as in rule 2. PINGs stay within gRPC-core's server
+   policy: the next one only after the peer sent data following the previous PING's ACK, or
+   ``min_ping_interval_without_data`` (5 minutes) after that ACK; GOAWAY ``too_many_pings`` doubles the
+   target's keepalive time (``_keepalive``, docs/reference/transport.md#keepalive).
 9. *Hostile peers* (docs/reliability.md). The server closes a connection that does not complete its
    handshake in time, sends GOAWAY to one idle too long, and caps the connections it serves
    (``ServerLimits``). Compressed messages (gRPC ``gzip``, ``deflate``) are inflated with the message
