@@ -105,6 +105,7 @@ class ClientConnection(Connection):
         super().__init__(stream, protocol, description)
         self.goaway: str | None = None
         self.too_many_pings = False
+        self.goaway_frame: str | None = None  # the last GOAWAY received, described ("GOAWAY, error code 11: ...")
         self._slot_waiters: list = []
 
     async def wait_stream_slot(self) -> None:
@@ -130,6 +131,8 @@ class ClientConnection(Connection):
                 trio.lowlevel.reschedule(task)
 
     def lose(self, reason: str) -> None:
+        if self.goaway_frame is not None and self.lost is None and "GOAWAY" not in reason:
+            reason = f"{reason} (after {self.goaway_frame})"  # e.g. the server's close after too_many_pings
         super().lose(reason)
         self.stream_ended()
 
@@ -239,6 +242,7 @@ class ClientConnection(Connection):
         if self.goaway is None:
             LOGGER.info("transport: %s; %d calls open", reason, len(self.calls))
         self.goaway = reason
+        self.goaway_frame = f"GOAWAY, error code {event.error_code}{detail}" if event.error_code else f"GOAWAY{detail}"
         if event.error_code == ErrorCodes.ENHANCE_YOUR_CALM and event.debug_data == TOO_MANY_PINGS:
             if not self.too_many_pings and self.keepalive_time is not None:
                 self.keepalive_time = throttle_keepalive(self.description, self.keepalive_time)

@@ -26,6 +26,8 @@ __all__ = [
     "RequestReceived",
     "ResponseEnded",
     "ResponseReceived",
+    "PING_RECEIVED",
+    "PingReceived",
     "SETTINGS_RECEIVED",
     "SettingsReceived",
     "StreamClosed",
@@ -88,3 +90,12 @@ class SettingsReceived:
 
 
 SETTINGS_RECEIVED = SettingsReceived()
+
+
+class PingReceived:
+    """The peer sent a PING (h2 acknowledged it); reported to a server, which may police the rate."""
+
+    __slots__ = ()
+
+
+PING_RECEIVED = PingReceived()

@@ -44,6 +44,7 @@ from trio_sidecar.status import StatusCode
 
 from ._decompress import BoundedReadBuffer, MessageDecodeError, buffered_flow_controlled_length
 from ._events import (
+    PING_RECEIVED,
     SETTINGS_RECEIVED,
     GoAway,
     MessageReceived,
@@ -126,6 +127,8 @@ class GrpcProtocol(GRPCConnection):
         self._data_frames_at_ping_ack = -1
         #: PING acknowledgements received.
         self.ping_acks_received = 0
+        #: HEADERS, DATA and WINDOW_UPDATE frames queued (a server's ping policing forgives earlier PINGs).
+        self.data_frames_sent = 0
         self._dispatch = {
             h2.events.RequestReceived: self._request_received,
             h2.events.ResponseReceived: self._response_received,
@@ -138,6 +141,8 @@ class GrpcProtocol(GRPCConnection):
             h2.events.ConnectionTerminated: self._connection_terminated,
             h2.events.PingAckReceived: self._ping_ack_received,
         }
+        if not config.client_side:
+            self._dispatch[h2.events.PingReceived] = self._ping_received
 
     def _set_h2_connection_local_settings(self) -> None:
         # The core sets the per-stream window to twice the message limit; clamp to HTTP/2's maximum.
@@ -179,6 +184,7 @@ class GrpcProtocol(GRPCConnection):
     def send_headers(self, stream_id: int, headers: list | tuple) -> None:
         """Queue a server's response headers on ``stream_id`` (raises as h2 for a closed stream)."""
         self.h2_connection.send_headers(stream_id, headers)
+        self.data_frames_sent += 1
 
     def send_trailers(self, stream_id: int, headers: list) -> bool:
         """Queue ``headers`` with END_STREAM (trailers, or a trailers-only response); False when the stream
@@ -187,6 +193,7 @@ class GrpcProtocol(GRPCConnection):
             self.h2_connection.send_headers(stream_id, headers, end_stream=True)
         except h2.exceptions.ProtocolError:
             return False
+        self.data_frames_sent += 1
         return True
 
     def send_message(self, stream_id: int, data: bytes, end_stream: bool) -> bool:
@@ -196,7 +203,10 @@ class GrpcProtocol(GRPCConnection):
         Raises:
             StreamClosed: the stream is closed.
         """
-        return self.h2_connection.try_send_data(stream_id, data, end_stream)
+        if self.h2_connection.try_send_data(stream_id, data, end_stream):
+            self.data_frames_sent += 1
+            return True
+        return False
 
     def send_data(self, stream_id: int, data: bytes, end_stream: bool) -> None:
         """Queue one DATA frame; it must fit ``send_window`` and ``max_outbound_frame_size``.
@@ -205,6 +215,7 @@ class GrpcProtocol(GRPCConnection):
             StreamClosed: the stream is closed.
         """
         self.h2_connection.send_data(stream_id, data, end_stream=end_stream)
+        self.data_frames_sent += 1
 
     def send_window(self, stream_id: int) -> int:
         """How many bytes ``stream_id`` may send now (the smaller of its window and the connection's).
@@ -255,7 +266,10 @@ class GrpcProtocol(GRPCConnection):
                     connection_window._bytes_processed = processed
                     stream_window._bytes_processed += length
                     return bool(h2conn._data_to_send)
+        queued = len(h2conn._data_to_send)
         h2conn.acknowledge_received_data(length, stream_id)
+        if len(h2conn._data_to_send) > queued:
+            self.data_frames_sent += 1  # a WINDOW_UPDATE
         return bool(h2conn._data_to_send)
 
     def output_size(self) -> int:
@@ -280,10 +294,10 @@ class GrpcProtocol(GRPCConnection):
             return False
         return True
 
-    def close_connection(self, error_code: int = ErrorCodes.NO_ERROR) -> None:
-        """Queue GOAWAY with ``error_code`` (nothing if the connection is already closed)."""
+    def close_connection(self, error_code: int = ErrorCodes.NO_ERROR, debug_data: bytes = b"") -> None:
+        """Queue GOAWAY with ``error_code`` and ``debug_data`` (nothing if the connection is already closed)."""
         try:
-            self.h2_connection.close_connection(error_code)
+            self.h2_connection.close_connection(error_code, additional_data=debug_data or None)
         except h2.exceptions.ProtocolError:
             pass
 
@@ -574,6 +588,9 @@ class GrpcProtocol(GRPCConnection):
 
     def _connection_terminated(self, event: h2.events.ConnectionTerminated) -> list:
         return [GoAway(event.last_stream_id or 0, event.error_code, event.additional_data or b"")]
+
+    def _ping_received(self, event: h2.events.PingReceived) -> list:
+        return [PING_RECEIVED]
 
     def _ping_ack_received(self, event: h2.events.PingAckReceived) -> list:
         self.ping_acks_received += 1
