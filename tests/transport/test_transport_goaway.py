@@ -283,3 +283,66 @@ async def test_a_goaway_with_a_protocol_error_code_also_lets_earlier_streams_fin
     with pytest.raises(ConnectionLostError):
         await open_streams(channel, 1)
     await channel.aclose()
+
+
+@attrs.define
+class RefusingThenServingPeer:
+    """An h2 server: on its first connection it answers every request with GOAWAY(last_stream_id=0) (the
+    request was not processed) and keeps the connection open; later connections answer each request with
+    one empty message and OK trailers."""
+
+    port: int = 0
+    connections: int = 0
+    answered: int = 0
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = listeners[0].socket.getsockname()[1]
+        task_status.started()
+        async with trio.open_nursery() as nursery:
+            await trio.serve_listeners(self._connection, listeners, handler_nursery=nursery)
+
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        self.connections += 1
+        refuse = self.connections == 1
+        conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=False))
+        conn.initiate_connection()
+        async with stream:
+            await stream.send_all(conn.data_to_send())
+            while data := await stream.receive_some(65536):
+                out = b""
+                for event in conn.receive_data(data):
+                    if isinstance(event, h2.events.RequestReceived):
+                        if refuse:
+                            out += GoawayPeer().goaway(0, 0)
+                        else:
+                            conn.send_headers(
+                                event.stream_id, [(":status", "200"), ("content-type", "application/grpc")]
+                            )
+                            conn.send_data(event.stream_id, b"\x00\x00\x00\x00\x00")
+                            conn.send_headers(event.stream_id, [("grpc-status", "0")], end_stream=True)
+                            self.answered += 1
+                await stream.send_all(conn.data_to_send() + out)
+
+
+@pytest.mark.parametrize("kind", ["unary", "stream"])
+async def test_the_pool_sends_a_call_the_server_did_not_process_again_on_a_new_connection(nursery, kind):
+    peer = RefusingThenServingPeer()
+    await nursery.start(peer.serve)
+    config = SidecarConfig(grpc_endpoint=f"127.0.0.1:{peer.port}", grpc_connections=1, keepalive_time=0)
+    pool = await ChannelPool.connect(
+        nursery, parse_grpc_endpoint(config.grpc_endpoint), config, deadline=trio.current_time() + 30
+    )
+    first = pool.channels[0]
+    with trio.fail_after(10):
+        if kind == "unary":
+            assert await pool.unary("Generate", GENERATE, request("x"), R, timeout=5) == R()
+        else:
+            async with pool.stream("GenerateStream", GENERATE_STREAM, request("x"), R) as s:
+                assert [m async for m in s] == [R()]
+    assert peer.connections == 2 and peer.answered == 1
+    assert pool.reconnects == 1 and pool.channels[0] is not first
+    with trio.fail_after(5):
+        while not first.closed:  # drained at once (no call left on it), then closed by the pool
+            await trio.sleep(0.01)
+    await pool.aclose()
