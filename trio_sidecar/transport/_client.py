@@ -140,7 +140,7 @@ class Channel:
             raise StreamNotProcessedError(conn.goaway) from None
         call = ClientCall(conn, stream_id)
         conn.calls[stream_id] = call
-        if conn._keepalive_waiter is not None:
+        if conn.keepalive_waiter is not None:
             conn.call_started()
         return call
 

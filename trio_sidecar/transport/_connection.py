@@ -147,7 +147,7 @@ class Connection:
         self.keepalive: KeepaliveConfig | None = None
         self.keepalive_time: float | None = None
         self.last_read = -math.inf  # trio.current_time() of the last bytes read from the socket
-        self._keepalive_waiter: trio.lowlevel.Task | None = None  # the keepalive task, waiting for a call
+        self.keepalive_waiter: trio.lowlevel.Task | None = None  # the keepalive task, waiting for a call
 
     # -- writing -------------------------------------------------------------------------------------
 
@@ -433,9 +433,9 @@ class Connection:
 
     def call_started(self) -> None:
         """A call was opened: wakes the keepalive task if it is waiting for one (an idle connection)."""
-        task = self._keepalive_waiter
+        task = self.keepalive_waiter
         if task is not None:
-            self._keepalive_waiter = None
+            self.keepalive_waiter = None
             reschedule(task)
 
     # -- lifetime ------------------------------------------------------------------------------------

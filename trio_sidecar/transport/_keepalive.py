@@ -91,10 +91,10 @@ async def run_keepalive(conn: Connection) -> None:
     sent = -math.inf  # when our last PING was sent
     while True:
         if not conn.calls:
-            conn._keepalive_waiter = current_task()
+            conn.keepalive_waiter = current_task()
 
             def abort(raise_cancel):  # type: ignore[no-untyped-def]
-                conn._keepalive_waiter = None
+                conn.keepalive_waiter = None
                 return Abort.SUCCEEDED
 
             await wait_task_rescheduled(abort)
@@ -128,7 +128,7 @@ async def run_keepalive(conn: Connection) -> None:
         await trio.sleep_until(sent + timeout)
         # Nothing read since the PING (a read at its very instant counts), and nothing waiting to be read
         # either: bytes that arrived while this process itself was stalled are not the peer's fault.
-        if conn.last_read < sent and not _readable(conn._fileno):
+        if conn.last_read < sent and not _readable(conn.stream.socket.fileno()):
             conn.lose(f"connection to {conn.description} lost: keepalive PING not acknowledged within {timeout:g}s")
             return
 
