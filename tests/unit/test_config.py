@@ -22,7 +22,9 @@ from trio_sidecar.errors import InvalidArgument
 
 ENCODE = "encode mode is not supported by the vLLM sidecar"
 ENCODER = "route-to-encoder is not supported by the vLLM sidecar"
-PARSERS = "vLLM gRPC does not preserve the request options required by Dynamo tool-call and reasoning parsers"
+UNKNOWN_TYPE = (
+    "unknown endpoint type 'rerank'; expected some of chat, completions, embeddings, images, audios, videos, tensor"
+)
 ADMIN_URL = "`--vllm-http-endpoint` must not include a query or fragment"
 ENDPOINT = "`--grpc-endpoint` must include a host"
 
@@ -73,9 +75,9 @@ def _cfg(**kw: object) -> SidecarConfig:
 # Each row breaks every check from its own onwards, so only the order decides the message (docs/reference/sidecar.md#pre-network-checks).
 ORDER = [
     (dict(disaggregation_mode="encode"), dict(route_to_encoder=True), ENCODE),
-    (dict(), dict(route_to_encoder=True, tool_call_parser="hermes", enable_rl=True), ENCODER),
-    (dict(), dict(tool_call_parser="hermes", enable_rl=True), PARSERS),
-    (dict(), dict(reasoning_parser="deepseek_r1"), PARSERS),
+    (dict(), dict(route_to_encoder=True, endpoint_types="rerank", enable_rl=True), ENCODER),
+    (dict(), dict(endpoint_types="chat,rerank", vllm_http_endpoint="http://a?b"), UNKNOWN_TYPE),
+    (dict(), dict(endpoint_types=" , ", vllm_http_endpoint="http://a?b"), "endpoint_types cannot be empty"),
     (
         dict(grpc_endpoint="http://", grpc_connections=0),
         dict(enable_rl=True, vllm_http_endpoint="http://a?b"),
@@ -186,3 +188,31 @@ def test_keepalive_config_of_the_vllm_connections() -> None:
     )
     assert keepalive_config(_cfg(keepalive_time=0)).time is None  # 0: no keepalive
     assert keepalive_config(_cfg(keepalive_min_ping_interval=2.5)).min_ping_interval_without_data == 2.5
+
+
+def test_a_prefill_worker_ignores_its_endpoint_types_as_native_does() -> None:
+    prepare(_cfg(disaggregation_mode="prefill"), WorkerOptions(endpoint_types="foo"), dynamo_required=False)
+    with pytest.raises(InvalidArgument, match="unknown endpoint type 'foo'"):
+        prepare(_cfg(disaggregation_mode="decode"), WorkerOptions(endpoint_types="foo"), dynamo_required=False)
+
+
+def test_configured_parsers_pass_the_checks() -> None:
+    options = WorkerOptions(tool_call_parser="hermes", reasoning_parser="deepseek_r1")
+    prepare(_cfg(), options, dynamo_required=False)
+    assert (options.tool_call_parser, options.reasoning_parser) == ("hermes", "deepseek_r1")
+
+
+@pytest.mark.parametrize(
+    ("types", "names"),
+    [
+        ("chat", ("Chat",)),
+        ("Completions,chat", ("Completions", "Chat")),
+        ("chat,,chat, embeddings", ("Chat", "Embedding")),
+        ("embedding", ("Embedding",)),
+        ("image,audios,VIDEO,tensor", ("Images", "Audios", "Videos", "TensorBased")),
+    ],
+)
+def test_endpoint_types_are_native_model_types(types: str, names: tuple[str, ...]) -> None:
+    options = WorkerOptions(endpoint_types=types)
+    prepare(_cfg(), options, dynamo_required=False)
+    assert config_module.model_type_names(options.endpoint_types) == names

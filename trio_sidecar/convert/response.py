@@ -153,6 +153,8 @@ class ResponseState:
         self.finished: bool = False
         self.is_prefill: bool = mode is DisaggregationMode.PREFILL
         self.has_media: bool = built.has_media
+        #: vLLM's ``num_prompt_tokens`` is the count (a text prompt, or media it expanded), not the request's.
+        self._server_counts_prompt: bool = built.has_media or built.message.WhichOneof("prompt") == "text"
         self.output_logprobs: int | None = request.output_options.logprobs
         self.expect_prompt_logprobs: bool = request.output_options.prompt_logprobs is not None
         self.prompt_info: inference_pb2.PromptInfo | None = None
@@ -256,8 +258,8 @@ class ResponseState:
     # -- helpers --------------------------------------------------------------------------------------
 
     def _prompt_info(self, info: inference_pb2.PromptInfo) -> None:
-        if self.has_media:
-            # vLLM's expanded prompt is authoritative (docs/reference/sidecar.md#multimodal-requests).
+        if self._server_counts_prompt:
+            # vLLM's tokenized or expanded prompt is authoritative (docs/reference/sidecar.md#multimodal-requests).
             self.prompt_tokens = info.num_prompt_tokens
         elif info.num_prompt_tokens != self.prompt_tokens:
             raise ProtocolError(

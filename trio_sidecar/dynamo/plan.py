@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from ..config import DisaggregationMode, SidecarConfig, WorkerOptions
+from ..config import DisaggregationMode, SidecarConfig, WorkerOptions, model_type_names
 from ..errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -29,7 +29,6 @@ __all__ = [
 
 LOGGER = logging.getLogger("trio_sidecar.dynamo.plan")
 
-_ENDPOINT_TYPES = {"chat": "Chat", "completions": "Completions"}
 _WORKER_TYPES = {
     DisaggregationMode.AGG: "Aggregated",
     DisaggregationMode.PREFILL: "Prefill",
@@ -79,7 +78,7 @@ def plan_registration(
     """Build the registration from the start-phase ``EngineConfig`` (docs/reference/sidecar.md#registration-data, docs/reference/worker.md#registration).
 
     Raises:
-        InvalidArgument: an endpoint type other than ``chat``/``completions``, or an unsupported mode.
+        InvalidArgument: an unknown endpoint type, or an unsupported mode.
     """
     mode = DisaggregationMode.parse(config.disaggregation_mode)
     if mode not in _WORKER_TYPES:
@@ -92,14 +91,7 @@ def plan_registration(
         # WorkerType.Prefill.
         model_types: tuple[str, ...] = ("Prefill",)
     else:
-        names = []
-        for kind in options.endpoint_types:
-            if kind not in _ENDPOINT_TYPES:
-                raise InvalidArgument(f"unsupported endpoint type `{kind}`; expected chat or completions")
-            names.append(_ENDPOINT_TYPES[kind])
-        if not names:
-            raise InvalidArgument("--endpoint-types must name at least one of chat, completions")
-        model_types = tuple(dict.fromkeys(names))
+        model_types = model_type_names(options.endpoint_types)
     runtime = {
         "context_length": engine.context_length,
         "total_kv_blocks": engine.total_kv_blocks,
@@ -112,6 +104,10 @@ def plan_registration(
     # Publishers need a block size (KvEventPublisher rejects 0); without one no events are relayed.
     runtime["kv_event_publishing_enabled"] = bool(sources) and engine.kv_cache_block_size is not None
     runtime["exclude_tools_when_tool_choice_none"] = bool(options.exclude_tools_when_tool_choice_none)
+    # The frontend's parsers, only as the operator configured them (Control's names are never defaults).
+    for key in ("tool_call_parser", "reasoning_parser"):
+        if getattr(options, key) is not None:
+            runtime[key] = getattr(options, key)
     # The native 1.6.1 sidecar's model card says enable_local_indexer=true in every mode; decode workers
     # get no KV publishers anyway (vLLM reports no KV-event sources in decode mode).
     runtime["enable_local_indexer"] = True
