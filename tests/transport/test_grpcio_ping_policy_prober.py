@@ -5,9 +5,10 @@ the first status and then writes nothing. gRPC-core's server counts a PING as a 
 sooner than its minimum interval after the previous one with no data written in between, and ends the
 connection with GOAWAY ENHANCE_YOUR_CALM ``too_many_pings`` past two strikes. The policy here is tuned
 down (1 s instead of 5 minutes) and the keepalive to 0.1 s / 0.3 s, so the fault reproduces in seconds:
-before the fix the prober's connection was PINGed every 0.3 s, got GOAWAY within about a second, failed
-with an HTTP/2 protocol error and the prober published UNREACHABLE (admission closed). The client still
-assumes gRPC-core's default 5 minutes, so it PINGs the silent connection once and then stays quiet.
+before the fix the prober's connection was PINGed every 0.3 s, got GOAWAY ``too_many_pings`` within about
+a second, failed with an HTTP/2 protocol error and the prober published UNREACHABLE (admission closed).
+The client still assumes gRPC-core's default 5 minutes, so it PINGs the silent connection once and then
+stays quiet: no GOAWAY (the target's keepalive time is never throttled) and SERVING throughout.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar.endpoint import parse_grpc_endpoint
 from trio_sidecar.model import DiscoveredModel
 from trio_sidecar.prober import HealthKind, HealthState, run_health_prober
+from trio_sidecar.transport._keepalive import keepalive_time_for
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 STRICT_PING_POLICY = [("grpc.http2.min_ping_interval_without_data_ms", 1000), ("grpc.http2.max_ping_strikes", 2)]
@@ -95,5 +97,7 @@ async def test_an_idle_prober_stays_serving_against_a_grpcio_server_that_polices
             await trio.sleep(8)
             nursery.cancel_scope.cancel()
         assert kinds == [HealthKind.SERVING], kinds
+        # No GOAWAY too_many_pings on the prober's connection (it would have doubled the keepalive time).
+        assert keepalive_time_for(f"127.0.0.1:{port}", 0.1) == 0.1
     finally:
         await aio.call(lambda: server.stop(None))

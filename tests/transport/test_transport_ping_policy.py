@@ -19,6 +19,7 @@ import trio_util
 from transport_peers import GENERATE_STREAM, Recorder, TrioEcho, request
 
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
+from trio_sidecar._proto.vllm import control_grpc, control_pb2
 from trio_sidecar._proto.vllm import inference_pb2 as pb
 from trio_sidecar.config import KeepaliveConfig
 from trio_sidecar.endpoint import parse_grpc_endpoint
@@ -26,16 +27,32 @@ from trio_sidecar.model import DiscoveredModel
 from trio_sidecar.pool import ChannelPool
 from trio_sidecar.prober import HealthKind, HealthState, run_health_prober
 from trio_sidecar.transport import ConnectionLostError, HealthServicer, ServerLimits, connect_channel, serve_grpc
+from trio_sidecar.transport._keepalive import keepalive_time_for
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 WATCH = "/grpc.health.v1.Health/Watch"
 GRPC_CORE = ServerLimits(keepalive=KeepaliveConfig.server(), idle_timeout=None)
 
 
+class Control(control_grpc.ControlServicer):
+    """``vllm.Control`` answering the prober's rediscovery with the fakes' model."""
+
+    async def GetModelInfo(self, request, context):  # noqa: N802
+        return fakes.model_info()
+
+    async def GetServerInfo(self, request, context):  # noqa: N802
+        return fakes.server_info()
+
+    async def GetKvEventSources(self, request, context):  # noqa: N802
+        return control_pb2.GetKvEventSourcesResponse()
+
+
 async def policed_server(nursery):
     health = HealthServicer({"": SERVING, "vllm.Control": SERVING, "vllm.Inference": SERVING})
     return await nursery.start(
-        lambda task_status: serve_grpc([health, TrioEcho(Recorder())], limits=GRPC_CORE, task_status=task_status)
+        lambda task_status: serve_grpc(
+            [health, Control(), TrioEcho(Recorder())], limits=GRPC_CORE, task_status=task_status
+        )
     )
 
 
@@ -105,12 +122,14 @@ async def test_a_pool_streaming_tokens_is_pinged_every_keepalive_time_without_st
     await pool.aclose()
 
 
-@pytest.mark.parametrize(("min_ping_interval", "serving"), [(300.0, True), (10.0, False)])
-async def test_an_idle_prober_on_a_policing_server(nursery, autojump_clock, min_ping_interval, serving):
-    """The reported fault in virtual time: with PINGs every 10 s on its idle Watch connection (the old
-    keepalive) the prober reports vLLM not serving within a minute; with the default it stays SERVING."""
+@pytest.mark.parametrize(("min_ping_interval", "policed"), [(300.0, False), (10.0, True)])
+async def test_an_idle_prober_on_a_policing_server(nursery, autojump_clock, min_ping_interval, policed):
+    """The reported fault in virtual time: with PINGs every 10 s on its idle Watch connection (about the old
+    keepalive's rate) the prober's connection gets GOAWAY ``too_many_pings`` 52 s after start (and the
+    target's keepalive time is doubled); with the default it stays SERVING for 10 minutes, unthrottled."""
     server = await policed_server(nursery)
-    config = fakes.sidecar_config(f"127.0.0.1:{server.port}", keepalive_min_ping_interval=min_ping_interval)
+    target = f"127.0.0.1:{server.port}"
+    config = fakes.sidecar_config(target, keepalive_min_ping_interval=min_ping_interval)
     health = trio_util.AsyncValue(HealthState(HealthKind.SERVING))
     kinds: list[tuple[float, HealthKind]] = []
     started = trio.current_time()
@@ -132,14 +151,14 @@ async def test_an_idle_prober_on_a_policing_server(nursery, autojump_clock, min_
                 task_status=task_status,
             )
         )
-        if serving:
-            await trio.sleep(600)
-        else:
+        if policed:
             with trio.fail_after(60):
-                await health.wait_value(lambda state: state.kind is not HealthKind.SERVING)
+                while keepalive_time_for(target, 10.0) == 10.0:
+                    await trio.sleep(0.5)
+            print(f"\ntoo_many_pings {trio.current_time() - started:.1f} s after start; states {kinds}")
+            assert trio.current_time() - started == pytest.approx(52.0, abs=0.6)
+        else:
+            await trio.sleep(600)
+            assert keepalive_time_for(target, 10.0) == 10.0  # never throttled: no GOAWAY too_many_pings
+            assert kinds == [(0.0, HealthKind.SERVING)], kinds
         inner.cancel_scope.cancel()
-    if serving:
-        assert kinds == [(0.0, HealthKind.SERVING)], kinds
-    else:
-        print(f"\nnot serving {kinds[-1][0]:.1f} s after start: {health.value.reason}")
-        assert "closed by the peer (after GOAWAY, error code 11: too_many_pings)" in health.value.reason
