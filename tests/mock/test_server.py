@@ -716,7 +716,10 @@ async def test_multimodal_flag():
             assert messages[0].prompt_info.num_prompt_tokens == 2 + 16
         audio = pb.MediaItem(modality=pb.MODALITY_AUDIO, url="http://example.invalid/a.wav")
         err = await rpc_error(collect(ch, gen(prompt=(1, 31999), media=[audio])))
-        assert err.message == "only image media is supported by the mock server"
+        assert err.message == "only image and video media are supported by the mock server"
+        video = pb.MediaItem(modality=pb.MODALITY_VIDEO, url="http://example.invalid/v.mp4")
+        messages = await collect(ch, gen(prompt=(1, 31999, 2), media=[video], max_new_tokens=1))
+        assert messages[0].prompt_info.num_prompt_tokens == 2 + 16
         err = await rpc_error(collect(ch, gen(prompt=(1, 31999), media=[pb.MediaItem(modality=pb.MODALITY_IMAGE)])))
         assert err.message == "media item 0 has no source"
         err = await rpc_error(collect(ch, gen(prompt=(1, 2), media=[image])))
