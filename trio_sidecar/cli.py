@@ -197,7 +197,15 @@ OPTIONS: tuple[Option, ...] = (
         "passed through to the model card",
         metavar="BOOL",
     ),
-    Option("--route-to-encoder", "DYN_ROUTE_TO_ENCODER", "route_to_encoder", "worker", False, "switch", "must be off"),
+    Option(
+        "--route-to-encoder",
+        "DYN_ROUTE_TO_ENCODER",
+        "route_to_encoder",
+        "worker",
+        False,
+        "switch",
+        "declare an upstream encode peer (agg and prefill workers only)",
+    ),
     Option(
         "--enable-rl",
         "DYN_ENABLE_RL",

@@ -141,8 +141,6 @@ def validate_sidecar_config(config: SidecarConfig) -> GrpcEndpoint:
     Raises:
         InvalidArgument: with the texts (docs/reference/sidecar.md#pre-network-checks).
     """
-    if DisaggregationMode.parse(config.disaggregation_mode) is DisaggregationMode.ENCODE:
-        raise InvalidArgument("encode mode is not supported by the vLLM sidecar")
     endpoint = parse_grpc_endpoint(config.grpc_endpoint)
     _check_transport(config)
     _check_otel(config)
@@ -210,10 +208,6 @@ def prepare(config: SidecarConfig, worker_options: WorkerOptions, *, dynamo_requ
     Raises:
         InvalidArgument: the first failing check, with its exact text.
     """
-    if DisaggregationMode.parse(config.disaggregation_mode) is DisaggregationMode.ENCODE:
-        raise InvalidArgument("encode mode is not supported by the vLLM sidecar")
-    if worker_options.route_to_encoder:
-        raise InvalidArgument("route-to-encoder is not supported by the vLLM sidecar")
     if worker_options.tool_call_parser or worker_options.reasoning_parser:
         raise InvalidArgument(
             "vLLM gRPC does not preserve the request options required by Dynamo tool-call and reasoning parsers"

@@ -309,8 +309,9 @@ def test_prefill_terminal_params_round_trip_into_a_decode_request():
 
 def test_mode_parse():
     assert Role.parse("agg") is Role.AGGREGATED and Role.parse("Prefill") is Role.PREFILL
+    assert Role.parse("encode") is Role.ENCODE
     with pytest.raises(ValueError):
-        Role.parse("encode")
+        Role.parse("both")
 
 
 # --- multimodal (docs/reference/mock.md#multimodal) ----------------------------------------------------------------

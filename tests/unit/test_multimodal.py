@@ -333,3 +333,50 @@ def test_the_encoder_handoff_is_forwarded_as_ec_transfer_params(mode: Disaggrega
     _, built = build(req, mode)
     assert struct_to_json(built.message.kv.ec_transfer_params) == handoff
     rejects({**req, "encoder_result": [1]}, "encoder_result must be a JSON object", mode)
+
+
+def encode_state() -> ResponseState:
+    request, built = build(image_request(), ENCODE)
+    return ResponseState(request, built, ENCODE)
+
+
+def encode_terminal(reason: int = pb.FinishInfo.STOP, tokens: int = 0, **ec: Any) -> pb.GenerateResponse:
+    finish = pb.FinishInfo(num_output_tokens=tokens, finish_reason=reason)
+    if ec:
+        finish.ec_transfer_params.CopyFrom(json_to_struct(ec))
+    return pb.GenerateResponse(outputs=pb.SequenceOutput(num_tokens=0, finish_info=finish))
+
+
+def test_an_encode_terminal_becomes_the_encoder_result() -> None:
+    st = encode_state()
+    assert st.convert(pb.GenerateResponse(prompt_info=pb.PromptInfo(num_prompt_tokens=18))) is None
+    chunk = st.convert(encode_terminal(handle="h", mm_hashes=["a"]))
+    assert chunk is not None
+    assert chunk.to_dict() == {
+        "token_ids": [],
+        "index": 0,
+        "finish_reason": "stop",
+        "encoder_result": {"handle": "h", "mm_hashes": ["a"]},
+    }
+    cancelled = encode_state().convert(encode_terminal(pb.FinishInfo.ABORTED))
+    assert cancelled is not None and cancelled.finish_reason == "cancelled" and cancelled.encoder_result is None
+
+
+@pytest.mark.parametrize(
+    ("response", "message"),
+    [
+        (
+            pb.GenerateResponse(outputs=pb.SequenceOutput(num_tokens=1, token_ids=[5])),
+            "encode response produced output tokens",
+        ),
+        (encode_terminal(), "encode terminal is missing valid ec_transfer_params"),
+        (
+            encode_terminal(pb.FinishInfo.LENGTH, handle="h"),
+            "encode terminal has invalid finish reason Some(Length); expected stop or cancelled",
+        ),
+    ],
+)
+def test_encode_response_errors(response: pb.GenerateResponse, message: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        encode_state().convert(response)
+    assert str(info.value) == f"invalid vLLM gRPC response: {message}"

@@ -286,8 +286,6 @@ def test_unknown_flag_exits_2(worker: list, capsys: pytest.CaptureFixture[str]) 
         ),
         ([], {"VLLM_HTTP_ENDPOINT": "ftp://x"}, "`--vllm-http-endpoint` must use HTTP or HTTPS and include a host"),
         (["--vllm-rl-world-size", "4294967296"], {}, "`--vllm-rl-world-size` must be between 1 and 4294967295"),
-        (["--disaggregation-mode", "encode"], {}, "encode mode is not supported by the vLLM sidecar"),
-        (["--route-to-encoder"], {}, "route-to-encoder is not supported by the vLLM sidecar"),
         (["--dyn-tool-call-parser", "hermes"], {}, "tool-call and reasoning parsers"),
         ([], {"DYN_REASONING_PARSER": "deepseek_r1"}, "tool-call and reasoning parsers"),
         (["--grpc-endpoint", "https://server"], {}, "TLS endpoints are not supported by `--grpc-endpoint`"),
