@@ -133,7 +133,7 @@ class WorkerOptions:
 
 
 def validate_sidecar_config(config: SidecarConfig) -> GrpcEndpoint:
-    """The ``SidecarConfig`` part of docs/reference/sidecar.md#pre-network-checks (items 1, 5, 6, 7), in order.
+    """The ``SidecarConfig`` part of docs/reference/sidecar.md#pre-network-checks (items 3, 4, 5), in order.
 
     Returns:
         The normalized endpoint.
@@ -200,7 +200,7 @@ def dynamo_available() -> bool:
 
 
 def prepare(config: SidecarConfig, worker_options: WorkerOptions, *, dynamo_required: bool) -> GrpcEndpoint:
-    """All the pre-network checks (docs/reference/sidecar.md#pre-network-checks, items 1–8), in order, before any socket is opened.
+    """All the pre-network checks (docs/reference/sidecar.md#pre-network-checks, items 1–6), in order, before any socket is opened.
 
     The ``Discovering vLLM model metadata ...`` line after them is printed by the caller, from
     :func:`discovery_banner`, so this function stays free of I/O.
