@@ -4,7 +4,9 @@ model behind two frontends with the KV router, one per sidecar family, on shared
 from __future__ import annotations
 
 import base64
+import json
 import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -86,7 +88,29 @@ def start_sides(dep: Deployment, label: str, mocks: list[MockThread], args: tupl
             sides.workers[side].append(start(mock, *extra, namespace=namespace, name=f"{side}-{i}"))
     for port in sides.ports.values():
         local.wait_for_models(port, ["tiny"], timeout=180, watch=dep.processes)
+    # The model is listed once one worker registered; wait for every worker's card (an encode worker's
+    # included), then give the frontends' discovery watchers a moment to see the last one.
+    deadline = time.monotonic() + 120
+    for side in SIDES:
+        while len(cards(dep, f"{dep.namespace}-{label}-{side}")) < len(mocks):
+            assert time.monotonic() < deadline, f"not every {side} worker registered"
+            time.sleep(0.2)
+    time.sleep(1.0)
     return sides
+
+
+def cards(dep: Deployment, namespace: str) -> list[dict[str, Any]]:
+    """The model-card records registered in ``namespace`` (file discovery)."""
+    out = []
+    folder = dep.file_kv / "v1" / "mdc"
+    for path in folder.iterdir() if folder.is_dir() else ():
+        try:
+            entry = json.loads(path.read_text())
+        except (OSError, ValueError):  # being written or removed
+            continue
+        if entry.get("namespace") == namespace:
+            out.append(entry)
+    return out
 
 
 @contextmanager

@@ -10,13 +10,24 @@ for one token, and the encoder handoff the encode mock answered reaches the next
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from dynamo_harness import Deployment, make_tiny_model, require_dynamo
-from mm_sides import ANSI, SIDES, Sides, answer, image_part, mm_mock, start_sides, vl_deployment
+from mm_sides import (
+    ANSI,
+    SIDES,
+    VIDEO_URL,
+    Sides,
+    answer,
+    cards,
+    image_part,
+    mm_mock,
+    start_sides,
+    video_part,
+    vl_deployment,
+)
 
 from trio_sidecar._proto.vllm import inference_pb2 as pb
 from trio_sidecar.mock.multimodal import media_identifier
@@ -48,11 +59,7 @@ def _cards(sides: Sides, label: str) -> dict[str, dict[str, Any]]:
     """The model cards each family registered, by component, minus what differs by design (docs/dynamo.md)."""
     out: dict[str, dict[str, Any]] = {}
     for side in SIDES:
-        namespace = f"{sides.dep.namespace}-{label}-{side}"
-        for path in (sides.dep.file_kv / "v1" / "mdc").iterdir():
-            entry = json.loads(path.read_text())
-            if entry["namespace"] != namespace:
-                continue
+        for entry in cards(sides.dep, f"{sides.dep.namespace}-{label}-{side}"):
             card = entry["card_json"]
             runtime = dict(card["runtime_config"])
             data = runtime.pop("runtime_data", {})
@@ -85,7 +92,9 @@ def test_encode_workers_and_the_workers_routing_to_them_register_natives_cards(t
     assert routing["encoder_result_handoff"] is True
 
 
-@pytest.mark.parametrize("part", [image_part(), image_part(uuid="cat-3")], ids=["image", "image-uuid"])
+@pytest.mark.parametrize(
+    "part", [image_part(), image_part(uuid="cat-3"), video_part(VIDEO_URL)], ids=["image", "image-uuid", "video"]
+)
 def test_encoder_disaggregated_media_requests_are_identical_to_natives(topology, part):
     _, sides = topology
     results = sides.chat(part)
@@ -113,9 +122,8 @@ def test_encoder_disaggregated_media_requests_are_identical_to_natives(topology,
 def _identifier(encode: dict[str, Any]) -> str:
     """The mock's feature identifier of the request's one media item: its uuid, else its source's digest."""
     item = encode["media"][0]
-    return media_identifier(
-        pb.MediaItem(uuid=item.get("uuid", ""), url=item.get("url", ""), data_uri=item.get("data_uri", ""))
-    )
+    source = {key: item[key] for key in ("url", "data_uri") if key in item}
+    return media_identifier(pb.MediaItem(uuid=item.get("uuid", ""), **source))
 
 
 # --- start-up refusals, once the engine is known -------------------------------------------------------------------
