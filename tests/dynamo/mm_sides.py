@@ -99,6 +99,37 @@ def start_sides(dep: Deployment, label: str, mocks: list[MockThread], args: tupl
     return sides
 
 
+@contextmanager
+def png_server() -> Iterator[str]:
+    """An HTTP server on 127.0.0.1 serving :data:`IMAGE`'s PNG at the URL it yields (the frontend fetches
+    image URLs to hash them)."""
+    import http.server
+    import threading
+
+    body = base64.b64decode(IMAGE.split(",", 1)[1])
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(200)
+            self.send_header("content-type", "image/png")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/cat.png"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(10)
+
+
 def cards(dep: Deployment, namespace: str) -> list[dict[str, Any]]:
     """The model-card records registered in ``namespace`` (file discovery)."""
     out = []

@@ -26,6 +26,7 @@ from mm_sides import (
     answer,
     image_part,
     mm_mock,
+    png_server,
     start_sides,
     video_part,
     vl_deployment,
@@ -55,6 +56,17 @@ def pd(vl_dep) -> Sides:
 
 
 # --- aggregated ------------------------------------------------------------------------------------------------
+
+
+def test_an_image_url_on_a_loopback_address_is_refused_by_the_frontend_for_both(agg):
+    # The frontend fetches image URLs itself (to hash them) and its media fetcher refuses direct and private
+    # IPs unless the card configures one (neither sidecar does): both sides answer 400 and nothing is sent.
+    # Image URLs that the fetcher allows are forwarded as `url` items (tests/unit/test_multimodal.py).
+    with png_server() as url:
+        results = agg.chat(image_part(url))
+    (n_status, _, n_sent), (t_status, _, t_sent) = results["native"], results["trio"]
+    assert n_status == t_status == 400
+    assert n_sent == t_sent == [[]]
 
 
 @pytest.mark.parametrize(
