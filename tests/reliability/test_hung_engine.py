@@ -74,7 +74,7 @@ def check_failed_by_keepalive(outcomes, concurrent: int) -> None:
 
 async def test_sigstopped_engine_is_detected_and_serving_resumes_after_sigcont(tmp_path, caplog):
     from trio_sidecar.api import open_sidecar
-    from trio_sidecar.prober import HealthKind
+    from trio_sidecar.health_policy import HealthKind
 
     caplog.set_level(logging.INFO, logger="trio_sidecar.prober")
     keepalive_time, keepalive_timeout = 1.0, 0.5
@@ -149,7 +149,7 @@ async def test_sigstopped_engine_is_detected_and_serving_resumes_after_sigcont(t
 async def test_default_keepalive_detects_a_sigstopped_engine_within_15_seconds(tmp_path):
     from trio_sidecar.api import open_sidecar
     from trio_sidecar.config import SidecarConfig
-    from trio_sidecar.prober import HealthKind
+    from trio_sidecar.health_policy import HealthKind
 
     defaults = SidecarConfig(grpc_endpoint="127.0.0.1:1")
     bound = defaults.keepalive_time + defaults.keepalive_timeout

@@ -18,8 +18,8 @@ from trio_sidecar._proto.vllm import control_pb2
 from trio_sidecar.discovery import discover
 from trio_sidecar.endpoint import parse_grpc_endpoint
 from trio_sidecar.errors import CannotConnect, ConnectionTimeout, InvalidArgument, ProtocolError
+from trio_sidecar.health_policy import HealthKind
 from trio_sidecar.pool import ChannelPool, open_channel_pool
-from trio_sidecar.prober import HealthKind
 from trio_sidecar.status import StatusCode
 
 

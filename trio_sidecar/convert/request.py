@@ -64,6 +64,7 @@ def build_generate_request(
     mode: DisaggregationMode,
     *,
     lora_supported: bool = False,
+    text: str | None = None,
 ) -> BuiltRequest:
     """Validate (in the order of docs/reference/sidecar.md#validation-order) and map (docs/reference/sidecar.md#field-mapping) a request.
 
@@ -74,6 +75,9 @@ def build_generate_request(
         mode: the sidecar's disaggregation mode.
         lora_supported: the server advertises LoRA (``max_loras`` > 0): a ``routing.lora_name`` is then
             forwarded as ``lora_name`` (an adapter vLLM does not hold is vLLM's error, docs/lora.md).
+        text: a text prompt, sent as ``GenerateRequest.text`` instead of ``request.token_ids`` (which may then
+            be empty) for vLLM to tokenize (a server advertising ``supports_text_input``; docs/embedded.md).
+            ``prompt_tokens`` is then 0 until vLLM's ``prompt_info`` reports the count.
 
     Returns:
         The ``GenerateRequest`` plus per-call metadata and bookkeeping for ``ResponseState``.
@@ -88,7 +92,7 @@ def build_generate_request(
     routing = request.routing
 
     # docs/reference/sidecar.md#validation-order rows 1-14.
-    if not request.token_ids:
+    if not request.token_ids and text is None:
         raise InvalidArgument("token_ids must not be empty")
     if request.prompt_embeds is not None:
         raise InvalidArgument("prompt embeddings are not supported by vLLM gRPC v0.25.1")
@@ -204,6 +208,9 @@ def build_generate_request(
 
     if send_media:
         message.media.extend(items)
+    if text is not None:
+        message.text = text  # (the prompt oneof: replaces token_ids)
+        token_ids = []
 
     # vLLM's float sampling checks, on the f32 values it will see, with its texts (docs/conformance.md).
     if not _vllm_rejects_stopping_first(st):

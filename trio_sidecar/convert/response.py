@@ -156,6 +156,8 @@ class ResponseState:
         # Prefill and encode chunks carry no tokens and no text (their one token is not the client's).
         self._no_output: bool = self.is_prefill or self.is_encode
         self.has_media: bool = built.has_media
+        #: vLLM's ``num_prompt_tokens`` is the count (a text prompt, or media it expanded), not the request's.
+        self._server_counts_prompt: bool = built.has_media or built.message.WhichOneof("prompt") == "text"
         self.output_logprobs: int | None = request.output_options.logprobs
         self.expect_prompt_logprobs: bool = request.output_options.prompt_logprobs is not None
         self.prompt_info: inference_pb2.PromptInfo | None = None
@@ -263,8 +265,8 @@ class ResponseState:
     # -- helpers --------------------------------------------------------------------------------------
 
     def _prompt_info(self, info: inference_pb2.PromptInfo) -> None:
-        if self.has_media:
-            # vLLM's expanded prompt is authoritative (docs/reference/sidecar.md#multimodal-requests).
+        if self._server_counts_prompt:
+            # vLLM's tokenized or expanded prompt is authoritative (docs/reference/sidecar.md#multimodal-requests).
             self.prompt_tokens = info.num_prompt_tokens
         elif info.num_prompt_tokens != self.prompt_tokens:
             raise ProtocolError(

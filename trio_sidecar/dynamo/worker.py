@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import sys
@@ -44,11 +45,12 @@ from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
-from .._logging import emit, print_error
+from .._logging import emit, notice, print_error
 from .._signals import SIGNALS, held, hold_signals, interrupted_code
 from ..config import SidecarConfig, WorkerOptions
 from ..diagnostics import startup_hint
 from ..errors import SidecarError, format_duration
+from ..health_policy import ArmTimer, CancelTimer, HealthState, Timer, TimerFired
 from ..progress import StartupProgress, tracking
 from ..rl import parse_admin_base_url, rl_endpoint_name, rl_world_size, system_port_required
 from ..transport import collapse_single_exception
@@ -57,6 +59,17 @@ from .lora_routes import publish_held, start_lora
 from .plan import WorkerPlan, endpoint_path, plan_registration
 from .reporter import Reporter
 from .rl_routes import RlSurface
+from .rotation import (
+    HealthChanged,
+    PublishersReplaced,
+    ReplacePublishers,
+    RestoreToRotation,
+    RotationAction,
+    RotationDone,
+    RotationEvent,
+    RotationPolicy,
+    TakeOutOfRotation,
+)
 from .runtime import DynamoSide
 from .thread import AsyncioThread, TrioCalls
 
@@ -114,8 +127,7 @@ class _Shutdown:
         self.signals += 1
         name = signal.Signals(signum).name
         if self.signals > 1:
-            sys.stderr.write(f"received {name} again; exiting immediately\n")
-            sys.stderr.flush()
+            notice(f"received {name} again; exiting immediately")
             os._exit(1)
         self.requested.set()
         if self.serving:
@@ -437,23 +449,16 @@ async def _watch_serving(thread: AsyncioThread, dynamo: DynamoSide, ended: trio.
 async def _drain(options: WorkerOptions, thread: AsyncioThread, dynamo: DynamoSide, sidecar: Sidecar) -> None:
     """Graceful shutdown: unregister at once, drain up to ``drain_timeout``, then stop the rest (docs/reference/worker.md#graceful-shutdown-and-drain).
 
-    Admission and the in-flight requests are the engine's: it refuses new requests from here on
-    (``EngineShutdown``, which the frontend migrates), and its in-flight count is what the drain waits for.
+    Admission, the in-flight requests and the drain are the engine's (``SidecarEngine.drain``): it refuses
+    new requests from here on (``EngineShutdown``, which the frontend migrates), waits for the in-flight ones,
+    then stops the rest; the runtime's ``serve_endpoint`` then ends once its handlers sent their last chunk.
     """
     engine = sidecar.engine
     LOGGER.info("draining %d in-flight request(s) (up to %s)", engine.in_flight, format_duration(options.drain_timeout))
     await thread.run(dynamo.shutdown)
-    engine.stop_admission()
-    with trio.move_on_after(options.drain_timeout) as drain:
+    await engine.drain(options.drain_timeout, grace=STOP_GRACE)
+    with trio.move_on_after(STOP_GRACE):
         await thread.run(dynamo.wait_serving_ended)
-        await engine.wait_idle()
-    if drain.cancelled_caught:
-        stopped = engine.in_flight
-        engine.cancel_in_flight()
-        LOGGER.warning("drain timeout reached; cancelling %d remaining request(s)", stopped)
-        with trio.move_on_after(STOP_GRACE):
-            await engine.wait_idle()
-            await thread.run(dynamo.wait_serving_ended)
 
 
 async def _supervise_health(
@@ -466,47 +471,76 @@ async def _supervise_health(
 ) -> None:
     """Take the instance out of rotation while vLLM is not serving (docs/reference/worker.md#out-of-rotation-while-vllm-is-not-serving, docs/reference/sidecar.md#recovery).
 
-    After ``unserving_grace`` of continuous non-SERVING state, ``unregister_endpoint_instance()``; on
-    recovery (the prober only returns to SERVING after re-checking identity and DP size),
-    ``register_endpoint_instance()``. Changed KV-event sources re-create the publishers. The model card is
-    kept throughout.
+    The I/O adapter of :class:`~trio_sidecar.health_policy.RotationPolicy`: every change of the prober's
+    published state goes in, and its actions are carried out on the asyncio thread. After
+    ``unserving_grace`` of continuous non-SERVING state, ``unregister_endpoint_instance()``; on recovery (the
+    prober only returns to SERVING after re-checking identity and DP size), ``register_endpoint_instance()``.
+    Changed KV-event sources re-create the publishers. The model card is kept throughout.
     """
     health = sidecar.health
-    registered = True
+    policy = RotationPolicy(grace=options.unserving_grace, sources=sources)
+    grace_due = math.inf
+    last: HealthState | None = None
+    fed_sources = sources
+
+    def changed(state: HealthState) -> bool:
+        # A change from what was fed last, or new KV-event sources: a replaced vLLM adopted after a prober
+        # hiccup passes through RECOVERING at once, which this task may not see if it is busy meanwhile.
+        return state != last or tuple(sidecar.kv_event_sources) != fed_sources
+
     while True:
-        await health.wait_value(lambda s: not s.admits)
-        with trio.move_on_after(options.unserving_grace) as grace:
-            await health.wait_value(lambda s: s.admits)
-        if grace.cancelled_caught:
-            reason = health.value.reason
-            LOGGER.warning(
-                "vLLM has not been serving for %s (%s); taking the instance out of rotation",
-                format_duration(options.unserving_grace),
-                reason,
-            )
-            try:
-                await thread.run(dynamo.unregister)
-                registered = False
-            except Exception as exc:  # noqa: BLE001
-                LOGGER.error("unregister_endpoint_instance failed: %s", exc)
-            await health.wait_value(lambda s: s.admits)
-        current = tuple(sidecar.kv_event_sources)
-        if current != sources:
-            LOGGER.warning("vLLM KV-event sources changed after recovery; re-creating the KV publishers")
-            try:
-                await thread.run(dynamo.replace_publishers, plan, current)
-                sources = current
-            except Exception as exc:  # noqa: BLE001
-                LOGGER.error("re-creating the KV publishers failed: %s", exc)
-        if not registered and dynamo.rl_withdrawn:
-            registered = True  # paused or asleep through the RL controls: their resume puts it back
-        if not registered:
-            try:
-                await thread.run(dynamo.register)
-                registered = True
-                LOGGER.info("vLLM is serving again; the instance is back in rotation")
-            except Exception as exc:  # noqa: BLE001
-                LOGGER.error("register_endpoint_instance failed: %s", exc)
+        event: RotationEvent | None = None
+        with trio.move_on_at(grace_due):
+            last = await health.wait_value(changed)
+            fed_sources = tuple(sidecar.kv_event_sources)
+            event = HealthChanged(last, fed_sources, rl_withdrawn=dynamo.rl_withdrawn)
+        if event is None:
+            grace_due = math.inf
+            event = TimerFired(Timer.GRACE)
+        for action in policy.handle(event):
+            if isinstance(action, ArmTimer):
+                grace_due = trio.current_time() + action.delay
+            elif isinstance(action, CancelTimer):
+                grace_due = math.inf
+            else:
+                done = await _rotate(action, thread, dynamo, plan)
+                if done is not None:
+                    policy.handle(done)
+
+
+async def _rotate(
+    action: RotationAction, thread: AsyncioThread, dynamo: DynamoSide, plan: WorkerPlan
+) -> RotationEvent | None:
+    """Carry out one rotation action on Dynamo's side; its outcome as an event (None: nothing changed)."""
+    if isinstance(action, TakeOutOfRotation):
+        LOGGER.warning(
+            "vLLM has not been serving for %s (%s); taking the instance out of rotation",
+            format_duration(action.grace),
+            action.reason,
+        )
+        try:
+            await thread.run(dynamo.unregister)
+        except Exception as exc:  # noqa: BLE001
+            LOGGER.error("unregister_endpoint_instance failed: %s", exc)
+            return None
+        return RotationDone(in_rotation=False)
+    if isinstance(action, ReplacePublishers):
+        LOGGER.warning("vLLM KV-event sources changed after recovery; re-creating the KV publishers")
+        try:
+            await thread.run(dynamo.replace_publishers, plan, action.sources)
+        except Exception as exc:  # noqa: BLE001
+            LOGGER.error("re-creating the KV publishers failed: %s", exc)
+            return None
+        return PublishersReplaced(action.sources)
+    if isinstance(action, RestoreToRotation):
+        try:
+            await thread.run(dynamo.register)
+        except Exception as exc:  # noqa: BLE001
+            LOGGER.error("register_endpoint_instance failed: %s", exc)
+            return None
+        LOGGER.info("vLLM is serving again; the instance is back in rotation")
+        return RotationDone(in_rotation=True)
+    return None
 
 
 async def _stop_runtime(thread: AsyncioThread, dynamo: DynamoSide) -> None:

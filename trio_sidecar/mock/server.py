@@ -58,6 +58,8 @@ from trio_sidecar.mock.generation import (
     token_response_encoder,
 )
 from trio_sidecar.mock.handoff import Role, encode_terminal_params, prefill_terminal_params
+from trio_sidecar.mock.metrics import MockMetrics
+from trio_sidecar.mock.tiny_model import WordText
 from trio_sidecar.mock.validation import PreparedRequest, RequestPolicy, parse_dp_rank, prepare_request
 from trio_sidecar.status import StatusCode
 from trio_sidecar.transport import (
@@ -205,8 +207,18 @@ def prepare_config(config: MockConfig) -> _Prepared:
         image_token_id=args.image_token_id,
         tokens_per_image=args.tokens_per_image,
         lora=_lora.LoraTable(args.max_loras, (served,)) if args.max_loras > 0 else None,
+        tokenize=_text_tokenizer(config.model),
     )
     return _Prepared(host=host, port=port, mode=mode, args=args, policy=policy, config=config, limits=limits)
+
+
+def _text_tokenizer(model: str) -> Callable[[str], list[int]] | None:
+    """Text prompts are served when the model is a directory with a tokenizer (``--tiny-model``) and the
+    ``tokenizers`` package is installed (docs/reference/mock.md#request-validation)."""
+    from trio_sidecar.tokenizer import local_tokenizer
+
+    encoder = local_tokenizer(model)
+    return None if encoder is None else encoder.encode
 
 
 def _enum_value(value: Any) -> Any:
@@ -231,6 +243,7 @@ class _Call:
         self.prepared = prepared
         self.rank = rank
         self.engine = server._engines[rank]
+        self.timer = server.request_metrics.timer(rank, len(prepared.prompt))  # vLLM-named metrics
         self.sent = 0  # tokens handed to the client so far
         self.claim: _Claim | None = None
         self.shutting_down = False
@@ -266,6 +279,7 @@ class _Call:
         """The RPC ended (any way): stop the engine work if it is still live, unregister, free the permit."""
         if self.try_claim(_Claim.DROP) and self.engine.cancel(self.prepared.uuid):
             LOGGER.debug("auto-aborting request due to dropped stream request_id=%r", self.prepared.request_id)
+        self.timer.ended()
         if self._receive is not None:
             self._receive.close()
         self.server._unregister(self)
@@ -407,7 +421,8 @@ class MockServer:
         self._active = trio_util.AsyncValue(0)
         self._shutting_down = False
         self._record = prepared.config.record_requests
-        self._byte_text = prepared.args.text_mode is _engine_args.TextMode.BYTES
+        #: The text of a request's tokens, when not the ``<token:{id}>`` tags: a detokenizer per request.
+        self._text_of: Callable[[], Any] | None = _TEXT_MODES.get(prepared.args.text_mode)
         self.health = HealthServicer({name: SERVING for name in HEALTH_SERVICES})
         self.host = prepared.host
         self.port = 0
@@ -425,6 +440,10 @@ class MockServer:
         self.rl = _rl.RlState(_rl_capabilities(prepared.args))
         self.server_info = _server_info(prepared)
         self.model_info = _model_info(prepared)
+        #: vLLM-named request and scheduler metrics (``trio_sidecar.mock.metrics``; ``--metrics-port``).
+        self.request_metrics = MockMetrics(
+            prepared.policy.served_model_name, [partial(self.metrics, rank) for rank in range(len(self._engines))]
+        )
 
     def __repr__(self) -> str:
         ranks = ", ".join(
@@ -592,12 +611,13 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
             tokens: list[int] = []
             while True:
                 chunk, terminal = await call.next_output()
+                call.timer.delivered(len(chunk), _finished_reason(terminal))
                 tokens.extend(chunk)
                 if terminal is not None:
                     break
             text = None
-            if self._server._byte_text:
-                detokenizer = ByteDetokenizer()
+            if self._server._text_of is not None:
+                detokenizer = self._server._text_of()
                 text = detokenizer.step(tokens)
                 if terminal.finish_reason != FinishReason.ABORTED:
                     text += detokenizer.finish()
@@ -619,10 +639,11 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
             if rejection is not None:
                 raise rejection
             options = call.prepared.output
-            detokenizer = ByteDetokenizer() if self._server._byte_text else None
+            detokenizer = None if self._server._text_of is None else self._server._text_of()
             encode = _framed_token_encoder(options) if detokenizer is None else _byte_text_encoder(options, detokenizer)
             while True:
                 tokens, terminal = await call.next_output()
+                call.timer.delivered(len(tokens), _finished_reason(terminal))
                 if terminal is None or terminal.finish_reason == FinishReason.ABORTED or not tokens:
                     plain, last_token = tokens, None
                 else:
@@ -646,6 +667,20 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
                     return
         finally:
             call.release()
+
+
+def _finished_reason(terminal: pb.FinishInfo | None) -> str | None:
+    """vLLM's ``finished_reason`` metric label of a terminal (``None``: no terminal yet)."""
+    if terminal is None:
+        return None
+    return {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}.get(terminal.finish_reason, "abort")
+
+
+#: text_mode -> a new request's detokenizer (``step(tokens)``/``finish()``); the tags need none.
+_TEXT_MODES: dict[_engine_args.TextMode, Callable[[], Any]] = {
+    _engine_args.TextMode.BYTES: ByteDetokenizer,
+    _engine_args.TextMode.WORDS: WordText,
+}
 
 
 # Framed per-token messages by (text, token_ids) option pair, indexed by token - TOKEN_BASE: the mock's
@@ -900,7 +935,7 @@ def _model_info(prepared: _Prepared) -> control_pb2.ModelInfo:
     return control_pb2.ModelInfo(
         model_id=config.model,
         served_model_name=prepared.policy.served_model_name,
-        supports_text_input=False,
+        supports_text_input=prepared.policy.tokenize is not None,
         supports_token_ids_input=True,
         supports_lora=prepared.args.max_loras > 0,
         supports_multimodal=config.supports_multimodal,

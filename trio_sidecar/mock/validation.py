@@ -105,6 +105,9 @@ class RequestPolicy:
     tokens_per_image: int = multimodal.DEFAULT_TOKENS_PER_IMAGE
     #: The server's adapter table (mutable: Control.LoadLora changes it); ``None`` = LoRA disabled.
     lora: lora.LoraTable | None = None
+    #: Text → prompt token ids (the model directory's tokenizer, special tokens added as vLLM adds them);
+    #: ``None``: text prompts are refused (docs/reference/mock.md#request-validation).
+    tokenize: Callable[[str], list[int]] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -149,13 +152,16 @@ def prepare_request(
     # Rows 5–7.
     which = request.WhichOneof("prompt")
     if which == "text":
-        raise RequestRejected(
-            StatusCode.UNIMPLEMENTED,
-            "text tokenization is not available in the CPU-only Mocker server; send token_ids",
-        )
-    if which is None:
+        if policy.tokenize is None:
+            raise RequestRejected(
+                StatusCode.UNIMPLEMENTED,
+                "text tokenization is not available in the CPU-only Mocker server; send token_ids",
+            )
+        prompt = tuple(policy.tokenize(request.text))
+    elif which is None:
         raise _invalid("prompt is required")
-    prompt = tuple(request.token_ids.ids)
+    else:
+        prompt = tuple(request.token_ids.ids)
     if not prompt:
         raise _invalid("token_ids must not be empty")
     if 0 < request.truncate_prompt_tokens < len(prompt):
