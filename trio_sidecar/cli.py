@@ -130,9 +130,9 @@ OPTIONS: tuple[Option, ...] = (
         "sidecar",
         "agg",
         "mode",
-        "worker role; aggregated is an alias of agg (encode is rejected)",
+        "worker role; aggregated is an alias of agg; encode runs a multimodal encoder",
         metavar="MODE",
-        choices=("agg", "aggregated", "prefill", "decode"),
+        choices=("agg", "aggregated", "prefill", "decode", "encode"),
     ),
     Option("--namespace", "DYN_NAMESPACE", "namespace", "worker", "dynamo", "str", "Dynamo namespace"),
     Option(
