@@ -15,11 +15,18 @@ recorded (minus the request id and the fields that differ by design everywhere, 
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from mm_sides import (
     ANSI,
+    IMAGE,
+    SIDES,
     VIDEO_DATA,
     VIDEO_URL,
     Sides,
@@ -135,3 +142,84 @@ def test_prefill_decode_media_requests_are_identical_to_natives(pd, part):
     assert decode["media"] == prefill["media"]
     assert HANDOFF_KEY not in decode["kv"]["kv_transfer_params"]
     assert n_body["usage"]["prompt_tokens"] == len(prefill["token_ids"]["ids"]) - 1 + TOKENS_PER_IMAGE
+
+
+# --- the workers' own texts, through Dynamo's request plane ------------------------------------------------------
+
+_DIRECT_CLIENT = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    from dynamo.runtime import DistributedRuntime
+
+    async def main():
+        runtime = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp")
+        client = await runtime.endpoint(sys.argv[1]).client()
+        await asyncio.wait_for(client.wait_for_instances(), 60)
+        for raw in sys.argv[2:]:
+            try:
+                stream = await client.generate(json.loads(raw))
+                out = {"items": [item.data() async for item in stream]}
+            except Exception as exc:
+                out = {"error": str(exc)}
+            print(json.dumps(out), flush=True)
+        runtime.shutdown()
+
+    asyncio.run(main())
+    """
+)
+
+
+def _direct(sides: Sides, label: str, requests: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Each request straight to each family's aggregated worker (no frontend): what the worker answered."""
+    answers = {}
+    for side in SIDES:
+        endpoint = f"{sides.dep.namespace}-{label}-{side}.backend.generate"
+        done = subprocess.run(
+            [sys.executable, "-c", _DIRECT_CLIENT, endpoint, *map(json.dumps, requests)],
+            env=sides.dep.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        answers[side] = [json.loads(line) for line in done.stdout.splitlines()]
+    return answers
+
+
+def _media_request(**fields: Any) -> dict[str, Any]:
+    return {
+        "token_ids": [87, 85, 31999, 28],
+        "stop_conditions": {"max_tokens": 1},
+        "sampling_options": {},
+        "output_options": {},
+        "eos_token_ids": [1],
+        "annotations": [],
+        **fields,
+    }
+
+
+MEDIA_ERRORS = [
+    _media_request(multi_modal_data={"image_url": [{"Url": "ftp://host/cat.png"}]}),
+    _media_request(multi_modal_data={"video_url": [{"Url": "file:///v.mp4"}]}),
+    _media_request(multi_modal_data={"pdf_url": [{"Url": "https://host/a.pdf"}]}),
+    _media_request(multi_modal_data={"image_url": [{"Url": IMAGE}]}, extra_args={"mm_hashes": "abc"}),
+    _media_request(multi_modal_data={"image_url": [{"Url": IMAGE}]}, extra_args={"mm_hashes": [""]}),
+    _media_request(multi_modal_data={"image_url": [{"Url": IMAGE}]}, extra_args={"mm_hashes": ["a", "b"]}),
+    _media_request(multi_modal_data={"image_url": [{"Url": IMAGE}]}, multi_modal_uuids={"image_url": ["a", "b"]}),
+    _media_request(multi_modal_data={"image_url": [{"Url": IMAGE}]}, multi_modal_uuids={"image_url": ["../etc"]}),
+    _media_request(multi_modal_data={"image_url": [{"Url": IMAGE}]}, extra_args={"mm_hashes": ["a/b"]}),
+    _media_request(multi_modal_uuids={"image_url": ["a"]}),
+    # (`encoder_result` that is not an object is not compared: native 1.6.1 never answers such a request.)
+]
+
+
+def test_the_workers_media_errors_carry_natives_texts(agg):
+    before = len(agg.mocks[0].recorded())
+    answers = _direct(agg, "agg", MEDIA_ERRORS)
+    # Native's error string is its typed error's display: the kind, then the text.
+    native = [answer.get("error", "").removeprefix("InvalidRequest: ") for answer in answers["native"]]
+    assert [answer.get("error") for answer in answers["trio"]] == native
+    assert len(native) == len(MEDIA_ERRORS) and all(native), answers["native"]
+    assert native[0] == "vLLM gRPC image_url input must use an http://, https://, or data: URI"
+    assert native[7] == native[8] == UNSAFE_UUID
+    assert len(agg.mocks[0].recorded()) == before  # nothing reached the engine
