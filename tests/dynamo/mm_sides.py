@@ -6,6 +6,9 @@ from __future__ import annotations
 import base64
 import json
 import re
+import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -167,3 +170,43 @@ def image_part(url: str = IMAGE, **extra: Any) -> dict[str, Any]:
 
 def video_part(url: str) -> dict[str, Any]:
     return {"type": "video_url", "video_url": {"url": url}}
+
+
+_DIRECT_CLIENT = textwrap.dedent(
+    """
+    import asyncio, json, sys
+    from dynamo.runtime import DistributedRuntime
+
+    async def main():
+        runtime = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp")
+        client = await runtime.endpoint(sys.argv[1]).client()
+        await asyncio.wait_for(client.wait_for_instances(), 60)
+        for raw in sys.argv[2:]:
+            try:
+                stream = await client.generate(json.loads(raw))
+                out = {"items": [item.data() async for item in stream]}
+            except Exception as exc:
+                out = {"error": str(exc)}
+            print(json.dumps(out), flush=True)
+        runtime.shutdown()
+
+    asyncio.run(main())
+    """
+)
+
+
+def direct(sides: Sides, label: str, component: str, requests: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Each request straight to each family's worker of ``component`` (no frontend): what it answered, in order."""
+    answers = {}
+    for side in SIDES:
+        endpoint = f"{sides.dep.namespace}-{label}-{side}.{component}.generate"
+        done = subprocess.run(
+            [sys.executable, "-c", _DIRECT_CLIENT, endpoint, *map(json.dumps, requests)],
+            env=sides.dep.env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        answers[side] = [json.loads(line) for line in done.stdout.splitlines()]
+    return answers

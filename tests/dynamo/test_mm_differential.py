@@ -15,10 +15,6 @@ recorded (minus the request id and the fields that differ by design everywhere, 
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import textwrap
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,11 +22,11 @@ import pytest
 from mm_sides import (
     ANSI,
     IMAGE,
-    SIDES,
     VIDEO_DATA,
     VIDEO_URL,
     Sides,
     answer,
+    direct,
     image_part,
     mm_mock,
     png_server,
@@ -146,45 +142,6 @@ def test_prefill_decode_media_requests_are_identical_to_natives(pd, part):
 
 # --- the workers' own texts, through Dynamo's request plane ------------------------------------------------------
 
-_DIRECT_CLIENT = textwrap.dedent(
-    """
-    import asyncio, json, sys
-    from dynamo.runtime import DistributedRuntime
-
-    async def main():
-        runtime = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp")
-        client = await runtime.endpoint(sys.argv[1]).client()
-        await asyncio.wait_for(client.wait_for_instances(), 60)
-        for raw in sys.argv[2:]:
-            try:
-                stream = await client.generate(json.loads(raw))
-                out = {"items": [item.data() async for item in stream]}
-            except Exception as exc:
-                out = {"error": str(exc)}
-            print(json.dumps(out), flush=True)
-        runtime.shutdown()
-
-    asyncio.run(main())
-    """
-)
-
-
-def _direct(sides: Sides, label: str, requests: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """Each request straight to each family's aggregated worker (no frontend): what the worker answered."""
-    answers = {}
-    for side in SIDES:
-        endpoint = f"{sides.dep.namespace}-{label}-{side}.backend.generate"
-        done = subprocess.run(
-            [sys.executable, "-c", _DIRECT_CLIENT, endpoint, *map(json.dumps, requests)],
-            env=sides.dep.env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert done.returncode == 0, done.stderr[-2000:]
-        answers[side] = [json.loads(line) for line in done.stdout.splitlines()]
-    return answers
-
 
 def _media_request(**fields: Any) -> dict[str, Any]:
     return {
@@ -215,7 +172,7 @@ MEDIA_ERRORS = [
 
 def test_the_workers_media_errors_carry_natives_texts(agg):
     before = len(agg.mocks[0].recorded())
-    answers = _direct(agg, "agg", MEDIA_ERRORS)
+    answers = direct(agg, "agg", "backend", MEDIA_ERRORS)
     # Native's error string is its typed error's display: the kind, then the text.
     native = [answer.get("error", "").removeprefix("InvalidRequest: ") for answer in answers["native"]]
     assert [answer.get("error") for answer in answers["trio"]] == native

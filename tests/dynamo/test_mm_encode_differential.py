@@ -17,11 +17,13 @@ import pytest
 from dynamo_harness import Deployment, make_tiny_model, require_dynamo
 from mm_sides import (
     ANSI,
+    IMAGE,
     SIDES,
     VIDEO_URL,
     Sides,
     answer,
     cards,
+    direct,
     image_part,
     mm_mock,
     start_sides,
@@ -124,6 +126,38 @@ def _identifier(encode: dict[str, Any]) -> str:
     item = encode["media"][0]
     source = {key: item[key] for key in ("url", "data_uri") if key in item}
     return media_identifier(pb.MediaItem(uuid=item.get("uuid", ""), **source))
+
+
+def test_the_encode_workers_request_errors_carry_natives_texts(topology):
+    label, sides = topology
+    base = {
+        "token_ids": [87, 85, 31999, 28],
+        "stop_conditions": {"max_tokens": 1},
+        "sampling_options": {},
+        "output_options": {},
+        "eos_token_ids": [1],
+        "annotations": [],
+    }
+    image = {"image_url": [{"Url": IMAGE}]}
+    requests = [
+        base,
+        {**base, "multi_modal_data": {"audio_url": [{"Url": "https://host/a.wav"}]}},
+        {**base, "multi_modal_data": image, "encoder_result": {"handle": 1}},
+        {**base, "multi_modal_data": image, "multi_modal_uuids": {"image_url": ["../etc"]}},
+    ]
+    before = len(sides.mocks[0].recorded())
+    answers = direct(sides, label, "encode", requests)
+    native = [answer.get("error", "").removeprefix("InvalidRequest: ") for answer in answers["native"]]
+    assert [answer.get("error") for answer in answers["trio"]] == native
+    assert native[:3] == [
+        "encode requests require multimodal media",
+        "encode requests support image and video media only",
+        "encode requests must not include encoder_result",
+    ]
+    assert native[3] == (
+        "multimodal media uuid must be a safe identifier without path separators, NUL bytes, or dot path components"
+    )
+    assert len(sides.mocks[0].recorded()) == before
 
 
 # --- start-up refusals, once the engine is known -------------------------------------------------------------------
