@@ -166,6 +166,7 @@ MEDIA_ERRORS = [
     _media_request(multi_modal_data={"image_url": [{"Url": IMAGE}]}, multi_modal_uuids={"image_url": ["../etc"]}),
     _media_request(multi_modal_data={"image_url": [{"Url": IMAGE}]}, extra_args={"mm_hashes": ["a/b"]}),
     _media_request(multi_modal_uuids={"image_url": ["a"]}),
+    _media_request(mm_processor_kwargs={"max_pixels": 3136}),
     # (`encoder_result` that is not an object is not compared: native 1.6.1 never answers such a request.)
 ]
 

@@ -160,7 +160,7 @@ UNSUPPORTED = [
     (with_(token_ids=[]), "token_ids must not be empty"),
     ({}, "token_ids must not be empty"),
     (with_(prompt_embeds="AAAA"), "prompt embeddings are not supported by vLLM gRPC v0.25.1"),
-    (with_(mm_processor_kwargs={}), "preprocessed multimodal features are not supported by vLLM gRPC"),
+    (with_(mm_processor_kwargs={}), "mm_processor_kwargs are not supported by vLLM gRPC"),
     (with_(routing={"lora_name": "adapter"}), "LoRA request selection is not supported by vLLM gRPC v0.25.1"),
     (with_(bootstrap_info={"bootstrap_room": 1}), "Dynamo bootstrap handoff is not supported by the vLLM sidecar"),
     (
@@ -223,7 +223,7 @@ def test_validation_order_follows_the_table() -> None:
     order = [
         "token_ids must not be empty",
         "prompt embeddings are not supported by vLLM gRPC v0.25.1",
-        "preprocessed multimodal features are not supported by vLLM gRPC",
+        "mm_processor_kwargs are not supported by vLLM gRPC",
         "encode requests support image and video media only",
         "LoRA request selection is not supported by vLLM gRPC v0.25.1",
         "Dynamo bootstrap handoff is not supported by the vLLM sidecar",

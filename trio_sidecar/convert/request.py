@@ -97,7 +97,7 @@ def build_generate_request(
     if request.prompt_embeds is not None:
         raise InvalidArgument("prompt embeddings are not supported by vLLM gRPC v0.25.1")
     if request.mm_processor_kwargs is not None:
-        raise InvalidArgument("preprocessed multimodal features are not supported by vLLM gRPC")
+        raise InvalidArgument("mm_processor_kwargs are not supported by vLLM gRPC")
     if mode is DisaggregationMode.ENCODE:
         check_encode_request(request.multi_modal_data, request.encoder_result)
     if routing.lora_name and not lora_supported:
