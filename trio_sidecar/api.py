@@ -204,14 +204,21 @@ class Sidecar:
             encoder = self._encoder = await trio.to_thread.run_sync(load_tokenizer, self.model.model_id)
         return prompt_token_ids(encoder.encode(prompt)), None
 
-    def submit(self, request: dict[str, Any] | PreprocessedRequest, ctx: GenerateContext, sink: ChunkSink) -> None:
+    def submit(
+        self,
+        request: dict[str, Any] | PreprocessedRequest,
+        ctx: GenerateContext,
+        sink: ChunkSink,
+        *,
+        merge: bool = True,
+    ) -> None:
         """Start one request whose chunks go to ``sink`` (what the Dynamo worker uses); see
-        :meth:`SidecarEngine.submit`.
+        :meth:`SidecarEngine.submit` (``merge``: token chunks of messages read together go over as one).
 
         Raises (synchronously; the sink is not called): ``InvalidArgument`` (conversion), ``CannotConnect``
         (admission closed), ``EngineShutdown`` (not started). Open and stream errors reach ``sink.end``.
         """
-        self.engine.submit(request, ctx, sink)
+        self.engine.submit(request, ctx, sink, merge=merge)
 
     async def list_loras(self) -> list[LoraAdapter]:
         """The adapters vLLM holds (``ListLoras``), in its order (docs/lora.md#embedded-api).

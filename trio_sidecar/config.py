@@ -20,12 +20,14 @@ from .rl import parse_admin_base_url
 
 __all__ = [
     "DisaggregationMode",
+    "ENDPOINT_TYPES",
     "SidecarConfig",
     "WorkerOptions",
     "validate_sidecar_config",
     "prepare",
     "dynamo_available",
     "discovery_banner",
+    "model_type_names",
     "DYNAMO_EXTRA_MISSING",
     "MAX_DEADLINE_SECONDS",
 ]
@@ -97,12 +99,48 @@ class SidecarConfig:
     otel: bool = False
 
 
+#: ``--endpoint-types`` names -> ``dynamo.llm.ModelType`` member names. Native 1.6.1 accepts exactly these
+#: (case-insensitive, singular or plural), skips empty items and merges repeats; anything else fails its
+#: registration with ``unknown endpoint type '{name}'``.
+ENDPOINT_TYPES = {
+    "chat": "Chat",
+    "completions": "Completions",
+    "embedding": "Embedding",
+    "embeddings": "Embedding",
+    "image": "Images",
+    "images": "Images",
+    "audio": "Audios",
+    "audios": "Audios",
+    "video": "Videos",
+    "videos": "Videos",
+    "tensor": "TensorBased",
+}
+_ENDPOINT_TYPE_CHOICES = "chat, completions, embeddings, images, audios, videos, tensor"
+
+
 def _endpoint_types(value: object) -> tuple[str, ...]:
     if isinstance(value, str):
         value = value.split(",")
     if not isinstance(value, Iterable):
         raise TypeError(f"expected a list or a comma-separated string, got {type(value).__name__}")
     return tuple(str(v).strip().lower() for v in value if str(v).strip())
+
+
+def model_type_names(endpoint_types: Iterable[str]) -> tuple[str, ...]:
+    """The ``dynamo.llm.ModelType`` member names of normalized endpoint types, without repeats, in order.
+
+    Raises:
+        InvalidArgument: ``unknown endpoint type '{name}'`` or ``endpoint_types cannot be empty`` (native's
+            texts; native reports them after discovery, trio-sidecar before any socket is opened).
+    """
+    names = []
+    for kind in endpoint_types:
+        if kind not in ENDPOINT_TYPES:
+            raise InvalidArgument(f"unknown endpoint type '{kind}'; expected some of {_ENDPOINT_TYPE_CHOICES}")
+        names.append(ENDPOINT_TYPES[kind])
+    if not names:
+        raise InvalidArgument("endpoint_types cannot be empty")
+    return tuple(dict.fromkeys(names))
 
 
 @attrs.frozen(kw_only=True)
@@ -115,6 +153,8 @@ class WorkerOptions:
     endpoint_types: tuple[str, ...] = attrs.field(default=("chat", "completions"), converter=_endpoint_types)
     custom_jinja_template: str | None = None
     exclude_tools_when_tool_choice_none: bool = True
+    #: Dynamo frontend parsers registered in ``runtime_config`` as given (an empty name included, as native
+    #: does); ``None``: unset. Control's own parser names are never used.
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
     route_to_encoder: bool = False
@@ -209,10 +249,11 @@ def prepare(config: SidecarConfig, worker_options: WorkerOptions, *, dynamo_requ
     Raises:
         InvalidArgument: the first failing check, with its exact text.
     """
-    if worker_options.tool_call_parser or worker_options.reasoning_parser:
-        raise InvalidArgument(
-            "vLLM gRPC does not preserve the request options required by Dynamo tool-call and reasoning parsers"
-        )
+    if DisaggregationMode.parse(config.disaggregation_mode) not in (
+        DisaggregationMode.PREFILL,
+        DisaggregationMode.ENCODE,
+    ):
+        model_type_names(worker_options.endpoint_types)  # prefill and encode register none of them (as native)
     if worker_options.vllm_http_endpoint is not None:
         parse_admin_base_url(worker_options.vllm_http_endpoint)
     if worker_options.vllm_rl_world_size is not None and not 1 <= worker_options.vllm_rl_world_size <= 2**32 - 1:

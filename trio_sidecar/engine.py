@@ -327,7 +327,14 @@ class SidecarEngine:
 
     # ---------------------------------------------------------------- requests
 
-    def submit(self, request: dict[str, Any] | PreprocessedRequest, ctx: GenerateContext, sink: ChunkSink) -> None:
+    def submit(
+        self,
+        request: dict[str, Any] | PreprocessedRequest,
+        ctx: GenerateContext,
+        sink: ChunkSink,
+        *,
+        merge: bool = True,
+    ) -> None:
         """Start one generation whose output goes to ``sink`` (a synchronous call; the engine's one
         delivery path, docs/reference/sidecar.md#embedded-api).
 
@@ -336,14 +343,15 @@ class SidecarEngine:
         no back-pressure beyond the sink's; an open failure reaches ``sink.end`` as the error. Cancellation:
         ``ctx.stop()`` (decode mode defers it, docs/reference/sidecar.md#decode-deferral) and engine shutdown
         end the request with a cancelled chunk; an opened stream abandoned before the server ended it is
-        aborted.
+        aborted. ``merge=False`` delivers one chunk per vLLM message instead, as the native sidecar does:
+        Dynamo's reasoning parser counts ``reasoning_tokens`` chunk by chunk (docs/reference/worker.md#parsers).
 
         Raises (nothing was sent, ``sink`` is not called):
             InvalidArgument: conversion failed.
             CannotConnect: ``vLLM is not serving: {reason}`` (admission closed by the prober's state).
             EngineShutdown: ``vLLM sidecar is not started`` (not started, stopped admitting, or closed).
         """
-        self._start_request(request, ctx, MergingSink(sink))
+        self._start_request(request, ctx, MergingSink(sink, merge=merge))
 
     @asynccontextmanager
     async def generate(

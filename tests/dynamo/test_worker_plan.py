@@ -78,8 +78,17 @@ def test_identity_and_capacity_come_from_the_engine_config():
         "exclude_tools_when_tool_choice_none": True,
         "enable_local_indexer": True,
     }
-    # Parsers are never advertised (docs/reference/sidecar.md#registration-data).
+    # Control's parser names are never advertised (docs/reference/sidecar.md#registration-data).
     assert "tool_call_parser" not in p.runtime_config and "reasoning_parser" not in p.runtime_config
+
+
+@pytest.mark.parametrize("mode", ["agg", "prefill", "decode"])
+def test_configured_parsers_are_registered_in_every_mode(mode):
+    options = WorkerOptions(tool_call_parser="hermes", reasoning_parser="deepseek_r1")
+    p = plan(mode, options=options)
+    assert (p.runtime_config["tool_call_parser"], p.runtime_config["reasoning_parser"]) == ("hermes", "deepseek_r1")
+    assert "reasoning_parser" not in plan(options=WorkerOptions(tool_call_parser="")).runtime_config
+    assert plan(options=WorkerOptions(tool_call_parser="")).runtime_config["tool_call_parser"] == ""
 
 
 def test_unknown_limits_are_left_at_dynamo_defaults():
@@ -107,15 +116,21 @@ def test_unknown_limits_are_left_at_dynamo_defaults():
 
 @pytest.mark.parametrize(
     ("types", "expected"),
-    [("chat", ("Chat",)), ("completions", ("Completions",)), ("completions,chat", ("Completions", "Chat"))],
+    [
+        ("chat", ("Chat",)),
+        ("completions", ("Completions",)),
+        ("completions,chat", ("Completions", "Chat")),
+        ("chat,embeddings", ("Chat", "Embedding")),
+        ("embeddings", ("Embedding",)),
+    ],
 )
 def test_endpoint_types_map_to_model_type_flags(types, expected):
     assert plan(options=WorkerOptions(endpoint_types=types)).model_types == expected
 
 
 def test_an_unknown_endpoint_type_is_rejected():
-    with pytest.raises(InvalidArgument, match="unsupported endpoint type `embeddings`"):
-        plan(options=WorkerOptions(endpoint_types="chat,embeddings"))
+    with pytest.raises(InvalidArgument, match="unknown endpoint type 'rerank'"):
+        plan(options=WorkerOptions(endpoint_types="chat,rerank"))
 
 
 def test_template_and_exclude_tools_are_passed_through():

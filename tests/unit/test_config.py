@@ -20,7 +20,9 @@ from trio_sidecar.config import (
 )
 from trio_sidecar.errors import InvalidArgument
 
-PARSERS = "vLLM gRPC does not preserve the request options required by Dynamo tool-call and reasoning parsers"
+UNKNOWN_TYPE = (
+    "unknown endpoint type 'rerank'; expected some of chat, completions, embeddings, images, audios, videos, tensor"
+)
 ADMIN_URL = "`--vllm-http-endpoint` must not include a query or fragment"
 ENDPOINT = "`--grpc-endpoint` must include a host"
 
@@ -70,8 +72,8 @@ def _cfg(**kw: object) -> SidecarConfig:
 
 # Each row breaks every check from its own onwards, so only the order decides the message (docs/reference/sidecar.md#pre-network-checks).
 ORDER = [
-    (dict(), dict(tool_call_parser="hermes", enable_rl=True), PARSERS),
-    (dict(), dict(reasoning_parser="deepseek_r1"), PARSERS),
+    (dict(), dict(endpoint_types="chat,rerank", vllm_http_endpoint="http://a?b"), UNKNOWN_TYPE),
+    (dict(), dict(endpoint_types=" , ", vllm_http_endpoint="http://a?b"), "endpoint_types cannot be empty"),
     (
         dict(grpc_endpoint="http://", grpc_connections=0),
         dict(enable_rl=True, vllm_http_endpoint="http://a?b"),
@@ -177,3 +179,31 @@ def test_config_objects_are_frozen() -> None:
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         _cfg().grpc_connections = 3  # type: ignore[misc]
     assert WorkerOptions(endpoint_types="chat, Completions").endpoint_types == ("chat", "completions")
+
+
+def test_a_prefill_worker_ignores_its_endpoint_types_as_native_does() -> None:
+    prepare(_cfg(disaggregation_mode="prefill"), WorkerOptions(endpoint_types="foo"), dynamo_required=False)
+    with pytest.raises(InvalidArgument, match="unknown endpoint type 'foo'"):
+        prepare(_cfg(disaggregation_mode="decode"), WorkerOptions(endpoint_types="foo"), dynamo_required=False)
+
+
+def test_configured_parsers_pass_the_checks() -> None:
+    options = WorkerOptions(tool_call_parser="hermes", reasoning_parser="deepseek_r1")
+    prepare(_cfg(), options, dynamo_required=False)
+    assert (options.tool_call_parser, options.reasoning_parser) == ("hermes", "deepseek_r1")
+
+
+@pytest.mark.parametrize(
+    ("types", "names"),
+    [
+        ("chat", ("Chat",)),
+        ("Completions,chat", ("Completions", "Chat")),
+        ("chat,,chat, embeddings", ("Chat", "Embedding")),
+        ("embedding", ("Embedding",)),
+        ("image,audios,VIDEO,tensor", ("Images", "Audios", "Videos", "TensorBased")),
+    ],
+)
+def test_endpoint_types_are_native_model_types(types: str, names: tuple[str, ...]) -> None:
+    options = WorkerOptions(endpoint_types=types)
+    prepare(_cfg(), options, dynamo_required=False)
+    assert config_module.model_type_names(options.endpoint_types) == names

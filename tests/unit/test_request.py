@@ -289,6 +289,15 @@ def test_invalid_request_shape_is_invalid_argument() -> None:
         structure_request([1, 2])  # type: ignore[arg-type]
 
 
+def test_an_embedding_request_is_refused_by_name() -> None:
+    """Dynamo's embedding request (one token list per input) reaches a worker registered for embeddings."""
+    embedding = {"token_ids": [[1, 2], [3]], "model": "m", "encoding_format": None, "dimensions": None}
+    with pytest.raises(InvalidArgument, match=r"^embeddings are not supported by vLLM gRPC"):
+        structure_request(embedding)
+    with pytest.raises(InvalidArgument, match=r"^invalid PreprocessedRequest: "):
+        structure_request({"token_ids": [[1], 2]})
+
+
 def test_unknown_keys_ignored_and_null_is_absent() -> None:
     req = structure_request(
         {

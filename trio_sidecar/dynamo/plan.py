@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from ..config import DisaggregationMode, SidecarConfig, WorkerOptions
+from ..config import DisaggregationMode, SidecarConfig, WorkerOptions, model_type_names
 from ..errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -29,7 +29,6 @@ __all__ = [
 
 LOGGER = logging.getLogger("trio_sidecar.dynamo.plan")
 
-_ENDPOINT_TYPES = {"chat": "Chat", "completions": "Completions"}
 _WORKER_TYPES = {
     DisaggregationMode.AGG: "Aggregated",
     DisaggregationMode.PREFILL: "Prefill",
@@ -104,8 +103,8 @@ def plan_registration(
     and advertises ``runtime_data.encoder_result_handoff``.
 
     Raises:
-        InvalidArgument: an endpoint type other than ``chat``/``completions``, or an encoder setting the
-            engine or the mode cannot serve (native's texts).
+        InvalidArgument: an unknown endpoint type, or an encoder setting the engine or the mode cannot serve
+            (native's texts).
     """
     mode = DisaggregationMode.parse(config.disaggregation_mode)
     if mode is DisaggregationMode.ENCODE and not supports_multimodal:
@@ -122,14 +121,7 @@ def plan_registration(
         # WorkerType.Prefill.
         model_types = ("Prefill",)
     else:
-        names = []
-        for kind in options.endpoint_types:
-            if kind not in _ENDPOINT_TYPES:
-                raise InvalidArgument(f"unsupported endpoint type `{kind}`; expected chat or completions")
-            names.append(_ENDPOINT_TYPES[kind])
-        if not names:
-            raise InvalidArgument("--endpoint-types must name at least one of chat, completions")
-        model_types = tuple(dict.fromkeys(names))
+        model_types = model_type_names(options.endpoint_types)
     runtime = {
         "context_length": engine.context_length,
         "total_kv_blocks": engine.total_kv_blocks,
@@ -144,6 +136,10 @@ def plan_registration(
         bool(sources) and engine.kv_cache_block_size is not None and mode is not DisaggregationMode.ENCODE
     )
     runtime["exclude_tools_when_tool_choice_none"] = bool(options.exclude_tools_when_tool_choice_none)
+    # The frontend's parsers, only as the operator configured them (Control's names are never defaults).
+    for key in ("tool_call_parser", "reasoning_parser"):
+        if getattr(options, key) is not None:
+            runtime[key] = getattr(options, key)
     # The native 1.6.1 sidecar's model card says enable_local_indexer=true in every mode; decode workers
     # get no KV publishers anyway (vLLM reports no KV-event sources in decode mode).
     runtime["enable_local_indexer"] = mode is not DisaggregationMode.ENCODE

@@ -34,6 +34,7 @@ ends within 1.5 s even if Dynamo's runtime is stuck (e.g. waiting for an etcd th
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import os
@@ -309,7 +310,11 @@ async def _run_with_runtime(
         return _interrupted(state)
 
     bridge = RequestBridge(
-        thread, bind_context=lambda context, request: dynamo.prefill_completion.bind(context, request)
+        thread,
+        bind_context=lambda context, request: dynamo.prefill_completion.bind(context, request),
+        # Dynamo's reasoning parser counts reasoning_tokens per output: one per vLLM message, as native sends
+        # them, keeps the count exact (docs/reference/worker.md#parsers).
+        merge=options.reasoning_parser is None,
     )
     code = 0
     with state.startup() as scope:
@@ -323,7 +328,9 @@ async def _run_with_runtime(
                             await waiting.stop()
                             reporter.phase_done(state.phase)
                             async with trio.open_nursery() as requests:
-                                requests.start_soon(bridge.run_dispatcher, sidecar.submit)
+                                requests.start_soon(
+                                    bridge.run_dispatcher, functools.partial(sidecar.submit, merge=bridge.merge)
+                                )
                                 code = await _register_and_serve(
                                     config, options, state, reporter, thread, dynamo, bridge, sidecar, requests
                                 )

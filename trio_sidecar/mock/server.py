@@ -59,6 +59,7 @@ from trio_sidecar.mock.generation import (
 )
 from trio_sidecar.mock.handoff import Role, encode_terminal_params, prefill_terminal_params
 from trio_sidecar.mock.metrics import MockMetrics
+from trio_sidecar.mock.scripted import load_scripts
 from trio_sidecar.mock.tiny_model import WordText
 from trio_sidecar.mock.validation import PreparedRequest, RequestPolicy, parse_dp_rank, prepare_request
 from trio_sidecar.status import StatusCode
@@ -195,6 +196,10 @@ def prepare_config(config: MockConfig) -> _Prepared:
     except ValueError as exc:
         raise MockConfigError(str(exc)) from None
     served = config.served_model_name or config.model
+    try:
+        scripts = load_scripts(args.scripted_completions, config.model) if args.scripted_completions else None
+    except ValueError as exc:
+        raise MockConfigError(str(exc)) from None
     policy = RequestPolicy(
         served_model_name=served,
         seed=config.seed,
@@ -207,6 +212,7 @@ def prepare_config(config: MockConfig) -> _Prepared:
         image_token_id=args.image_token_id,
         tokens_per_image=args.tokens_per_image,
         lora=_lora.LoraTable(args.max_loras, (served,)) if args.max_loras > 0 else None,
+        scripts=scripts,
         tokenize=_text_tokenizer(config.model),
     )
     return _Prepared(host=host, port=port, mode=mode, args=args, policy=policy, config=config, limits=limits)
@@ -382,6 +388,8 @@ class _Call:
         info = pb.FinishInfo(num_output_tokens=self.sent, finish_reason=p.plan.finish_reason)
         if p.plan.stop_token_id is not None:
             info.stop_token_id = p.plan.stop_token_id
+        elif p.plan.eos_token_id is not None:
+            info.eos_token_id = p.plan.eos_token_id
         if self.server._prepared.mode is Role.PREFILL:
             info.kv_transfer_params.CopyFrom(prefill_terminal_params(p.uuid, p.request_id, len(p.prompt)))
         return info
@@ -549,6 +557,13 @@ class MockServer:
             self.lora.use(request.lora_name)
         return call
 
+    def _detokenizer(self, call: _Call) -> Any:
+        """The text source of a call's messages (``step(tokens)``/``finish()``): its script's, the text mode's,
+        or None (the tags)."""
+        if call.prepared.scripted is not None:
+            return call.prepared.scripted.detokenizer()
+        return None if self._text_of is None else self._text_of()
+
     def _unregister(self, call: _Call) -> None:
         if self._routes.get(call.prepared.uuid) is call:
             ended = self._ended_calls
@@ -616,8 +631,8 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
                 if terminal is not None:
                     break
             text = None
-            if self._server._text_of is not None:
-                detokenizer = self._server._text_of()
+            detokenizer = self._server._detokenizer(call)
+            if detokenizer is not None:
                 text = detokenizer.step(tokens)
                 if terminal.finish_reason != FinishReason.ABORTED:
                     text += detokenizer.finish()
@@ -639,7 +654,7 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
             if rejection is not None:
                 raise rejection
             options = call.prepared.output
-            detokenizer = None if self._server._text_of is None else self._server._text_of()
+            detokenizer = self._server._detokenizer(call)
             encode = _framed_token_encoder(options) if detokenizer is None else _byte_text_encoder(options, detokenizer)
             while True:
                 tokens, terminal = await call.next_output()
@@ -711,7 +726,7 @@ def _framed_token_encoder(options: OutputOptions) -> Callable[[int], bytes]:
     return framed
 
 
-def _byte_text_encoder(options: OutputOptions, detokenizer: ByteDetokenizer) -> Callable[[int], bytes]:
+def _byte_text_encoder(options: OutputOptions, detokenizer: Any) -> Callable[[int], bytes]:
     """``token -> framed GenerateResponse`` in ``text_mode = "bytes"``: the text is the request's
     detokenizer's, so nothing is cached."""
     frame = FramedMessages.frame

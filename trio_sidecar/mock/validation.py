@@ -38,6 +38,7 @@ from trio_sidecar.mock.generation import (
 )
 from trio_sidecar.mock.handoff import Role
 from trio_sidecar.mock.kvcache import MmSpan
+from trio_sidecar.mock.scripted import ScriptedOutput, Scripts
 from trio_sidecar.sampling_checks import format_f32, sampling_error
 from trio_sidecar.status import StatusCode
 
@@ -105,6 +106,8 @@ class RequestPolicy:
     tokens_per_image: int = multimodal.DEFAULT_TOKENS_PER_IMAGE
     #: The server's adapter table (mutable: Control.LoadLora changes it); ``None`` = LoRA disabled.
     lora: lora.LoraTable | None = None
+    #: Scripted completions (docs/reference/mock.md#scripted-completions); ``None`` = synthetic tokens only.
+    scripts: Scripts | None = None
     #: Text → prompt token ids (the model directory's tokenizer, special tokens added as vLLM adds them);
     #: ``None``: text prompts are refused (docs/reference/mock.md#request-validation).
     tokenize: Callable[[str], list[int]] | None = None
@@ -124,6 +127,8 @@ class PreparedRequest:
     bypass_prefix_cache: bool = False
     priority: int = 0
     mm_spans: tuple[MmSpan, ...] = ()
+    #: Set when a scripted completion answers the request: it gives the messages' text.
+    scripted: ScriptedOutput | None = None
 
 
 def _new_request_id() -> str:
@@ -224,7 +229,21 @@ def prepare_request(
         seed_value = prompt_token_seed(policy.seed, prompt)
     else:
         seed_value = token_seed(policy.seed, request_id)
-    plan = plan_output(seed_value, max_tokens, stopping.min_new_tokens, stopping.stop_token_ids)
+    scripted = None
+    if policy.scripts is not None:
+        response = request.response
+        scripted = policy.scripts.match(
+            prompt,
+            max_tokens=max_tokens,
+            min_tokens=stopping.min_new_tokens,
+            ignore_eos=stopping.ignore_eos,
+            stop_token_ids=stopping.stop_token_ids,
+            skip_special_tokens=response.skip_special_tokens if response.HasField("skip_special_tokens") else True,
+        )
+    if scripted is not None:
+        plan = OutputPlan(scripted.tokens, scripted.finish_reason, scripted.stop_token_id, scripted.eos_token_id)
+    else:
+        plan = plan_output(seed_value, max_tokens, stopping.min_new_tokens, stopping.stop_token_ids)
     return PreparedRequest(
         request_id=request_id,
         uuid=request_uuid(policy.seed, request_id),
@@ -236,4 +255,5 @@ def prepare_request(
         bypass_prefix_cache=request.kv.bypass_prefix_cache,
         priority=request.priority,
         mm_spans=mm_spans,
+        scripted=scripted,
     )
