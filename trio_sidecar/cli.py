@@ -130,9 +130,9 @@ OPTIONS: tuple[Option, ...] = (
         "sidecar",
         "agg",
         "mode",
-        "worker role; aggregated is an alias of agg (encode is rejected)",
+        "worker role; aggregated is an alias of agg; encode runs a multimodal encoder",
         metavar="MODE",
-        choices=("agg", "aggregated", "prefill", "decode"),
+        choices=("agg", "aggregated", "prefill", "decode", "encode"),
     ),
     Option("--namespace", "DYN_NAMESPACE", "namespace", "worker", "dynamo", "str", "Dynamo namespace"),
     Option(
@@ -196,7 +196,15 @@ OPTIONS: tuple[Option, ...] = (
         "passed through to the model card",
         metavar="BOOL",
     ),
-    Option("--route-to-encoder", "DYN_ROUTE_TO_ENCODER", "route_to_encoder", "worker", False, "switch", "must be off"),
+    Option(
+        "--route-to-encoder",
+        "DYN_ROUTE_TO_ENCODER",
+        "route_to_encoder",
+        "worker",
+        False,
+        "switch",
+        "declare an upstream encode peer (agg and prefill workers only)",
+    ),
     Option(
         "--enable-rl",
         "DYN_ENABLE_RL",

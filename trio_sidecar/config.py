@@ -263,7 +263,7 @@ class WorkerOptions:
 
 
 def validate_sidecar_config(config: SidecarConfig) -> GrpcEndpoint:
-    """The ``SidecarConfig`` part of docs/reference/sidecar.md#pre-network-checks (items 1, 5, 6, 7), in order.
+    """The ``SidecarConfig`` part of docs/reference/sidecar.md#pre-network-checks (items 3, 4, 5), in order.
 
     Returns:
         The normalized endpoint.
@@ -271,8 +271,6 @@ def validate_sidecar_config(config: SidecarConfig) -> GrpcEndpoint:
     Raises:
         InvalidArgument: with the texts (docs/reference/sidecar.md#pre-network-checks).
     """
-    if DisaggregationMode.parse(config.disaggregation_mode) is DisaggregationMode.ENCODE:
-        raise InvalidArgument("encode mode is not supported by the vLLM sidecar")
     endpoint = parse_grpc_endpoint(config.grpc_endpoint)
     _check_transport(config)
     _check_otel(config)
@@ -329,7 +327,7 @@ def dynamo_available() -> bool:
 
 
 def prepare(config: SidecarConfig, worker_options: WorkerOptions, *, dynamo_required: bool) -> GrpcEndpoint:
-    """All the pre-network checks (docs/reference/sidecar.md#pre-network-checks, items 1–8), in order, before any socket is opened.
+    """All the pre-network checks (docs/reference/sidecar.md#pre-network-checks, items 1–6), in order, before any socket is opened.
 
     The ``Discovering vLLM model metadata ...`` line after them is printed by the caller, from
     :func:`discovery_banner`, so this function stays free of I/O.
@@ -337,12 +335,11 @@ def prepare(config: SidecarConfig, worker_options: WorkerOptions, *, dynamo_requ
     Raises:
         InvalidArgument: the first failing check, with its exact text.
     """
-    if DisaggregationMode.parse(config.disaggregation_mode) is DisaggregationMode.ENCODE:
-        raise InvalidArgument("encode mode is not supported by the vLLM sidecar")
-    if worker_options.route_to_encoder:
-        raise InvalidArgument("route-to-encoder is not supported by the vLLM sidecar")
-    if DisaggregationMode.parse(config.disaggregation_mode) is not DisaggregationMode.PREFILL:
-        model_type_names(worker_options.endpoint_types)  # prefill registers none of them (native ignores them)
+    if DisaggregationMode.parse(config.disaggregation_mode) not in (
+        DisaggregationMode.PREFILL,
+        DisaggregationMode.ENCODE,
+    ):
+        model_type_names(worker_options.endpoint_types)  # prefill and encode register none of them (as native)
     if worker_options.vllm_http_endpoint is not None:
         parse_admin_base_url(worker_options.vllm_http_endpoint)
     if worker_options.vllm_rl_world_size is not None and not 1 <= worker_options.vllm_rl_world_size <= 2**32 - 1:

@@ -301,8 +301,6 @@ def test_unknown_flag_exits_2(worker: list, capsys: pytest.CaptureFixture[str]) 
         ),
         ([], {"VLLM_HTTP_ENDPOINT": "ftp://x"}, "`--vllm-http-endpoint` must use HTTP or HTTPS and include a host"),
         (["--vllm-rl-world-size", "4294967296"], {}, "`--vllm-rl-world-size` must be between 1 and 4294967295"),
-        (["--disaggregation-mode", "encode"], {}, "encode mode is not supported by the vLLM sidecar"),
-        (["--route-to-encoder"], {}, "route-to-encoder is not supported by the vLLM sidecar"),
         (["--endpoint-types", "chat,rerank"], {}, "unknown endpoint type 'rerank'"),
         ([], {"DYN_ENDPOINT_TYPES": ""}, "endpoint_types cannot be empty"),
         (["--grpc-endpoint", "https://server"], {}, "TLS endpoints are not supported by `--grpc-endpoint`"),
