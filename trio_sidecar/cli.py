@@ -314,7 +314,7 @@ OPTIONS: tuple[Option, ...] = (
         10.0,
         "secs",
         "HTTP/2 PING a vLLM connection that has calls open (the health prober's always has) but read "
-        "nothing this long; 0 disables",
+        "nothing this long, within gRPC-core's ping policy; 0 disables",
         metavar="SECS",
     ),
     Option(
@@ -326,6 +326,18 @@ OPTIONS: tuple[Option, ...] = (
         "pos_secs",
         "close the connection when nothing answers the PING this long; its "
         "requests fail as Unavailable, which Dynamo migrates",
+        metavar="SECS",
+    ),
+    Option(
+        "--grpc-keepalive-min-ping-interval-secs",
+        "TRIO_SIDECAR_GRPC_KEEPALIVE_MIN_PING_INTERVAL_SECS",
+        "keepalive_min_ping_interval",
+        "sidecar",
+        300.0,
+        "pos_secs",
+        "never PING a connection sooner than this after the previous PING's acknowledgement unless vLLM sent "
+        "data since (gRPC-core servers answer faster PINGs with GOAWAY too_many_pings); lower it only for a "
+        "server without a ping policy",
         metavar="SECS",
     ),
     Option(

@@ -120,6 +120,8 @@ def test_prepare_checks_in_order(cfg_kw: dict, opt_kw: dict, message: str) -> No
         (dict(keepalive_time=math.nan), "keepalive_time must be a finite number of seconds, 0 or more"),
         (dict(keepalive_timeout=0), "keepalive_timeout must be positive"),
         (dict(keepalive_timeout=math.inf), "keepalive_timeout must be positive"),
+        (dict(keepalive_min_ping_interval=0), "keepalive_min_ping_interval must be positive"),
+        (dict(keepalive_min_ping_interval=math.nan), "keepalive_min_ping_interval must be positive"),
     ],
 )
 def test_transport_values(kw: dict, message: str) -> None:
@@ -179,6 +181,16 @@ def test_config_objects_are_frozen() -> None:
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         _cfg().grpc_connections = 3  # type: ignore[misc]
     assert WorkerOptions(endpoint_types="chat, Completions").endpoint_types == ("chat", "completions")
+
+
+def test_keepalive_config_of_the_vllm_connections() -> None:
+    from trio_sidecar.config import KeepaliveConfig, keepalive_config
+
+    assert keepalive_config(_cfg()) == KeepaliveConfig.client(
+        time=10.0, timeout=4.0, min_ping_interval_without_data=300.0
+    )
+    assert keepalive_config(_cfg(keepalive_time=0)).time is None  # 0: no keepalive
+    assert keepalive_config(_cfg(keepalive_min_ping_interval=2.5)).min_ping_interval_without_data == 2.5
 
 
 def test_a_prefill_worker_ignores_its_endpoint_types_as_native_does() -> None:

@@ -228,6 +228,13 @@ def test_keepalive_flags_and_environment() -> None:
         parse_run_args(EP + ["--grpc-keepalive-timeout-secs", "0"], environ={})
     with pytest.raises(UsageError, match="TRIO_SIDECAR_GRPC_KEEPALIVE_TIME_SECS"):
         parse_run_args(EP, environ={"TRIO_SIDECAR_GRPC_KEEPALIVE_TIME_SECS": "-1"})
+    assert config.keepalive_min_ping_interval == 300.0  # gRPC-core's server default
+    config, _ = parse_run_args(EP, environ={"TRIO_SIDECAR_GRPC_KEEPALIVE_MIN_PING_INTERVAL_SECS": "12"})
+    assert config.keepalive_min_ping_interval == 12.0
+    config, _ = parse_run_args(EP + ["--grpc-keepalive-min-ping-interval-secs", "1.5"], environ={})
+    assert config.keepalive_min_ping_interval == 1.5
+    with pytest.raises(UsageError, match="`--grpc-keepalive-min-ping-interval-secs` must be a finite, positive"):
+        parse_run_args(EP + ["--grpc-keepalive-min-ping-interval-secs", "0"], environ={})
 
 
 NUMERIC = [
