@@ -487,6 +487,8 @@ class LLMEngineOutput:
     completion_usage: CompletionUsage | None = None
     disaggregated_params: dict[str, Any] | None = None
     engine_data: dict[str, Any] | None = None
+    #: An encode worker's terminal: the encoder handoff the next worker forwards to vLLM.
+    encoder_result: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The Dynamo chunk dict (``None`` fields omitted); a plain token chunk's is
@@ -508,6 +510,8 @@ class LLMEngineOutput:
             out["disaggregated_params"] = self.disaggregated_params
         if self.engine_data is not None:
             out["engine_data"] = self.engine_data
+        if self.encoder_result is not None:
+            out["encoder_result"] = self.encoder_result
         return out
 
     @classmethod
@@ -539,6 +543,7 @@ def token_chunk(token_ids: list[int], text: str) -> LLMEngineOutput:
     chunk.completion_usage = None
     chunk.disaggregated_params = None
     chunk.engine_data = None
+    chunk.encoder_result = None
     return chunk
 
 

@@ -20,8 +20,6 @@ from trio_sidecar.config import (
 )
 from trio_sidecar.errors import InvalidArgument
 
-ENCODE = "encode mode is not supported by the vLLM sidecar"
-ENCODER = "route-to-encoder is not supported by the vLLM sidecar"
 UNKNOWN_TYPE = (
     "unknown endpoint type 'rerank'; expected some of chat, completions, embeddings, images, audios, videos, tensor"
 )
@@ -74,8 +72,6 @@ def _cfg(**kw: object) -> SidecarConfig:
 
 # Each row breaks every check from its own onwards, so only the order decides the message (docs/reference/sidecar.md#pre-network-checks).
 ORDER = [
-    (dict(disaggregation_mode="encode"), dict(route_to_encoder=True), ENCODE),
-    (dict(), dict(route_to_encoder=True, endpoint_types="rerank", enable_rl=True), ENCODER),
     (dict(), dict(endpoint_types="chat,rerank", vllm_http_endpoint="http://a?b"), UNKNOWN_TYPE),
     (dict(), dict(endpoint_types=" , ", vllm_http_endpoint="http://a?b"), "endpoint_types cannot be empty"),
     (
@@ -85,6 +81,13 @@ ORDER = [
     ),
     (dict(grpc_endpoint="http://", grpc_connections=0), dict(), ENDPOINT),
 ]
+
+
+@pytest.mark.parametrize("mode", ["encode", "agg", "prefill", "decode"])
+def test_encoder_settings_pass_the_pre_network_checks(mode: str) -> None:
+    # Like native, they are checked once the engine is known (docs/reference/worker.md#encoder-disaggregation).
+    prepare(_cfg(disaggregation_mode=mode), WorkerOptions(route_to_encoder=True), dynamo_required=False)
+    assert validate_sidecar_config(_cfg(disaggregation_mode=mode)).canonical
 
 
 @pytest.mark.parametrize(("cfg_kw", "opt_kw", "message"), ORDER)
@@ -117,6 +120,8 @@ def test_prepare_checks_in_order(cfg_kw: dict, opt_kw: dict, message: str) -> No
         (dict(keepalive_time=math.nan), "keepalive_time must be a finite number of seconds, 0 or more"),
         (dict(keepalive_timeout=0), "keepalive_timeout must be positive"),
         (dict(keepalive_timeout=math.inf), "keepalive_timeout must be positive"),
+        (dict(keepalive_min_ping_interval=0), "keepalive_min_ping_interval must be positive"),
+        (dict(keepalive_min_ping_interval=math.nan), "keepalive_min_ping_interval must be positive"),
     ],
 )
 def test_transport_values(kw: dict, message: str) -> None:
@@ -135,7 +140,7 @@ def test_fractional_durations_are_accepted_in_the_api() -> None:
 
 
 def test_validate_sidecar_config_order() -> None:
-    with pytest.raises(InvalidArgument, match=ENCODE):
+    with pytest.raises(InvalidArgument, match="is required"):
         validate_sidecar_config(_cfg(disaggregation_mode="encode", grpc_endpoint="", grpc_connections=0))
     with pytest.raises(InvalidArgument, match="is required"):
         validate_sidecar_config(_cfg(grpc_endpoint="", grpc_connections=0))
@@ -176,6 +181,16 @@ def test_config_objects_are_frozen() -> None:
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         _cfg().grpc_connections = 3  # type: ignore[misc]
     assert WorkerOptions(endpoint_types="chat, Completions").endpoint_types == ("chat", "completions")
+
+
+def test_keepalive_config_of_the_vllm_connections() -> None:
+    from trio_sidecar.config import KeepaliveConfig, keepalive_config
+
+    assert keepalive_config(_cfg()) == KeepaliveConfig.client(
+        time=10.0, timeout=4.0, min_ping_interval_without_data=300.0
+    )
+    assert keepalive_config(_cfg(keepalive_time=0)).time is None  # 0: no keepalive
+    assert keepalive_config(_cfg(keepalive_min_ping_interval=2.5)).min_ping_interval_without_data == 2.5
 
 
 def test_a_prefill_worker_ignores_its_endpoint_types_as_native_does() -> None:

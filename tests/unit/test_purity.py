@@ -27,6 +27,7 @@ PURE = {
     "mm_routing",
     "routing",
     "sampling_checks",
+    "run_options",
     "tracecontext",
     "rl",
     "health_policy",

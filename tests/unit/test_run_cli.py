@@ -228,6 +228,13 @@ def test_keepalive_flags_and_environment() -> None:
         parse_run_args(EP + ["--grpc-keepalive-timeout-secs", "0"], environ={})
     with pytest.raises(UsageError, match="TRIO_SIDECAR_GRPC_KEEPALIVE_TIME_SECS"):
         parse_run_args(EP, environ={"TRIO_SIDECAR_GRPC_KEEPALIVE_TIME_SECS": "-1"})
+    assert config.keepalive_min_ping_interval == 300.0  # gRPC-core's server default
+    config, _ = parse_run_args(EP, environ={"TRIO_SIDECAR_GRPC_KEEPALIVE_MIN_PING_INTERVAL_SECS": "12"})
+    assert config.keepalive_min_ping_interval == 12.0
+    config, _ = parse_run_args(EP + ["--grpc-keepalive-min-ping-interval-secs", "1.5"], environ={})
+    assert config.keepalive_min_ping_interval == 1.5
+    with pytest.raises(UsageError, match="`--grpc-keepalive-min-ping-interval-secs` must be a finite, positive"):
+        parse_run_args(EP + ["--grpc-keepalive-min-ping-interval-secs", "0"], environ={})
 
 
 NUMERIC = [
@@ -294,8 +301,6 @@ def test_unknown_flag_exits_2(worker: list, capsys: pytest.CaptureFixture[str]) 
         ),
         ([], {"VLLM_HTTP_ENDPOINT": "ftp://x"}, "`--vllm-http-endpoint` must use HTTP or HTTPS and include a host"),
         (["--vllm-rl-world-size", "4294967296"], {}, "`--vllm-rl-world-size` must be between 1 and 4294967295"),
-        (["--disaggregation-mode", "encode"], {}, "encode mode is not supported by the vLLM sidecar"),
-        (["--route-to-encoder"], {}, "route-to-encoder is not supported by the vLLM sidecar"),
         (["--endpoint-types", "chat,rerank"], {}, "unknown endpoint type 'rerank'"),
         ([], {"DYN_ENDPOINT_TYPES": ""}, "endpoint_types cannot be empty"),
         (["--grpc-endpoint", "https://server"], {}, "TLS endpoints are not supported by `--grpc-endpoint`"),

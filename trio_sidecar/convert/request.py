@@ -18,13 +18,7 @@ from .._proto.vllm import inference_pb2
 from ..config import DisaggregationMode
 from ..errors import InvalidArgument
 from ..jsonstruct import json_to_struct
-from ..multimodal import (
-    HANDOFF_KEY,
-    MEDIA_EXTRA_ARGS_KEYS,
-    build_media_items,
-    decode_prompt_token_ids,
-    has_media,
-)
+from ..multimodal import HANDOFF_KEY, MEDIA_EXTRA_ARGS_KEYS, build_media_items, check_encode_request, has_media
 from ..protocol import PreprocessedRequest, RoutingHints
 from ..routing import dp_rank_metadata, select_dp_rank
 from ..sampling_checks import sampling_error
@@ -102,10 +96,10 @@ def build_generate_request(
         raise InvalidArgument("token_ids must not be empty")
     if request.prompt_embeds is not None:
         raise InvalidArgument("prompt embeddings are not supported by vLLM gRPC")
-    if request.mm_processor_kwargs is not None or request.encoder_result is not None:
-        raise InvalidArgument("preprocessed multimodal features are not supported by vLLM gRPC")
+    if request.mm_processor_kwargs is not None:
+        raise InvalidArgument("mm_processor_kwargs are not supported by vLLM gRPC")
     if mode is DisaggregationMode.ENCODE:
-        raise InvalidArgument("encode mode is not supported by the vLLM sidecar")
+        check_encode_request(request.multi_modal_data, request.encoder_result)
     if routing.lora_name and not lora_supported:
         raise InvalidArgument("LoRA request selection is not supported by vLLM gRPC")
     if request.bootstrap_info is not None:
@@ -135,10 +129,11 @@ def build_generate_request(
     media_present = has_media(request.multi_modal_data)
     extras = _extra_args(request, media_present)
     items = build_media_items(request.multi_modal_data, request.multi_modal_uuids, extras.mm_hashes)
+    # Every mode sends the original prompt ids with the media: a decode engine rebuilds the expanded prompt
+    # and its multimodal positions itself (docs/reference/sidecar.md#multimodal-requests).
     token_ids: list[int] = list(request.token_ids)
-    if items and mode is DisaggregationMode.DECODE:
-        token_ids = decode_prompt_token_ids(request.prefill_result)
-    send_media = bool(items) and mode is not DisaggregationMode.DECODE
+    send_media = bool(items)
+    one_token = mode in (DisaggregationMode.PREFILL, DisaggregationMode.ENCODE)
 
     # Row 18.
     kv_params = _kv_transfer_params(request, extras, mode)
@@ -176,7 +171,7 @@ def build_generate_request(
     message.decoding.SetInParent()
 
     st = message.stopping
-    if mode is DisaggregationMode.PREFILL:
+    if one_token:
         st.max_new_tokens = 1
         st.min_new_tokens = 1
     else:
@@ -207,6 +202,9 @@ def build_generate_request(
     kv.cache_salt = cache_salt
     if kv_params is not None:
         kv.kv_transfer_params.CopyFrom(kv_params)
+    ec_params = _ec_transfer_params(request.encoder_result, mode)
+    if ec_params is not None:
+        kv.ec_transfer_params.CopyFrom(ec_params)
 
     if send_media:
         message.media.extend(items)
@@ -220,7 +218,7 @@ def build_generate_request(
         if problem is not None:
             raise InvalidArgument(problem)
 
-    rank = select_dp_rank(routing, mode)
+    rank = None if mode is DisaggregationMode.ENCODE else select_dp_rank(routing, mode)
     return BuiltRequest(
         message=message,
         metadata=dp_rank_metadata(rank),
@@ -356,6 +354,8 @@ def _kv_transfer_params(request: PreprocessedRequest, extras: _Extras, mode: Dis
             except ValueError:  # beyond Python's 4300-digit limit: left as a number, which Struct refuses
                 pass
         return json_to_struct(forwarded)
+    if mode is DisaggregationMode.ENCODE:
+        return None
     if mode is DisaggregationMode.PREFILL:
         if caller is None:
             caller = {}
@@ -367,6 +367,16 @@ def _kv_transfer_params(request: PreprocessedRequest, extras: _Extras, mode: Dis
     if not isinstance(caller, dict):
         raise InvalidArgument("extra_args.kv_transfer_params must be a JSON object")
     return json_to_struct(caller)
+
+
+def _ec_transfer_params(encoder_result: Any, mode: DisaggregationMode) -> Any:
+    """The encoder handoff an encode worker produced (``encoder_result``), forwarded to vLLM as
+    ``kv.ec_transfer_params`` by every mode but encode (docs/reference/sidecar.md#multimodal-requests)."""
+    if encoder_result is None or mode is DisaggregationMode.ENCODE:
+        return None
+    if not isinstance(encoder_result, dict):
+        raise InvalidArgument("encoder_result must be a JSON object")
+    return json_to_struct(encoder_result)
 
 
 def _is_whole_non_negative(value: Any) -> TypeGuard[int | float]:

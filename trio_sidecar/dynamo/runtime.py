@@ -91,6 +91,8 @@ class DynamoSide:
                     rc.set_engine_specific(data_key, json.dumps(data_value))  # takes JSON text
             else:
                 setattr(rc, key, value)
+        if plan.encoder_result_handoff:
+            rc.set_engine_specific("encoder_result_handoff", "true")
         if plan.max_gpu_lora_count is not None:
             extra.setdefault("max_gpu_lora_count", plan.max_gpu_lora_count)
         model_type = getattr(ModelType, plan.model_types[0])

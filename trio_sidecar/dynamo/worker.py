@@ -366,7 +366,9 @@ async def _register_and_serve(
     requests: trio.Nursery,
 ) -> int:
     sources = tuple(sidecar.kv_event_sources)
-    plan = plan_registration(config, options, sidecar.engine_config, sources)
+    plan = plan_registration(
+        config, options, sidecar.engine_config, sources, supports_multimodal=sidecar.model.supports_multimodal
+    )
     state.phase = "registration with Dynamo"
     reporter.phase(state.phase)
     # Before registering, as native: its outcome is logged even when registration then fails.

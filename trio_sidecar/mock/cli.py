@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--disaggregation-mode",
         default="aggregated",
-        choices=("aggregated", "agg", "prefill", "decode"),
+        choices=("aggregated", "agg", "prefill", "decode", "encode"),
         help="wire-level role to emulate; 'agg' is an alias of 'aggregated' (default: %(default)s)",
     )
     parser.add_argument(

@@ -57,7 +57,7 @@ from trio_sidecar.mock.generation import (
     request_uuid,
     token_response_encoder,
 )
-from trio_sidecar.mock.handoff import Role, prefill_terminal_params
+from trio_sidecar.mock.handoff import Role, encode_terminal_params, prefill_terminal_params
 from trio_sidecar.mock.metrics import MockMetrics
 from trio_sidecar.mock.scripted import load_scripts
 from trio_sidecar.mock.tiny_model import WordText
@@ -184,7 +184,7 @@ def prepare_config(config: MockConfig) -> _Prepared:
         mode = Role.parse(config.disaggregation_mode)
     except ValueError:
         raise MockConfigError(
-            f"invalid disaggregation mode '{config.disaggregation_mode}': expected aggregated, prefill or decode"
+            f"invalid disaggregation mode '{config.disaggregation_mode}': expected aggregated, prefill, decode or encode"
         ) from None
     host, port = parse_listen(config.listen)
     try:
@@ -311,6 +311,22 @@ class _Call:
         )
 
     async def next_output(self) -> tuple[list[int], pb.FinishInfo | None]:
+        """Wait for the next tokens: ``(tokens, terminal)`` (:meth:`_next_output`). An encode server's one
+        token is not an output: it answers a ``STOP`` terminal with no tokens and the encoder handoff in
+        ``ec_transfer_params`` (an ``ABORTED`` one counts no tokens either)."""
+        tokens, terminal = await self._next_output()
+        if self.server._prepared.mode is not Role.ENCODE:
+            return tokens, terminal
+        if terminal is None:
+            return [], None
+        p = self.prepared
+        if terminal.finish_reason == FinishReason.ABORTED:
+            return [], pb.FinishInfo(num_output_tokens=0, finish_reason=FinishReason.ABORTED)
+        info = pb.FinishInfo(num_output_tokens=0, finish_reason=FinishReason.STOP)
+        info.ec_transfer_params.CopyFrom(encode_terminal_params(p.request_id, [s.identifier for s in p.mm_spans]))
+        return [], info
+
+    async def _next_output(self) -> tuple[list[int], pb.FinishInfo | None]:
         """Wait for the next tokens: ``(tokens, terminal)``; ``terminal`` is set once, on the last call.
 
         Every signal already buffered is taken at once (one wake-up for a reader that lagged behind). A
@@ -645,7 +661,7 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
             while True:
                 tokens, terminal = await call.next_output()
                 call.timer.delivered(len(tokens), _finished_reason(terminal))
-                if terminal is None or terminal.finish_reason == FinishReason.ABORTED:
+                if terminal is None or terminal.finish_reason == FinishReason.ABORTED or not tokens:
                     plain, last_token = tokens, None
                 else:
                     plain, last_token = tokens[:-1], tokens[-1]
@@ -654,7 +670,7 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
                 if terminal is not None:
                     message = pb.GenerateResponse()
                     if last_token is None:
-                        message.outputs.SetInParent()  # the ABORTED terminal carries no token
+                        message.outputs.SetInParent()  # the ABORTED (or an encode) terminal carries no token
                     elif detokenizer is None:
                         fill_sequence_output(message.outputs, (last_token,), options)
                     else:  # the finish flushes what the detokenizer holds back
@@ -958,7 +974,7 @@ def _model_info(prepared: _Prepared) -> control_pb2.ModelInfo:
 def _open_publishers(prepared: _Prepared) -> list[Any]:
     """docs/reference/mock.md#startup-and-shutdown step 2: one PUB (and optional replay ROUTER) per rank on the listen IP, all or nothing."""
     args = prepared.args
-    if not args.enable_prefix_caching or prepared.mode is Role.DECODE:
+    if not args.enable_prefix_caching or prepared.mode in (Role.DECODE, Role.ENCODE):
         return []
     from trio_sidecar.mock import kv_events
 

@@ -196,6 +196,8 @@ def prepare_request(
     kv_params = request.kv.kv_transfer_params if request.kv.HasField("kv_transfer_params") else None
     role = handoff.classify_kv_transfer_params(kv_params)
     handoff.check_role(policy.mode, role)
+    if policy.mode is Role.ENCODE and not request.media:
+        raise _invalid(handoff.ENCODE_NEEDS_MEDIA)
     # Rows 16–18 and the context cap of docs/reference/mock.md#termination.
     stopping = request.stopping
     max_tokens = stopping.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
