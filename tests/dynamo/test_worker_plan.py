@@ -169,7 +169,7 @@ def test_an_encode_worker_registers_like_natives():
     assert p.kv_cache_block_size is None and not p.local_indexer
     assert "total_kv_blocks" not in p.runtime_config
     assert p.runtime_config["enable_local_indexer"] is False
-    assert p.runtime_config["kv_event_publishing_enabled"] is False
+    assert "kv_event_publishing_enabled" not in p.runtime_config
     assert not p.encoder_result_handoff
 
 
