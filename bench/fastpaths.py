@@ -252,9 +252,9 @@ WORKLOADS: dict[str, Callable[[int], None]] = {
 }
 
 
-# The one call a small transport fast path changes: timed alone inside the workload (the whole workload's
+# The one call a small transport fast path changes (or the receive path it is in): timed alone inside the workload (the whole workload's
 # noise would swamp it), with the same timing wrapper on both sides.
-FOCUS = {"open_request_stream": "open_stream", "acknowledge": "acknowledge"}
+FOCUS = {"open_request_stream": "open_stream", "acknowledge": "acknowledge", "plain_headers": "receive_data"}
 
 
 def micro(name: str, workload: Callable[[int], None], rounds: int, requests: int) -> tuple[list[float], list[float]]:
