@@ -270,8 +270,8 @@ class GrpcProtocol(GRPCConnection):
         """Feed bytes from the socket; returns events. h2 ``ProtocolError`` means the connection is dead.
 
         Fast path: plain DATA frames (no flags) of an open stream with a read buffer are handled here, with
-        h2's own flow-control and content-length bookkeeping, without building hyperframe/h2 objects (h2
-        also re-slices its whole buffer once per frame). Every other frame, and any DATA frame the fast path
+        h2's own flow-control and content-length bookkeeping (``_fast.accept_plain_data``), without building
+        hyperframe/h2 objects (h2 also re-slices its whole buffer once per frame). Every other frame, and any DATA frame the fast path
         is not sure about (window overrun, oversize, unknown stream or state), goes through h2 unchanged, one
         complete frame at a time and in order, so h2 raises and queues exactly what it did before.
         """
