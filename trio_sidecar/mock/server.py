@@ -45,9 +45,8 @@ from trio_sidecar._proto.vllm import inference_pb2 as pb
 from trio_sidecar.mock import engine_args as _engine_args
 from trio_sidecar.mock import lora as _lora
 from trio_sidecar.mock import rl as _rl
+from trio_sidecar.mock.fast import framed_token_encoder
 from trio_sidecar.mock.generation import (
-    TOKEN_BASE,
-    TOKEN_SPAN,
     ByteDetokenizer,
     OutputOptions,
     RequestRejected,
@@ -55,7 +54,6 @@ from trio_sidecar.mock.generation import (
     build_sequence_output,
     fill_sequence_output,
     request_uuid,
-    token_response_encoder,
 )
 from trio_sidecar.mock.handoff import Role, encode_terminal_params, prefill_terminal_params
 from trio_sidecar.mock.metrics import MockMetrics
@@ -657,7 +655,7 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
                 raise rejection
             options = call.prepared.output
             detokenizer = self._server._detokenizer(call)
-            encode = _framed_token_encoder(options) if detokenizer is None else _byte_text_encoder(options, detokenizer)
+            encode = framed_token_encoder(options) if detokenizer is None else _byte_text_encoder(options, detokenizer)
             while True:
                 tokens, terminal = await call.next_output()
                 call.timer.delivered(len(tokens), _finished_reason(terminal))
@@ -698,34 +696,6 @@ _TEXT_MODES: dict[_engine_args.TextMode, Callable[[], Any]] = {
     _engine_args.TextMode.BYTES: ByteDetokenizer,
     _engine_args.TextMode.WORDS: WordText,
 }
-
-
-# Framed per-token messages by (text, token_ids) option pair, indexed by token - TOKEN_BASE: the mock's
-# tokens come from a fixed range of 31,000 ids, so a filled table costs a few MB at most.
-_FRAMED_TOKENS: dict[tuple[bool, bool], list[bytes | None]] = {}
-
-
-def _framed_token_encoder(options: OutputOptions) -> Callable[[int], bytes]:
-    """``token -> framed GenerateResponse`` for one streamed token (no ``finish_info``), cached for the
-    plain text / token-id shapes."""
-    encode = token_response_encoder(options)
-    frame = FramedMessages.frame
-    if options.logprobs or options.candidates_requested:
-        return lambda token: frame(encode(token))
-    table = _FRAMED_TOKENS.get((options.text, options.token_ids))
-    if table is None:
-        table = _FRAMED_TOKENS[(options.text, options.token_ids)] = [None] * TOKEN_SPAN
-
-    def framed(token: int) -> bytes:
-        index = token - TOKEN_BASE
-        if 0 <= index < TOKEN_SPAN:
-            data = table[index]
-            if data is None:
-                data = table[index] = frame(encode(token))
-            return data
-        return frame(encode(token))
-
-    return framed
 
 
 def _byte_text_encoder(options: OutputOptions, detokenizer: Any) -> Callable[[int], bytes]:
