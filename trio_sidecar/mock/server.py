@@ -45,9 +45,8 @@ from trio_sidecar._proto.vllm import inference_pb2 as pb
 from trio_sidecar.mock import engine_args as _engine_args
 from trio_sidecar.mock import lora as _lora
 from trio_sidecar.mock import rl as _rl
+from trio_sidecar.mock.fast import framed_token_encoder
 from trio_sidecar.mock.generation import (
-    TOKEN_BASE,
-    TOKEN_SPAN,
     ByteDetokenizer,
     OutputOptions,
     RequestRejected,
@@ -55,7 +54,6 @@ from trio_sidecar.mock.generation import (
     build_sequence_output,
     fill_sequence_output,
     request_uuid,
-    token_response_encoder,
 )
 from trio_sidecar.mock.handoff import Role, encode_terminal_params, prefill_terminal_params
 from trio_sidecar.mock.metrics import MockMetrics
@@ -248,8 +246,9 @@ class _Call:
         self.server = server
         self.prepared = prepared
         self.rank = rank
-        self.engine = server._engines[rank]
-        self.timer = server.request_metrics.timer(rank, len(prepared.prompt))  # vLLM-named metrics
+        local = rank - server._first_rank  # the index of a hosted (global) rank
+        self.engine = server._engines[local]
+        self.timer = server.request_metrics.timer(local, len(prepared.prompt))  # vLLM-named metrics
         self.sent = 0  # tokens handed to the client so far
         self.claim: _Claim | None = None
         self.shutting_down = False
@@ -422,6 +421,7 @@ class MockServer:
     def __init__(self, prepared: _Prepared, engines: Sequence[Any], publishers: Sequence[Any]) -> None:
         self._prepared = prepared
         self._engines = list(engines)
+        self._first_rank = prepared.args.data_parallel_rank  # the global DP rank of self._engines[0]
         self._publishers = list(publishers)
         self._routes: dict[str, _Call] = {}
         self._ended_calls: dict[str, CallRecord] = {}  # request id -> its last ended call (insertion order)
@@ -529,7 +529,7 @@ class MockServer:
         if self._shutting_down:
             raise RpcError(StatusCode.UNAVAILABLE, SHUTTING_DOWN)
         try:
-            rank = parse_dp_rank(metadata, len(self._engines))
+            rank = parse_dp_rank(metadata, len(self._engines), self._first_rank)
         except RequestRejected as err:
             raise _rejected(err) from None
         try:
@@ -549,7 +549,7 @@ class MockServer:
             self._permits.release()
             raise
         if rank is None:
-            rank = min(range(len(self._engines)), key=lambda r: (self._engines[r].load, r))
+            rank = self._first_rank + min(range(len(self._engines)), key=lambda r: (self._engines[r].load, r))
         call = _Call(self, prepared, rank)
         self._routes[prepared.uuid] = call
         self._active.value = len(self._routes)
@@ -655,7 +655,7 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
                 raise rejection
             options = call.prepared.output
             detokenizer = self._server._detokenizer(call)
-            encode = _framed_token_encoder(options) if detokenizer is None else _byte_text_encoder(options, detokenizer)
+            encode = framed_token_encoder(options) if detokenizer is None else _byte_text_encoder(options, detokenizer)
             while True:
                 tokens, terminal = await call.next_output()
                 call.timer.delivered(len(tokens), _finished_reason(terminal))
@@ -696,34 +696,6 @@ _TEXT_MODES: dict[_engine_args.TextMode, Callable[[], Any]] = {
     _engine_args.TextMode.BYTES: ByteDetokenizer,
     _engine_args.TextMode.WORDS: WordText,
 }
-
-
-# Framed per-token messages by (text, token_ids) option pair, indexed by token - TOKEN_BASE: the mock's
-# tokens come from a fixed range of 31,000 ids, so a filled table costs a few MB at most.
-_FRAMED_TOKENS: dict[tuple[bool, bool], list[bytes | None]] = {}
-
-
-def _framed_token_encoder(options: OutputOptions) -> Callable[[int], bytes]:
-    """``token -> framed GenerateResponse`` for one streamed token (no ``finish_info``), cached for the
-    plain text / token-id shapes."""
-    encode = token_response_encoder(options)
-    frame = FramedMessages.frame
-    if options.logprobs or options.candidates_requested:
-        return lambda token: frame(encode(token))
-    table = _FRAMED_TOKENS.get((options.text, options.token_ids))
-    if table is None:
-        table = _FRAMED_TOKENS[(options.text, options.token_ids)] = [None] * TOKEN_SPAN
-
-    def framed(token: int) -> bytes:
-        index = token - TOKEN_BASE
-        if 0 <= index < TOKEN_SPAN:
-            data = table[index]
-            if data is None:
-                data = table[index] = frame(encode(token))
-            return data
-        return frame(encode(token))
-
-    return framed
 
 
 def _byte_text_encoder(options: OutputOptions, detokenizer: Any) -> Callable[[int], bytes]:
@@ -785,7 +757,7 @@ class _ControlServicer(control_grpc.ControlServicer):
     @_recorded
     async def GetKvEventSources(self, request: Any, context: Any) -> control_pb2.GetKvEventSourcesResponse:  # noqa: N802
         response = control_pb2.GetKvEventSourcesResponse()
-        for rank, pub in enumerate(self._server._publishers):
+        for rank, pub in enumerate(self._server._publishers, start=self._server._first_rank):
             replay_port = pub.replay_port
             response.sources.add(
                 transport="zmq",
@@ -921,17 +893,22 @@ def _server_info(prepared: _Prepared) -> control_pb2.ServerInfo:
         api_version="vllm",
         instance_id=f"trio-sidecar-mock-{prepared.mode.value}",
         parallelism=control_pb2.ParallelismInfo(
-            tensor_parallel_size=1,
-            pipeline_parallel_size=1,
+            tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
             data_parallel_size=args.dp_size,
-            data_parallel_rank=0,
+            data_parallel_rank=args.data_parallel_rank,
             decode_context_parallel_size=1,
-            world_size=1,
-            data_parallel_size_local=args.dp_size,
+            world_size=args.world_size,
+            data_parallel_size_local=len(args.local_ranks)
+            if args.data_parallel_size_local is None
+            else args.data_parallel_size_local,
         ),
         max_model_len=args.max_model_len or 0,
         kv_block_size=args.block_size,
-        total_kv_blocks=args.num_gpu_blocks * args.dp_size,
+        # vLLM sums the KV blocks of the ranks it hosts.
+        total_kv_blocks=(
+            args.num_gpu_blocks * len(args.local_ranks) if args.total_kv_blocks is None else args.total_kv_blocks
+        ),
         max_running_requests=args.max_num_seqs or 0,
         max_batched_tokens=args.max_num_batched_tokens or 0,
         max_loras=args.max_loras,
@@ -941,7 +918,9 @@ def _server_info(prepared: _Prepared) -> control_pb2.ServerInfo:
             sleep_mode_enabled=args.enable_sleep_mode,
             draft_weight_updates_enabled=args.enable_draft_weight_updates,
         ),
-        effective_attention_block_size=args.block_size,
+        effective_attention_block_size=(
+            args.block_size if args.effective_attention_block_size == -1 else args.effective_attention_block_size
+        ),
     )
 
 
@@ -954,8 +933,8 @@ def _model_info(prepared: _Prepared) -> control_pb2.ModelInfo:
         supports_token_ids_input=True,
         supports_lora=prepared.args.max_loras > 0,
         supports_multimodal=config.supports_multimodal,
-        reasoning_parser="",
-        tool_call_parser="",
+        reasoning_parser=prepared.args.reasoning_parser,
+        tool_call_parser=prepared.args.tool_call_parser,
     )
 
 
@@ -971,7 +950,7 @@ def _open_publishers(prepared: _Prepared) -> list[Any]:
 
     try:
         return kv_events.bind_publishers(
-            prepared.host, args.dp_size, port=args.zmq_kv_events_port, replay_port=args.zmq_replay_port
+            prepared.host, len(args.local_ranks), port=args.zmq_kv_events_port, replay_port=args.zmq_replay_port
         )
     except OSError as exc:
         LOGGER.warning("running without KV events: %s", exc)
@@ -1003,8 +982,8 @@ async def open_mock_server(config: MockConfig) -> AsyncIterator[MockServer]:
         with collapse_single_exception():
             async with trio.open_nursery() as nursery:
                 engines = [
-                    RankEngine(rank, prepared.args, publishers[rank] if publishers else None)
-                    for rank in range(prepared.args.dp_size)
+                    RankEngine(rank, prepared.args, publishers[index] if publishers else None)
+                    for index, rank in enumerate(prepared.args.local_ranks)
                 ]
                 for engine in engines:
                     await nursery.start(engine.run)
