@@ -237,12 +237,33 @@ def test_launch_script_help_and_unknown_arguments(name, tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing was created
 
 
+@pytest.mark.dynamo  # the script checks PYTHON for Dynamo before it looks for vLLM
 def test_launch_script_without_vllm_fails_before_starting_anything(tmp_path):
     env = {**_env(), "TMPDIR": str(tmp_path), "VLLM": str(tmp_path / "no-such-vllm-rs")}
     result = subprocess.run(["bash", str(LAUNCH / "agg.sh")], env=env, capture_output=True, text=True, timeout=30)
     assert result.returncode == 1
     assert "vLLM server command not found" in result.stderr
     assert "started" not in result.stderr
+
+
+@pytest.mark.parametrize("name", ["agg.sh", "disagg.sh", "agg_kv_router.sh"])
+def test_launch_script_with_a_python_lacking_its_packages_names_them_and_starts_nothing(name, tmp_path):
+    """A PYTHON that cannot import trio-sidecar, Dynamo or tokenizers (here this interpreter without its
+    site-packages, ``-S``) stops the script before anything starts, naming each missing package."""
+    python = tmp_path / "bare-python"
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+    python.chmod(0o755)
+    work = tmp_path / "tmp"
+    work.mkdir()
+    env = {**_env(), "TMPDIR": str(work), "PYTHON": str(python)}
+    result = subprocess.run(
+        ["bash", str(LAUNCH / name), "--mock"], env=env, cwd=work, capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 1
+    missing = "trio-sidecar, ai-dynamo-runtime 1.6.1, ai-dynamo 1.6.1 (the frontend), tokenizers"
+    assert f"PYTHON={python} lacks {missing}; run `make install`" in result.stderr
+    assert "started" not in result.stderr
+    assert list(work.iterdir()) == []  # nothing was created
 
 
 @pytest.mark.dynamo
