@@ -4,9 +4,9 @@ Area fixtures live next to their tests (``tests/<area>/conftest.py``). Every ser
 127.0.0.1 on port 0 and is started with ``nursery.start`` (or a subprocess killed by PID).
 
 Every test has a deadline: 60 s (``TRIO_SIDECAR_TEST_TIMEOUT``), 300 s for a test marked ``slow`` or
-``real_vllm`` (``TRIO_SIDECAR_SLOW_TEST_TIMEOUT``), or its own ``@pytest.mark.timeout(seconds)`` (for a test that legitimately
-takes longer, such as one against the real vLLM; docs/contributing.md). A test that hangs fails with its name
-and what it was waiting for, instead of blocking the suite:
+``real_vllm`` (``TRIO_SIDECAR_SLOW_TEST_TIMEOUT``), or its own ``@pytest.mark.timeout(seconds)`` for a test
+that legitimately takes longer (docs/contributing.md). A test that hangs fails with its name and what it was
+waiting for, instead of blocking the suite:
 
 - a Trio test runs beside a watchdog task (pytest-trio takes the runner from the ``trio(run=...)`` marker
   this file puts first), woken by a real-time timer thread, so the ``autojump_clock`` neither fires nor hides
