@@ -1,4 +1,4 @@
-"""Issue 24, LoRA: ``trio-sidecar run`` against the native 1.6.1 sidecar, route by route (docs/lora.md).
+"""LoRA: ``trio-sidecar run`` against the native 1.6.1 sidecar, route by route (docs/lora.md).
 
 Each side has its own mock (``max_loras`` 2, so the adapter tables do not mix), its own frontend
 (``--namespace``) and its own system port, with ``DYN_LORA_ENABLED=true``. Every step sends the same request

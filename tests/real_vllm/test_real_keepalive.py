@@ -1,4 +1,4 @@
-"""The client keepalive against the real vLLM 0.32 gRPC server (issue 19).
+"""The client keepalive against the real vLLM 0.32 gRPC server.
 
 vllm-rs 0.32.0 serves gRPC with tonic 0.14.6 on hyper 1.10.1 and h2 0.4.15 (the crate paths compiled into
 the binary). In those sources h2 answers every PING (one ACK pending at a time: a flood is back-pressured by

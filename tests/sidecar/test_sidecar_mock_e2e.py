@@ -1,5 +1,5 @@
-"""End to end through ``open_sidecar`` against the real mock over TCP (docs/reference/sidecar.md#embedded-api;
-issue 5's ZMQ test): tokens and usage, the prefill handoff, cancellation, DP routing.
+"""End to end through ``open_sidecar`` against the real mock over TCP (docs/reference/sidecar.md#embedded-api),
+KV events over ZMQ included: tokens and usage, the prefill handoff, cancellation, DP routing.
 
 Cancellation tests assert what the mock observed: its active/running/waiting counts, its Abort log.
 """
@@ -208,7 +208,7 @@ async def test_out_of_range_dp_rank_gets_the_server_error():
     )
 
 
-# ---------------------------------------------------------------------------- KV events over ZMQ (issue 5)
+# ----------------------------------------------------------------------------------------- KV events over ZMQ
 
 
 class _Subscriber:
