@@ -537,7 +537,7 @@ async def test_an_unparsable_message_mid_stream_ends_with_the_transport_error_dr
     assert after.final().finish_reason == "stop"
 
 
-async def test_abort_timeout_is_logged_with_the_configured_value(fake, face, caplog_sidecar):
+async def test_abort_timeout_is_logged_with_the_configured_value(fake, face, caplog_sidecar, autojump_clock):
     fake.hang = True
     fake.abort_hang = True
     async with open_sidecar(sidecar_config(fake.endpoint, abort_timeout=0.2)) as sidecar:
@@ -773,7 +773,9 @@ async def test_drain_waits_for_requests_that_end_in_time_and_stops_the_rest(fake
     assert fake.abort_calls == [["slow"]]
 
 
-async def test_drain_honours_the_decode_deferral_within_its_grace_and_leaves_the_rest_to_cleanup(fake, face):
+async def test_drain_honours_the_decode_deferral_within_its_grace_and_leaves_the_rest_to_cleanup(
+    fake, face, autojump_clock
+):
     fake.hang = True
     fake.hold_first = trio.Event()  # the KV transfer never completes
     config = sidecar_config(fake.endpoint, disaggregation_mode="decode")
