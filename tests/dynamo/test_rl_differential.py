@@ -106,8 +106,8 @@ def test_rl_workers_are_described_alike(sides):
         status, body = local.get_json(by_side[side]["rl_port"], "/v1/rl/workers")
         assert status == 200
         [worker] = body["workers"]
-        assert worker["system_url"] == f"http://{local.LOOPBACK}:{by_side[side]['system_port']}"
-        assert worker["request_plane_url"] == f"dyn://{by_side[side]['namespace']}.backend.rl"
+        assert worker.get("system_url") == f"http://{local.LOOPBACK}:{by_side[side]['system_port']}", (side, worker)
+        assert worker.get("request_plane_url") == f"dyn://{by_side[side]['namespace']}.backend.rl", (side, worker)
         workers[side] = {
             k: worker[k] for k in ("component", "endpoint", "admin_base_url", "model", "routes", "world_size")
         }
