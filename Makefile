@@ -27,7 +27,7 @@ install: $(VENV)/.stamp-install dynamo
 # Core package + test extra (editable). Re-run when pyproject.toml changes.
 $(VENV)/.stamp-deps: pyproject.toml | $(VENV)/bin/python
 	@echo "==> installing trio-sidecar (editable) with its test extra into $(VENV) (about a minute)"
-	$(PIP) install --quiet -e '.[test]'
+	$(PIP) install --quiet -e '.[test,mock]'
 	touch $@
 
 venv deps: $(VENV)/.stamp-deps

@@ -9,12 +9,12 @@ once through ``open_sidecar`` — and prints:
 * client CPU µs per token (``time.process_time`` of this process),
 * p50/p99 inter-token latency (gaps between consecutive token arrivals of a stream),
 
-as values and as sidecar/direct ratios. Targets (issue 4): ≥ 0.7× the direct client's tokens/s at 64 streams;
+as values and as sidecar/direct ratios. Targets: ≥ 0.7× the direct client's tokens/s at 64 streams;
 added p99 inter-token latency ≤ 1 ms.
 
     python bench/sidecar.py [--streams 1,64,512] [--tokens-per-level 20000] [--connections 8] [--repeat 1]
 
-``--requests N`` measures the per-request cost instead (issue 6: under ``bench/e2e.py``'s load the sidecar's
+``--requests N`` measures the per-request cost instead (under ``bench/e2e.py``'s load the sidecar's
 CPU is per request, not per token): N short requests of ``--tokens-per-request`` tokens (default 32), kept
 ``--streams`` at a time (default 64), with the request dict shaped like the one Dynamo 1.6.1's frontend
 sends, printing CPU µs per request for the direct client and the sidecar (median and range over

@@ -1,4 +1,4 @@
-"""Transport benchmark (issue 2; docs/reference/transport.md#benchmark-method): our transport vs raw purerpc 0.8.0 vs grpc.aio.
+"""Transport benchmark (docs/reference/transport.md#benchmark-method): our transport vs raw purerpc 0.8.0 vs grpc.aio.
 
     python bench/transport.py            # full run (about 2 minutes on 2 cores)
     python bench/transport.py --quick    # shorter workloads
@@ -9,7 +9,7 @@ server stream of N small messages; 100 streams = 100 concurrent streams of M mes
 Messages are small (a few int fields). CPU µs per message = (client CPU + server CPU) / messages, from the
 processes' own CPU times. Ratios are against grpc.aio → grpc.aio, plus our transport against raw purerpc.
 
-Targets (issue 2): streaming ≥ 1.0× grpc.aio; unary ≥ 0.75× grpc.aio (later relaxed to ≥ 0.7×);
+Targets: streaming ≥ 1.0× grpc.aio; unary ≥ 0.75× grpc.aio (later relaxed to ≥ 0.7×);
 our fixes cost ≤ 10% vs raw purerpc.
 """
 
@@ -378,7 +378,7 @@ def print_table(results: dict) -> None:
         ("100 streams ≥ 1.0× grpc.aio", ours["stream100"] / base["stream100"] >= 1.0),
         ("fixes cost ≤ 10% vs raw purerpc", all(ours[w] / raw[w] >= 0.9 for w in raw)),
     ]
-    print("targets (issue 2): " + "; ".join(f"{name}: {'met' if ok else 'NOT met'}" for name, ok in checks))
+    print("targets: " + "; ".join(f"{name}: {'met' if ok else 'NOT met'}" for name, ok in checks))
 
 
 if __name__ == "__main__":

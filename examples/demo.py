@@ -101,7 +101,12 @@ def main(argv: list[str] | None = None) -> int:
 
         with console.status("starting the mock vLLM gRPC server ..."):
             mock, address = local.start_mock(
-                workdir, env, model=str(model_dir), served_model_name="tiny", engine_args={"speedup_ratio": 1.0}
+                workdir,
+                env,
+                model=str(model_dir),
+                served_model_name="tiny",
+                # "words": each token's text is its word in the tiny model's vocabulary
+                engine_args={"speedup_ratio": 1.0, "text_mode": "words"},
             )
         processes.append(mock)
         console.print(f"[green]✓[/] mock vLLM (pid {mock.pid}) on {address}")
@@ -125,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
 
         console.rule("[bold]streamed chat completion")
         console.print(f"[bold]user:[/] {args.prompt}")
-        console.print("[bold]assistant:[/] ", end="")
+        console.print("[bold]assistant:[/]", end="")  # each word brings its leading space
         payload = {
             "model": "tiny",
             "messages": [{"role": "user", "content": args.prompt}],
@@ -146,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         console.out("")
         console.print(
             f"[dim]finish_reason={finish} usage={usage} in {time.monotonic() - start:.2f}s "
-            "(the mock's synthetic tokens are rendered as <token:ID>)[/]"
+            "(the mock's deterministic tokens, words of the tiny model's vocabulary)[/]"
         )
 
         console.rule("[bold]shutdown")

@@ -6,10 +6,12 @@
 #   BUILD_PYTHON  a Python with the `build` package (the test extra has it): .venv/bin/python
 #   OUT_DIR       where the wheel and sdist go (default: a temporary directory, removed afterwards)
 #
-# Checks: both artifacts build; the wheel installs into a new venv (its dependencies come from the package
-# index); `trio-sidecar --version` prints the project version; the .proto files and LICENSE are installed;
-# `trio-sidecar mock --listen 127.0.0.1:0` prints its listening line and exits 0 on SIGTERM. The mock is
-# the only process started, it binds 127.0.0.1 only, and it is stopped by its PID.
+# Checks: both artifacts build; the wheel installs with its `mock` extra into a new venv (its dependencies
+# come from the package index); `trio-sidecar --version` prints the project version (from
+# trio_sidecar/__init__.py, the one source) and `trio-sidecar env` reports it; the .proto files and LICENSE
+# are installed; the documented offline recipe, `trio-sidecar mock --tiny-model DIR --listen 127.0.0.1:0`,
+# builds the tiny model, prints its listening line and exits 0 on SIGTERM. The mock is the only process
+# started, it binds 127.0.0.1 only, and it is stopped by its PID.
 set -euo pipefail
 
 if [ "$#" -lt 1 ] || [ "$#" -gt 2 ]; then
@@ -32,16 +34,18 @@ mkdir -p "$OUT"
 
 echo "==> building the sdist, then the wheel from the sdist, into $OUT"
 "$PY" -m build --outdir "$OUT" . >"$WORK/build.log" 2>&1 || { tail -n 40 "$WORK/build.log" >&2; exit 1; }
-VERSION=$("$PY" -c 'import tomllib; print(tomllib.load(open("pyproject.toml", "rb"))["project"]["version"])')
+VERSION=$("$PY" -c 'import ast, sys
+tree = ast.parse(open("trio_sidecar/__init__.py").read())
+print(next(n.value.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "__version__"))')
 WHEEL=$(ls "$OUT"/trio_sidecar-"$VERSION"-*.whl)
 SDIST=$(ls "$OUT"/trio_sidecar-"$VERSION".tar.gz)
 echo "    $(basename "$WHEEL"), $(basename "$SDIST")"
 tar -tzf "$SDIST" >"$WORK/sdist.list"
 grep -q "/LICENSE$" "$WORK/sdist.list" || { echo "error: the sdist has no LICENSE" >&2; exit 1; }
 
-echo "==> installing the wheel into a clean venv"
+echo "==> installing the wheel with its mock extra into a clean venv"
 "$PY" -m venv "$WORK/venv"
-"$WORK/venv/bin/python" -m pip install --disable-pip-version-check "$WHEEL" >"$WORK/pip.log" 2>&1 ||
+"$WORK/venv/bin/python" -m pip install --disable-pip-version-check "$WHEEL[mock]" >"$WORK/pip.log" 2>&1 ||
   { tail -n 40 "$WORK/pip.log" >&2; echo "error: installing the wheel failed" >&2; exit 1; }
 if [ ! -x "$WORK/venv/bin/trio-sidecar" ]; then
   tail -n 40 "$WORK/pip.log" >&2
@@ -50,9 +54,12 @@ if [ ! -x "$WORK/venv/bin/trio-sidecar" ]; then
   exit 1
 fi
 
-got=$("$WORK/venv/bin/trio-sidecar" --version)
+got=$("$WORK/venv/bin/trio-sidecar" --version | head -n1)
 [ "$got" = "trio-sidecar $VERSION" ] || { echo "error: --version printed '$got'" >&2; exit 1; }
 echo "    $got"
+"$WORK/venv/bin/trio-sidecar" env >"$WORK/env.out"
+grep -qx "trio-sidecar: $VERSION" "$WORK/env.out" || { echo "error: trio-sidecar env printed:" >&2; cat "$WORK/env.out" >&2; exit 1; }
+grep -qx "ai-dynamo-runtime: not installed" "$WORK/env.out" || { echo "error: env in a venv without Dynamo:" >&2; cat "$WORK/env.out" >&2; exit 1; }
 (cd "$WORK" && "$WORK/venv/bin/python" - <<'EOF')
 from importlib.metadata import distribution
 from importlib.resources import files
@@ -66,8 +73,8 @@ assert any(str(f).endswith("LICENSE") for f in dist.files), "LICENSE is not inst
 print("    protos and LICENSE installed")
 EOF
 
-echo "==> starting the installed mock on 127.0.0.1:0"
-"$WORK/venv/bin/trio-sidecar" mock --listen 127.0.0.1:0 >"$WORK/mock.out" 2>"$WORK/mock.err" &
+echo "==> starting the installed mock with its tiny model (the offline recipe) on 127.0.0.1:0"
+"$WORK/venv/bin/trio-sidecar" mock --tiny-model "$WORK/tiny-model" --listen 127.0.0.1:0 >"$WORK/mock.out" 2>"$WORK/mock.err" &
 MOCK_PID=$!
 for _ in $(seq 1 300); do
   grep -q "^trio-sidecar mock listening on 127.0.0.1:" "$WORK/mock.out" && break
@@ -80,6 +87,7 @@ if ! grep -q "^trio-sidecar mock listening on 127.0.0.1:" "$WORK/mock.out"; then
   exit 1
 fi
 echo "    $(cat "$WORK/mock.out")"
+[ -s "$WORK/tiny-model/tokenizer.json" ] || { echo "error: --tiny-model built no tokenizer.json" >&2; exit 1; }
 kill -TERM "$MOCK_PID"
 status=0
 wait "$MOCK_PID" || status=$?

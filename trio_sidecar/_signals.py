@@ -14,7 +14,6 @@ Three stages, so that a signal is honoured in every phase of a command's life:
 from __future__ import annotations
 
 import signal
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -94,7 +93,8 @@ def interrupted_code(signum: int) -> int:
 
 def interrupted_exit(signum: int, where: str = "before serving") -> int:
     """Print the one-line notice for a signal that ended the command early; return its exit code."""
+    from ._logging import notice
+
     code = interrupted_code(signum)
-    sys.stderr.write(f"interrupted by {signal.Signals(signum).name} {where}; exiting with code {code}\n")
-    sys.stderr.flush()
+    notice(f"interrupted by {signal.Signals(signum).name} {where}; exiting with code {code}")
     return code

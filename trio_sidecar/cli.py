@@ -22,7 +22,6 @@ from typing import Any
 import attrs
 import cattrs
 
-from . import __version__
 from ._signals import Interrupted, install_interrupt_handlers, interrupted_exit, restore_handlers
 from .config import DisaggregationMode, SidecarConfig, WorkerOptions, discovery_banner, prepare
 from .endpoint import GrpcEndpoint
@@ -346,9 +345,9 @@ OPTIONS: tuple[Option, ...] = (
         "TRIO_SIDECAR_LOG_LEVEL",
         "log_level",
         "worker",
-        "info",
-        "choice",
-        "log level",
+        None,
+        "opt_choice",
+        "log level of the sidecar's own records; unset: from DYN_LOG, else info",
         choices=("debug", "info", "warning", "error"),
     ),
 )
@@ -427,6 +426,20 @@ EXIT_CODES_HELP = """exit codes:
 Every option also reads its environment variable (env: ...); a flag wins over its variable."""
 
 
+class _VersionAction(argparse.Action):
+    """``--version``: the report of :func:`trio_sidecar.versions.version_lines` (argparse's own prints one line)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        print_version()
+        parser.exit()
+
+
+def print_version() -> None:
+    from .versions import version_lines
+
+    print("\n".join(version_lines()))
+
+
 def _build_run_parser() -> _Parser:
     parser = _Parser(
         prog=f"{PROG} run",
@@ -435,7 +448,7 @@ def _build_run_parser() -> _Parser:
         allow_abbrev=False,
         formatter_class=_HelpFormatter,
     )
-    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument("--version", action=_VersionAction, nargs=0, help="show the version report and exit")
     for opt in OPTIONS:
         text = _option_help(opt)
         if opt.kind == "switch":
@@ -578,6 +591,9 @@ def _port_warning(endpoint: GrpcEndpoint, raw: str) -> str | None:
 
 
 def _run(argv: Sequence[str], environ: Mapping[str, str] | None) -> int:
+    from ._logging import use_dynamo_logging
+
+    use_dynamo_logging(environ)  # before the first line: JSON lines when Dynamo's environment asks for them
     try:
         config, options = parse_run_args(argv, environ)
         endpoint = prepare(config, options, dynamo_required=True)
@@ -590,19 +606,21 @@ def _run(argv: Sequence[str], environ: Mapping[str, str] | None) -> int:
     warning = _port_warning(endpoint, config.grpc_endpoint)
     if warning is not None:
         emit(warning, level=logging.WARNING)
-    configure_logging(options.log_level)
+    configure_logging(options.log_level, environ=environ)
+    logging.getLogger("trio_sidecar.cli").debug("configuration: %r; %r", config, options)
     from .dynamo.worker import run_worker  # lazy: imports the optional Dynamo extra
 
     return int(run_worker(config, options))
 
 
-_TOP_USAGE = f"""usage: {PROG} [--help] [--version] {{run,mock}} ...
+_TOP_USAGE = f"""usage: {PROG} [--help] [--version] {{run,mock,env}} ...
 
 A Trio sidecar connecting vLLM's native gRPC services to NVIDIA Dynamo.
 
 commands:
   run     serve a vLLM gRPC engine as a Dynamo worker ({PROG} run --help)
   mock    run the CPU-only mock vLLM gRPC server ({PROG} mock --help)
+  env     print the versions a bug report needs (like `vllm collect-env`)
 """
 
 
@@ -631,10 +649,18 @@ def _main(argv: Sequence[str] | None, environ: Mapping[str, str] | None) -> int:
     if args[0] in ("-h", "--help"):
         sys.stdout.write(_TOP_USAGE)
         return 0
-    if args[0] == "--version":
-        print(f"{PROG} {__version__}")
+    if args[0] in ("--version", "-V"):
+        print_version()
         return 0
     command, rest = args[0], args[1:]
+    if command == "env":
+        if rest:
+            _print_error(f"`{PROG} env` takes no arguments")
+            return 2
+        from .versions import environment_lines
+
+        print("\n".join(environment_lines()))
+        return 0
     try:
         if command == "run":
             return _run(rest, environ)
@@ -644,7 +670,7 @@ def _main(argv: Sequence[str] | None, environ: Mapping[str, str] | None) -> int:
             return int(mock_main(rest))
     except SystemExit as exc:  # --help / --version inside a subcommand
         return _exit_code(exc)
-    _print_error(f"unknown command `{command}`; expected `run` or `mock` (see `{PROG} --help`)")
+    _print_error(f"unknown command `{command}`; expected `run`, `mock` or `env` (see `{PROG} --help`)")
     return 2
 
 

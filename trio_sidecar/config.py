@@ -129,7 +129,8 @@ class WorkerOptions:
     vllm_rl_world_size: int | None = None
     unserving_grace: float = 5.0
     drain_timeout: float = 30.0
-    log_level: str = "info"
+    #: ``None``: from ``DYN_LOG``, else info (docs/observability.md#logs).
+    log_level: str | None = None
 
 
 def validate_sidecar_config(config: SidecarConfig) -> GrpcEndpoint:

@@ -10,8 +10,8 @@ nursery :meth:`SidecarEngine.start` is given. It is the one owner of admission a
 * admission: a request is admitted while the engine is started, :meth:`stop_admission` was not called, and
   :attr:`health` (the prober's state) is ``SERVING``;
 * drain: :attr:`in_flight`, :meth:`wait_idle`, :meth:`stop_in_flight` (as each client's ``ctx.stop()``),
-  :meth:`cancel_in_flight` (as shutdown), and :meth:`drain`, which stops admission, waits, then stops the
-  rest (the worker's graceful shutdown).
+  :meth:`cancel_in_flight` (as :meth:`cleanup`), and :meth:`drain`, which stops admission, waits, then stops
+  the rest: the worker's graceful shutdown calls it.
 
 Each request has one delivery path (``request_task``): its chunks go to a sink as their messages are read.
 :meth:`submit` is that path for a ``ChunkSink``; :meth:`generate` is an adapter over it
@@ -296,15 +296,20 @@ class SidecarEngine:
         return len(requests)
 
     async def drain(self, timeout: float, *, grace: float) -> int:
-        """Graceful drain: stop admission, wait up to ``timeout`` seconds for the in-flight requests to end,
-        then stop the rest (:meth:`stop_in_flight`) and wait up to ``grace`` seconds more. Returns how many
-        were stopped (0: all ended within ``timeout``). Requests still running after that (a decode request
-        whose KV transfer has not completed) are left to :meth:`cleanup`."""
+        """Graceful drain, the one the worker's shutdown uses (docs/reference/worker.md#graceful-shutdown-and-drain).
+
+        Stops admission, waits up to ``timeout`` seconds for the in-flight requests to end, then stops the rest
+        as each client's ``ctx.stop()`` would (:meth:`stop_in_flight`: a cancelled chunk and an Abort each; a
+        decode request defers its stop until its KV transfer completed, so the prefill worker's blocks are
+        released) and waits up to ``grace`` seconds more. Returns how many were stopped (0: all ended within
+        ``timeout``). A request still running after that is cancelled by :meth:`cleanup`.
+        """
         self.stop_admission()
         with trio.move_on_after(timeout):
             await self._idle.wait()
         stopped = self.stop_in_flight()
         if stopped:
+            LOGGER.warning("drain timeout reached; cancelling %d remaining request(s)", stopped)
             with trio.move_on_after(grace):
                 await self._idle.wait()
         return stopped

@@ -1,4 +1,4 @@
-"""Discovered model metadata, identity and registration data (docs/reference/sidecar.md#component-by-mode, docs/reference/sidecar.md#registration-data). PURE: no I/O, no Trio.
+"""Discovered model metadata and identity (docs/reference/sidecar.md#control-metadata-validation). PURE: no I/O, no Trio.
 
 Mirrors upstream ``model.rs``: ``DiscoveredModel.from_proto`` validates Control's answers once, and the
 rest of the sidecar only reads the validated object.
@@ -11,7 +11,6 @@ from typing import Any
 import attrs
 
 from ._proto.vllm import control_pb2
-from .config import DisaggregationMode, WorkerOptions
 from .errors import ProtocolError
 
 __all__ = [
@@ -20,10 +19,6 @@ __all__ = [
     "EngineConfig",
     "ensure_startup_compatible",
     "engine_config",
-    "registered_component",
-    "endpoint_path",
-    "worker_type_name",
-    "model_type_names",
     "nz",
 ]
 
@@ -196,35 +191,3 @@ def engine_config(model: DiscoveredModel) -> EngineConfig:
         data_parallel_size=dp_size,
         data_parallel_start_rank=dp_start,
     )
-
-
-_FIXED_COMPONENT = {DisaggregationMode.PREFILL: "prefill", DisaggregationMode.DECODE: "backend"}
-
-_WORKER_TYPE = {
-    DisaggregationMode.AGG: "Aggregated",
-    DisaggregationMode.PREFILL: "Prefill",
-    DisaggregationMode.DECODE: "Decode",
-    DisaggregationMode.ENCODE: "Encode",
-}
-
-_MODEL_TYPE = {"chat": "Chat", "completions": "Completions"}
-
-
-def registered_component(mode: DisaggregationMode, component: str) -> str:
-    """docs/reference/sidecar.md#component-by-mode: aggregated honours ``--component``; prefill is ``prefill``; decode is ``backend``."""
-    return _FIXED_COMPONENT.get(DisaggregationMode.parse(mode), component)
-
-
-def endpoint_path(options: WorkerOptions, mode: DisaggregationMode) -> str:
-    """``{namespace}.{component}.{endpoint}`` with the component of docs/reference/sidecar.md#component-by-mode."""
-    return f"{options.namespace}.{registered_component(mode, options.component)}.{options.endpoint}"
-
-
-def worker_type_name(mode: DisaggregationMode) -> str:
-    """The ``dynamo.llm.WorkerType`` member name for ``mode`` (docs/reference/sidecar.md#registration-data)."""
-    return _WORKER_TYPE[DisaggregationMode.parse(mode)]
-
-
-def model_type_names(endpoint_types: tuple[str, ...]) -> tuple[str, ...]:
-    """``dynamo.llm.ModelType`` member names for ``--endpoint-types`` (``chat`` → ``Chat``, ...)."""
-    return tuple(_MODEL_TYPE[t] for t in endpoint_types)

@@ -159,7 +159,12 @@ class RequestTask:
         (docs/reference/sidecar.md#opentelemetry-span); ``None``: off."""
         sent = False  # the request left for the server
         server_ended = False  # terminal, EOF, a status, or a lost connection: no Abort needed
-        span = None if tracing is None or not self.ctx.trace_metadata else tracing.start(self)
+        ctx = self.ctx
+        span = (
+            None
+            if tracing is None or not ctx.trace_metadata
+            else tracing.start(self.request_id, self.built, ctx.traceparent, ctx.tracestate)
+        )
         try:
             with self.scope:
                 if not self.cancelling:
@@ -199,7 +204,13 @@ class RequestTask:
             self.opened.set()
             self.ctx._unsubscribe(self.client_cancel)
             if span is not None:
-                span.end(self)
+                final = self.final
+                span.end(
+                    prompt_tokens=self.state.prompt_tokens,
+                    completion_tokens=self.state.reported_completion_tokens(),
+                    finish_reason=final.finish_reason if self.error is None and final is not None else None,
+                    error=self.error or self.open_error,
+                )
 
     def end(self) -> None:
         """Hand the outcome to the sink (once, after :meth:`run`)."""

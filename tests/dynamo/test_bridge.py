@@ -158,6 +158,13 @@ def submitter(generate, nursery: trio.Nursery):
     return submit
 
 
+async def wait_idle(bridge: RequestBridge) -> None:
+    """Until the bridge routes no request any more (every sink ended: the fake sidecar's tasks are done)."""
+    with trio.fail_after(10):
+        while bridge.in_flight:
+            await trio.sleep(0.001)
+
+
 @pytest.fixture
 async def loop_thread():
     thread = AsyncioThread()
@@ -220,7 +227,7 @@ async def test_chunks_flow_from_trio_to_the_dynamo_handler_in_order(loop_thread,
     async with running_bridge(loop_thread, sidecar) as (bridge, _):
         ctx = FakeDynamoContext("req-1")
         out = await loop_thread.run(consume, bridge, {"token_ids": [100]}, ctx)
-        await bridge.wait_idle()
+        await wait_idle(bridge)
     assert tokens_of(out) == [100 + i for i in range(plan)]
     assert all(c == {"token_ids": c["token_ids"], "index": 0} for c in out)
     assert sidecar.finished == ["req-1"]
@@ -256,7 +263,7 @@ async def test_stop_from_dynamo_mid_stream_ends_with_the_cancelled_chunk(loop_th
         ctx = FakeDynamoContext("mid")
         with trio.fail_after(10):
             out = await loop_thread.run(partial(consume, stop_after=1), bridge, {"token_ids": [1]}, ctx)
-            await bridge.wait_idle()
+            await wait_idle(bridge)
     assert out == [{"token_ids": [1], "index": 0}, CANCELLED]
     assert sidecar.contexts["mid"].stopped
 
@@ -267,7 +274,7 @@ async def test_runtime_closing_the_generator_stops_the_trio_request(loop_thread)
         ctx = FakeDynamoContext("closed")
         with trio.fail_after(10):
             out = await loop_thread.run(partial(consume, close_after=1), bridge, {"token_ids": [1]}, ctx)
-            await bridge.wait_idle()
+            await wait_idle(bridge)
     assert out == [{"token_ids": [1], "index": 0}]
     assert sidecar.contexts["closed"].stop_calls == 1
     assert sidecar.finished == ["closed"]
@@ -308,7 +315,7 @@ async def test_sidecar_error_is_raised_from_the_handler_with_its_text(loop_threa
     sidecar = FakeSidecar(error=InvalidArgument("max_tokens must be at least 1"))
     async with running_bridge(loop_thread, sidecar) as (bridge, _):
         out = await loop_thread.run(consume, bridge, {"token_ids": [1]}, FakeDynamoContext("bad"))
-        await bridge.wait_idle()
+        await wait_idle(bridge)
     assert len(out) == 1
     assert isinstance(_sidecar_error(out[0]), InvalidArgument)
     assert str(out[0]) == "max_tokens must be at least 1"
@@ -327,12 +334,12 @@ async def test_a_request_that_submit_refuses_ends_at_once_with_its_error(loop_th
         nursery.start_soon(bridge.run_dispatcher, submit)
         with trio.fail_after(10):
             out = await loop_thread.run(consume, bridge, {"token_ids": [1]}, FakeDynamoContext("refused"))
-            await bridge.wait_idle()
+            await wait_idle(bridge)
         nursery.cancel_scope.cancel()
     assert submitted == ["refused"]
     assert len(out) == 1 and isinstance(_sidecar_error(out[0]), InvalidArgument)
     assert str(out[0]) == "max_tokens must be at least 1"
-    assert bridge.in_flight == {} and bridge.completed == 1
+    assert bridge.in_flight == 0 and bridge.completed == 1
 
 
 async def test_stopping_the_dispatcher_ends_in_flight_requests_with_engine_shutdown(loop_thread):
@@ -349,7 +356,7 @@ async def test_stopping_the_dispatcher_ends_in_flight_requests_with_engine_shutd
             for rid in ("a", "b"):
                 outer.start_soon(drive, rid)
             with trio.fail_after(10):
-                while len(bridge.in_flight) < 2 or len(sidecar.contexts) < 2:
+                while bridge.in_flight < 2 or len(sidecar.contexts) < 2:
                     await trio.sleep(0.01)
             requests.cancel_scope.cancel()  # what the worker does after the drain
         with trio.fail_after(10):
@@ -359,7 +366,7 @@ async def test_stopping_the_dispatcher_ends_in_flight_requests_with_engine_shutd
         assert out[0] == {"token_ids": [1], "index": 0}
         assert isinstance(_sidecar_error(out[-1]), EngineShutdown) and str(out[-1]) == SHUTTING_DOWN
         assert sidecar.contexts[rid].stop_calls == 1  # the Trio side was told to stop too
-    assert bridge.in_flight == {}
+    assert bridge.in_flight == 0
 
 
 async def test_chunks_emitted_in_one_trio_batch_wake_the_loop_once(loop_thread, monkeypatch):
@@ -433,7 +440,7 @@ async def test_first_token_notification_runs_on_the_asyncio_thread(loop_thread):
     async with running_bridge(loop_thread, sidecar) as (bridge, _):
         ctx = FakeDynamoContext("ftt")
         await loop_thread.run(consume, bridge, {"token_ids": [1]}, ctx)
-        await bridge.wait_idle()
+        await wait_idle(bridge)
 
     async def loop_thread_id():
         return threading.get_ident()
@@ -459,7 +466,7 @@ async def test_a_stalled_consumer_is_reported_once(loop_thread, caplog):
                 {"token_ids": [0]},
                 FakeDynamoContext("slow"),
             )
-            await bridge.wait_idle()
+            await wait_idle(bridge)
     assert tokens_of(out) == list(range(plan))
     assert len(out) < QUEUE_WARN_THRESHOLD  # the backlog was coalesced into multi-token deltas
     stalled = [r for r in caplog.records if "consumer is stalled" in r.getMessage()]
@@ -524,7 +531,7 @@ async def test_many_concurrent_streams_lose_no_chunk_and_keep_order(loop_thread)
 
         with trio.fail_after(60):
             outs = await loop_thread.run(consume_all)
-            await bridge.wait_idle()
+            await wait_idle(bridge)
     for i, out in enumerate(outs):
         assert tokens_of(out) == [i * 1000 + k for k in range(300)]
         assert all(c["index"] == 0 for c in out)
@@ -617,7 +624,7 @@ async def test_push_egress_sends_every_chunk_in_order_on_the_loop_and_closes_onc
     async with running_bridge(loop_thread, sidecar) as (bridge, _):
         sender = FakeResponseSender()
         error = await loop_thread.run(push, bridge, {"token_ids": [100]}, FakeDynamoContext("p1"), sender)
-        await bridge.wait_idle()
+        await wait_idle(bridge)
 
     async def loop_thread_name():
         return threading.current_thread().name
@@ -635,7 +642,7 @@ async def test_push_egress_raises_a_sidecar_error_as_its_typed_exception(loop_th
     async with running_bridge(loop_thread, sidecar) as (bridge, _):
         sender = FakeResponseSender()
         error = await loop_thread.run(push, bridge, {"token_ids": [1]}, FakeDynamoContext("bad"), sender)
-        await bridge.wait_idle()
+        await wait_idle(bridge)
     assert isinstance(_sidecar_error(error), InvalidArgument)
     assert str(error) == "max_tokens must be at least 1"
     assert sender.frames == [] and sender.closed == 0
@@ -656,7 +663,7 @@ async def test_push_egress_stop_from_dynamo_mid_stream_sends_the_cancelled_chunk
 
         with trio.fail_after(10):
             error = await loop_thread.run(drive)
-            await bridge.wait_idle()
+            await wait_idle(bridge)
     assert error is None
     assert sender.frames == [{"token_ids": [1], "index": 0}, CANCELLED]
     assert sender.closed == 1
@@ -678,7 +685,7 @@ async def test_push_egress_stops_the_trio_request_when_the_response_stream_is_go
 
         with trio.fail_after(10):
             error = await loop_thread.run(drive)
-            await bridge.wait_idle()
+            await wait_idle(bridge)
     assert error is None
     assert sender.frames == [{"token_ids": [1], "index": 0}]
     assert sidecar.contexts["gone"].stopped
@@ -712,7 +719,7 @@ async def test_a_full_response_channel_parks_an_egress_thread_never_the_loop(loo
         with trio.fail_after(10):
             while not outcome:
                 await trio.sleep(0.01)
-            await bridge.wait_idle()
+            await wait_idle(bridge)
     assert outcome == [None]
     assert tokens_of(stalled.frames) == list(range(plan))
     assert stalled.closed == 1
@@ -734,7 +741,7 @@ async def test_push_egress_many_concurrent_streams_lose_no_chunk_and_keep_order(
 
         with trio.fail_after(60):
             errors = await loop_thread.run(push_all)
-            await bridge.wait_idle()
+            await wait_idle(bridge)
     assert errors == [None] * 40
     for i, sender in enumerate(senders):
         assert tokens_of(sender.frames) == [i * 1000 + k for k in range(300)]
@@ -765,7 +772,7 @@ async def test_push_egress_raises_an_unexpected_send_failure_from_the_handler(lo
 
         with trio.fail_after(10):
             error = await loop_thread.run(drive)
-            await bridge.wait_idle()
+            await wait_idle(bridge)
     assert isinstance(error, ValueError) and str(error) == "cannot encode"
     assert sender.frames == [{"token_ids": [1], "index": 0}]
     assert sidecar.contexts["broken"].stopped
@@ -790,7 +797,7 @@ async def test_push_egress_sends_nothing_after_a_failed_send(loop_thread):
         sender = FailsOnce()
         with trio.fail_after(10):
             error = await loop_thread.run(push, bridge, {"token_ids": [10]}, FakeDynamoContext("hole"), sender)
-            await bridge.wait_idle()
+            await wait_idle(bridge)
     assert isinstance(error, ValueError) and str(error) == "cannot encode the second frame"
     assert tokens_of(sender.frames) == [10]
     assert sender.calls == 2
@@ -807,7 +814,7 @@ async def test_a_request_handed_over_after_the_dispatcher_stopped_is_refused_not
         out = await loop_thread.run(consume, bridge, {"token_ids": [1]}, FakeDynamoContext("late"))
     assert len(out) == 1 and isinstance(_sidecar_error(out[0]), EngineShutdown)
     assert str(out[0]) == SHUTTING_DOWN
-    assert sidecar.contexts == {} and bridge.in_flight == {}
+    assert sidecar.contexts == {} and bridge.in_flight == 0
 
 
 class GatedSends:
@@ -1028,7 +1035,7 @@ async def test_a_bound_request_notifies_its_first_token_once_when_the_first_toke
                 out = sender.frames
             else:
                 out = await loop_thread.run(consume, bridge, request, ctx)
-            await bridge.wait_idle()
+            await wait_idle(bridge)
         nursery.cancel_scope.cancel()
 
     async def loop_thread_id():

@@ -68,3 +68,17 @@ def test_an_incomplete_directory_is_rebuilt(tmp_path):
     (target / "config.json").write_text("{}")
     _load_script().make_tiny_model(target)
     assert json.loads((target / "config.json").read_text())["vocab_size"] >= 32_000
+
+
+def test_every_mock_token_id_decodes_to_a_space_and_the_mocks_word(tmp_path):
+    from trio_sidecar.mock.tiny_model import WORDS, word_text
+
+    path = _load_script().make_tiny_model(tmp_path / "tiny")
+    tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
+    ids = list(range(1000, 32_000))
+    assert [tok.decode([i]) for i in ids[::997]] == [word_text(i) for i in ids[::997]]
+    assert tok.decode(ids[:50]) == "".join(word_text(i) for i in ids[:50])
+    assert {word_text(i)[1:] for i in ids} == set(WORDS)  # every word is used
+    for text in ("the quick river", "κόσμε 🙂 naïve", '<tool_call>{"a": 1}</tool_call>'):
+        encoded = tok.encode(text).ids
+        assert tok.decode(encoded) == text and max(encoded) < 1000  # any text encodes (byte-level BPE)

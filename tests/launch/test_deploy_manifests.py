@@ -194,7 +194,7 @@ def test_deploy_disagg_pairs_a_prefill_and_a_decode_worker():
     assert roles == {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
-def test_deploy_dockerfile_installs_the_wheel_on_a_slim_python_as_a_non_root_user():
+def test_deploy_dockerfile_installs_the_wheel_with_dynamo_and_mock_on_a_slim_python_as_a_non_root_user():
     text = (DEPLOY / "Dockerfile").read_text()
     lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
     froms = [line.split()[1] for line in lines if line.startswith("FROM ")]
@@ -203,7 +203,7 @@ def test_deploy_dockerfile_installs_the_wheel_on_a_slim_python_as_a_non_root_use
     assert users, "no USER instruction"
     assert users[-1].split(":")[0] not in ("root", "0"), users
     assert re.search(r"pip wheel .*--no-deps", text)
-    assert re.search(r'pip install "\$\(ls /wheels/trio_sidecar-\*\.whl\)\[dynamo\]"', text)
+    assert re.search(r'pip install "\$\(ls /wheels/trio_sidecar-\*\.whl\)\[dynamo,mock\]"', text)
     entry = next(line for line in lines if line.startswith("ENTRYPOINT "))
     assert json.loads(entry.split(" ", 1)[1]) == ["trio-sidecar"]
     # The manifests' main containers use this image's command.

@@ -6,7 +6,7 @@ Over real sockets on 127.0.0.1 port 0.
 from __future__ import annotations
 
 import pytest
-from mock_helpers import GENERATE, FinishReason, collect, gen, running_mock
+from mock_helpers import GENERATE, FinishReason, collect, gen, running_mock, stream_tokens
 
 from trio_sidecar._proto.vllm import inference_pb2 as pb
 from trio_sidecar.mock.engine_args import EngineArgsError, TextMode, parse_engine_args
@@ -80,3 +80,18 @@ async def test_the_default_text_mode_keeps_the_token_tags():
     async with running_mock(engine_args={"token_seed_source": "prompt"}) as (_mock, ch):
         messages = [m for m in await collect(ch, gen("t", max_new_tokens=3)) if m.HasField("outputs")]
         assert [m.outputs.text for m in messages] == [f"<token:{t}>" for m in messages for t in m.outputs.token_ids]
+
+
+async def test_words_text_mode_gives_each_token_its_tiny_model_word():
+    from trio_sidecar.mock.tiny_model import word_text
+
+    async with running_mock(engine_args={"text_mode": "words"}) as (_mock, channel):
+        messages = await collect(
+            channel, gen("w", max_new_tokens=5, response=pb.ResponseOptions(output_token_ids=True))
+        )
+        tokens = stream_tokens(messages)
+        assert len(tokens) == 5
+        texts = [m.outputs.text for m in messages if m.HasField("outputs")]
+        assert texts == [word_text(t) for t in tokens]
+        unary = await channel.unary_unary(GENERATE, gen("w", max_new_tokens=5), pb.GenerateResponse)
+        assert unary.outputs.text == "".join(word_text(t) for t in tokens)

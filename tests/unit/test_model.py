@@ -5,18 +5,13 @@ from __future__ import annotations
 import pytest
 
 from trio_sidecar._proto.vllm import control_pb2
-from trio_sidecar.config import DisaggregationMode, WorkerOptions
 from trio_sidecar.errors import ErrorKind, ProtocolError
 from trio_sidecar.model import (
     DiscoveredModel,
     EngineConfig,
     ModelIdentity,
-    endpoint_path,
     engine_config,
     ensure_startup_compatible,
-    model_type_names,
-    registered_component,
-    worker_type_name,
 )
 
 
@@ -215,24 +210,3 @@ def test_dp_size_change_is_fatal() -> None:
     no_par = DiscoveredModel.from_proto(model_info(), server_info(parallelism=False))
     with pytest.raises(ProtocolError, match="expected 4, observed 1"):
         ensure_startup_compatible(boot(), no_par)
-
-
-@pytest.mark.parametrize(
-    ("mode", "component", "expected", "worker_type"),
-    [
-        (DisaggregationMode.AGG, "custom", "custom", "Aggregated"),
-        (DisaggregationMode.AGG, "backend", "backend", "Aggregated"),
-        (DisaggregationMode.PREFILL, "custom", "prefill", "Prefill"),
-        (DisaggregationMode.DECODE, "custom", "backend", "Decode"),
-    ],
-)
-def test_component_by_mode(mode: DisaggregationMode, component: str, expected: str, worker_type: str) -> None:
-    assert registered_component(mode, component) == expected
-    assert worker_type_name(mode) == worker_type
-    opts = WorkerOptions(namespace="ns", component=component, endpoint="gen")
-    assert endpoint_path(opts, mode) == f"ns.{expected}.gen"
-
-
-def test_model_type_names() -> None:
-    assert model_type_names(("chat", "completions")) == ("Chat", "Completions")
-    assert model_type_names(("completions",)) == ("Completions",)

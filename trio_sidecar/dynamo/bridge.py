@@ -347,6 +347,11 @@ class _Sink:
         if not self.ended:
             self._item.emit(token_chunk_dict(token_ids, text))
 
+    def stop_and_end(self, error: BaseException) -> None:
+        """Stop the request (its ``ctx.stop()``) and end it at once with ``error`` (the dispatcher's end)."""
+        self._item.handle.request_stop()
+        self.end(None, error)
+
     def end(self, final: Any, error: BaseException | None) -> None:
         """The request's last output, then the end sentinel; only the first call counts. Never raises."""
         if self.ended:
@@ -392,12 +397,9 @@ class RequestBridge:
         self._submit: _Submit | None = None  # set while run_dispatcher() runs
         self._dispatcher_done = False  # run_dispatcher() ended: requests handed over now are refused
         self._pending: list[RequestItem] = []  # handed over before run_dispatcher() ran
-        self._sinks: dict[str, _Sink] = {}  # request id -> its sink, while in flight
+        self._sinks: dict[str, _Sink] = {}  # request id -> its sink (the one routing table), while in flight
         self._flusher: Any = None  # the dispatcher task, while parked waiting for a poke
         self._wake_due = False  # poked: the dispatcher wakes the loop
-        self.in_flight: dict[str, CancelHandle] = {}  # request id -> handle (Trio thread)
-        self._idle = trio.Event()
-        self._idle.set()
         self.completed = 0
         self._waker: _Waker | None = None  # created on the loop by the first request
         self._egress: Egress | None = None  # created on the loop by the first push request past its window
@@ -537,10 +539,7 @@ class RequestBridge:
         if self._submit is None:  # after run_dispatcher() ended
             sink.end(None, EngineShutdown(SHUTTING_DOWN))
             return
-        self.in_flight[item.request_id] = item.handle
         self._sinks[item.request_id] = sink
-        if len(self.in_flight) == 1:
-            self._idle = trio.Event()
         try:
             ctx = self._make_context(
                 item.request_id, item.on_first_token, traceparent=item.traceparent, tracestate=item.tracestate
@@ -579,11 +578,13 @@ class RequestBridge:
         return trio.lowlevel.Abort.SUCCEEDED
 
     def _finished(self, item: RequestItem) -> None:
-        if self.in_flight.pop(item.request_id, None) is not None:
-            self._sinks.pop(item.request_id, None)
+        if self._sinks.pop(item.request_id, None) is not None:
             self.completed += 1
-            if not self.in_flight:
-                self._idle.set()
+
+    @property
+    def in_flight(self) -> int:
+        """Handed-over requests whose sink has not ended (the engine's ``in_flight`` is what drains wait for)."""
+        return len(self._sinks)
 
     async def run_dispatcher(self, submit: _Submit) -> None:
         """Start every handed-over request with ``submit`` (``Sidecar.submit``), until cancelled.
@@ -610,19 +611,11 @@ class RequestBridge:
             self._flusher = None
             if self._wake_due:
                 self._wake_loop()
-            for request_id, sink in list(self._sinks.items()):
-                handle = self.in_flight.get(request_id)
-                if handle is not None:
-                    handle.request_stop()
-                sink.end(None, EngineShutdown(SHUTTING_DOWN))
-
-    async def wait_idle(self) -> None:
-        """Return once no handed-over request is open (the worker's drain waits for the engine instead)."""
-        while self.in_flight:
-            await self._idle.wait()
+            for sink in list(self._sinks.values()):
+                sink.stop_and_end(EngineShutdown(SHUTTING_DOWN))
 
     def __repr__(self) -> str:
-        return f"<RequestBridge [{len(self.in_flight)} in flight, {self.completed} completed]>"
+        return f"<RequestBridge [{self.in_flight} in flight, {self.completed} completed]>"
 
 
 def _notify_first_token(context: Any) -> None:

@@ -4,7 +4,6 @@ line; rich on a TTY, plain log records otherwise."""
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -93,7 +92,9 @@ class Reporter:
 
     def __init__(self, *, rich_output: bool | None = None) -> None:
         if rich_output is None:
-            rich_output = sys.stderr.isatty()
+            from .._logging import rich_wanted
+
+            rich_output = rich_wanted()
         self.rich = rich_output
         self._console: Console | None = None
         if self.rich:

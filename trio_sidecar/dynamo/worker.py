@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
-from .._logging import emit, print_error
+from .._logging import emit, notice, print_error
 from .._signals import SIGNALS, held, hold_signals, interrupted_code
 from ..config import SidecarConfig, WorkerOptions
 from ..diagnostics import startup_hint
@@ -114,8 +114,7 @@ class _Shutdown:
         self.signals += 1
         name = signal.Signals(signum).name
         if self.signals > 1:
-            sys.stderr.write(f"received {name} again; exiting immediately\n")
-            sys.stderr.flush()
+            notice(f"received {name} again; exiting immediately")
             os._exit(1)
         self.requested.set()
         if self.serving:
@@ -435,23 +434,16 @@ async def _watch_serving(thread: AsyncioThread, dynamo: DynamoSide, ended: trio.
 async def _drain(options: WorkerOptions, thread: AsyncioThread, dynamo: DynamoSide, sidecar: Sidecar) -> None:
     """Graceful shutdown: unregister at once, drain up to ``drain_timeout``, then stop the rest (docs/reference/worker.md#graceful-shutdown-and-drain).
 
-    Admission and the in-flight requests are the engine's: it refuses new requests from here on
-    (``EngineShutdown``, which the frontend migrates), and its in-flight count is what the drain waits for.
+    Admission, the in-flight requests and the drain are the engine's (``SidecarEngine.drain``): it refuses
+    new requests from here on (``EngineShutdown``, which the frontend migrates), waits for the in-flight ones,
+    then stops the rest; the runtime's ``serve_endpoint`` then ends once its handlers sent their last chunk.
     """
     engine = sidecar.engine
     LOGGER.info("draining %d in-flight request(s) (up to %s)", engine.in_flight, format_duration(options.drain_timeout))
     await thread.run(dynamo.shutdown)
-    engine.stop_admission()
-    with trio.move_on_after(options.drain_timeout) as drain:
+    await engine.drain(options.drain_timeout, grace=STOP_GRACE)
+    with trio.move_on_after(STOP_GRACE):
         await thread.run(dynamo.wait_serving_ended)
-        await engine.wait_idle()
-    if drain.cancelled_caught:
-        stopped = engine.in_flight
-        engine.cancel_in_flight()
-        LOGGER.warning("drain timeout reached; cancelling %d remaining request(s)", stopped)
-        with trio.move_on_after(STOP_GRACE):
-            await engine.wait_idle()
-            await thread.run(dynamo.wait_serving_ended)
 
 
 async def _supervise_health(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
 import logging
 import os
 import signal
@@ -17,11 +18,20 @@ import sys
 from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import trio
 
 from trio_sidecar._logging import configure_logging, print_error
 from trio_sidecar._signals import SIGNALS, held, hold_signals
-from trio_sidecar.mock.engine_args import EngineArgsError, parse_engine_args
+from trio_sidecar.mock.engine_args import (
+    EngineArgs,
+    EngineArgsError,
+    TextMode,
+    engine_args_from_mapping,
+    load_engine_args_text,
+    parse_engine_args,
+)
+from trio_sidecar.transport import collapse_single_exception
 
 if TYPE_CHECKING:
     from trio_sidecar.mock.server import MockConfig
@@ -82,6 +92,57 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid port: '{text}'") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"invalid port: '{text}' (expected 0-65535)")
+    return value
+
+
+def _text(text: str) -> str:
+    return text
+
+
+#: dynamo.mocker's first-class engine flags (``python -m dynamo.mocker --help``): (flag, engine-args key,
+#: argparse type, help). The values go through the same checks as the JSON's (``engine_args_from_mapping``).
+ENGINE_FLAGS: tuple[tuple[str, str, Any, str], ...] = (
+    ("--block-size", "block_size", int, "tokens per KV-cache block (default: 64)"),
+    ("--num-gpu-blocks-override", "num_gpu_blocks", int, "KV-cache blocks per data-parallel rank (default: 16384)"),
+    ("--max-num-seqs", "max_num_seqs", int, "running requests per rank; 0 = unlimited (default: 256)"),
+    (
+        "--max-num-batched-tokens",
+        "max_num_batched_tokens",
+        int,
+        "tokens per scheduler pass; 0 = unlimited (default: 8192)",
+    ),
+    ("--max-model-len", "max_model_len", int, "prompt + generated tokens per request (default: no limit)"),
+    (
+        "--speedup-ratio",
+        "speedup_ratio",
+        float,
+        "divides the modelled pass durations; 0 = no simulated delays (default: 1.0)",
+    ),
+    ("--decode-speedup-ratio", "decode_speedup_ratio", float, "an extra divisor for decode passes (default: 1.0)"),
+    ("--data-parallel-size", "dp_size", int, "simulated data-parallel ranks (default: 1)"),
+    ("--enable-prefix-caching", "enable_prefix_caching", bool, "automatic prefix caching (default: on)"),
+    ("--enable-chunked-prefill", "enable_chunked_prefill", bool, "chunked prefill (default: on)"),
+    ("--preemption-mode", "preemption_mode", _text, "lifo (default, as vLLM) or fifo"),
+)
+
+
+class _VersionAction(argparse.Action):
+    """``--version``: the same report as ``trio-sidecar --version`` (the mock is part of the package)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        from trio_sidecar.versions import version_lines
+
+        print("\n".join(version_lines()))
+        parser.exit()
+
+
 class UsageError(Exception):
     """A bad command line (exit 2)."""
 
@@ -103,12 +164,34 @@ def build_parser() -> argparse.ArgumentParser:
             "'trio-sidecar mock listening on IP:PORT' to stdout. SIGINT/SIGTERM shut it down gracefully."
         ),
     )
+    parser.add_argument("--version", action=_VersionAction, nargs=0, help="show the version report and exit")
     parser.add_argument(
         "--listen",
-        default="127.0.0.1:50051",
+        default=None,
         metavar="IP:PORT",
         help="gRPC listen address: a literal IPv4 or bracketed IPv6 address and a port (0 = OS-chosen); "
-        "ZMQ KV-event sockets bind the same IP (default: %(default)s)",
+        "ZMQ KV-event sockets and the metrics listener bind the same IP (default: 127.0.0.1:50051)",
+    )
+    parser.add_argument(
+        "--host",
+        default=None,
+        metavar="IP",
+        help="gRPC listen IP, as vLLM's --host (a literal IPv4 or IPv6 address; default: 127.0.0.1); not with --listen",
+    )
+    parser.add_argument(
+        "--grpc-port",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="gRPC listen port, as vLLM's --grpc-port (0 = OS-chosen; default: 50051); not with --listen",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=_port,
+        default=None,
+        metavar="PORT",
+        help="serve vLLM-named Prometheus metrics at http://IP:PORT/metrics on the gRPC listen IP (0 = OS-chosen; "
+        "default: no metrics listener); once serving, prints 'trio-sidecar mock metrics on http://IP:PORT/metrics'",
     )
     parser.add_argument(
         "--model",
@@ -125,8 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="DIR",
         help="create (or reuse) a tiny local model directory at DIR - tokenizer, chat template and config, no "
-        "weights - and serve it as --model, so Dynamo's frontend needs no download (needs the `tokenizers` "
-        "package, which Dynamo brings)",
+        "weights - and serve it as --model, so Dynamo's frontend needs no download; its tokens' text is words "
+        '(text_mode "words" unless --extra-engine-args names one; needs the `mock` extra: '
+        "pip install 'trio-sidecar[mock]')",
     )
     parser.add_argument(
         "--disaggregation-mode",
@@ -144,6 +228,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="Generate/GenerateStream calls admitted at once, including queued ones (default: %(default)s)",
     )
+    engine = parser.add_argument_group(
+        "engine arguments",
+        "dynamo.mocker's flags for the common engine arguments; each wins over the same key in --extra-engine-args",
+    )
+    for flag, key, kind, text in ENGINE_FLAGS:
+        if kind is bool:
+            engine.add_argument(
+                flag, "--no-" + flag[2:], dest=key, action=argparse.BooleanOptionalAction, default=None, help=text
+            )
+        else:
+            engine.add_argument(flag, dest=key, type=kind, default=None, metavar=key.upper(), help=text)
     parser.add_argument(
         "--extra-engine-args",
         default=None,
@@ -154,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
         "zmq_replay_port, token_seed_source, image_token_id, tokens_per_image, text_mode, max_loras, "
         "enable_sleep_mode, weight_transfer_backend, enable_draft_weight_updates, ...): inline when "
         "the value starts with '{', otherwise a path to a JSON file. text_mode \"tags\" (default): each token's "
-        'text is <token:ID>; "bytes": each token is one to three UTF-8 bytes, detokenized incrementally '
+        'text is <token:ID>; "words": a space and a word of the tiny model\'s vocabulary; "bytes": each token is one to three UTF-8 bytes, detokenized incrementally '
         'like vLLM (a message whose character is incomplete carries text "", a later one the completed '
         "character; U+FFFD for invalid bytes and, on finish, for an incomplete tail)",
     )
@@ -220,14 +315,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             print_error(str(exc))
             return 2
     try:
+        listen = _listen(ns)
+    except UsageError as exc:
+        print_error(str(exc))
+        return 2
+    try:
         config = MockConfig(
-            listen=ns.listen,
+            listen=listen,
             model=model,
             served_model_name=served_model_name,
             disaggregation_mode=ns.disaggregation_mode,
             seed=ns.seed,
             max_concurrent_requests=ns.max_concurrent_requests,
-            engine_args=parse_engine_args(ns.extra_engine_args),
+            engine_args=_engine_args(ns, words=ns.tiny_model is not None),
             supports_multimodal=ns.supports_multimodal,
             record_requests=False,
             handshake_timeout=ns.handshake_timeout,
@@ -240,7 +340,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     configure_logging(level)
     hold_signals()  # a signal from here until the receiver is open is replayed by _serve
-    return trio.run(_serve, config)
+    return trio.run(_serve, config, ns.metrics_port)
+
+
+def _listen(ns: argparse.Namespace) -> str:
+    """``--listen``, or ``--host``/``--grpc-port`` (vLLM's names) as ``IP:PORT``."""
+    if ns.listen is not None:
+        if ns.host is not None or ns.grpc_port is not None:
+            raise UsageError(f"--listen cannot be combined with --host or --grpc-port (see `{PROG} --help`)")
+        return str(ns.listen)
+    host = "127.0.0.1" if ns.host is None else ns.host
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{50051 if ns.grpc_port is None else ns.grpc_port}"
+
+
+def _engine_args(ns: argparse.Namespace, *, words: bool = False) -> EngineArgs:
+    """``--extra-engine-args`` with the first-class engine flags given on the command line applied over it;
+    ``words``: ``text_mode`` "words" unless the JSON names a text mode (``--tiny-model``'s vocabulary)."""
+    args = parse_engine_args(ns.extra_engine_args)
+    if words and "text_mode" not in json.loads(load_engine_args_text(ns.extra_engine_args or "{}")):
+        args = attrs.evolve(args, text_mode=TextMode.WORDS)
+    given = {key: getattr(ns, key) for _, key, _, _ in ENGINE_FLAGS if getattr(ns, key) is not None}
+    if not given:
+        return args
+    converted = engine_args_from_mapping(given)  # the JSON's checks and messages
+    return attrs.evolve(args, **{key: getattr(converted, key) for key in given})
 
 
 class _TinyModelError(Exception):
@@ -255,33 +380,63 @@ def _tiny_model(directory: str) -> str:
         return str(make_tiny_model(directory))
     except ImportError:
         raise _TinyModelError(
-            "--tiny-model needs the `tokenizers` package (pip install tokenizers; `make install` brings it with Dynamo)"
+            "--tiny-model needs the `tokenizers` package: pip install 'trio-sidecar[mock]' (`make install` brings it)"
         ) from None
     except OSError as exc:
         raise _TinyModelError(f"cannot create the tiny model directory '{directory}': {exc}") from None
 
 
-async def _serve(config: MockConfig) -> int:
-    from trio_sidecar.mock.server import open_mock_server
-
+async def _serve(config: MockConfig, metrics_port: int | None = None) -> int:
     with trio.open_signal_receiver(*SIGNALS) as signals:
         early = held()
         try:
-            async with open_mock_server(config) as mock:
-                print(f"trio-sidecar mock listening on {mock.address}", flush=True)
-                signum = early[0] if early else await signals.__anext__()
-                logging.getLogger("trio_sidecar.mock").info("received %s, shutting down", signal.Signals(signum).name)
-                if len(early) > 1:  # the second signal arrived already: exit 1 at once
-                    sys.stderr.flush()
-                    os._exit(1)
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_exit_on_second_signal, signals)
-                    await mock.graceful_shutdown()
-                    nursery.cancel_scope.cancel()
+            with collapse_single_exception():
+                await _serve_until_signal(config, metrics_port, signals, early)
+        except _MetricsBindError as exc:
+            print_error(str(exc))
+            return 1
         except OSError as exc:
             print_error(_bind_error(config.listen, exc))
             return 1
     return 0
+
+
+async def _serve_until_signal(
+    config: MockConfig, metrics_port: int | None, signals: AsyncIterator[int], early: list[int]
+) -> None:
+    from trio_sidecar.mock.server import open_mock_server
+
+    async with open_mock_server(config) as mock, trio.open_nursery() as metrics_nursery:
+        print(f"trio-sidecar mock listening on {mock.address}", flush=True)
+        if metrics_port is not None:
+            await _start_metrics(metrics_nursery, mock, metrics_port)
+        signum = early[0] if early else await signals.__anext__()
+        logging.getLogger("trio_sidecar.mock").info("received %s, shutting down", signal.Signals(signum).name)
+        if len(early) > 1:  # the second signal arrived already: exit 1 at once
+            sys.stderr.flush()
+            os._exit(1)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_exit_on_second_signal, signals)
+            await mock.graceful_shutdown()
+            nursery.cancel_scope.cancel()
+        metrics_nursery.cancel_scope.cancel()
+
+
+class _MetricsBindError(Exception):
+    pass
+
+
+async def _start_metrics(nursery: trio.Nursery, mock: Any, port: int) -> None:
+    from trio_sidecar.mock.metrics import serve_metrics_http
+
+    try:
+        bound = await nursery.start(serve_metrics_http, mock.request_metrics, mock.host, port)
+    except OSError as exc:
+        raise _MetricsBindError(
+            _bind_error(f"{mock.host}:{port}", exc).replace("--listen IP:PORT", "--metrics-port")
+        ) from None
+    host = f"[{mock.host}]" if ":" in mock.host else mock.host
+    print(f"trio-sidecar mock metrics on http://{host}:{bound}/metrics", flush=True)
 
 
 def _bind_error(listen: str, exc: OSError) -> str:

@@ -67,6 +67,7 @@ class TextMode(enum.Enum):
 
     TAGS = "tags"  # ``<token:{id}>`` per token: every message carries its token's text
     BYTES = "bytes"  # tokens are UTF-8 bytes, detokenized incrementally as vLLM does (text held back)
+    WORDS = "words"  # `` {word}`` per token: the tiny model's vocabulary (``mock.tiny_model.word_text``)
 
 
 class TokenSeedSource(enum.Enum):

@@ -58,6 +58,8 @@ from trio_sidecar.mock.generation import (
     token_response_encoder,
 )
 from trio_sidecar.mock.handoff import Role, prefill_terminal_params
+from trio_sidecar.mock.metrics import MockMetrics
+from trio_sidecar.mock.tiny_model import WordText
 from trio_sidecar.mock.validation import PreparedRequest, RequestPolicy, parse_dp_rank, prepare_request
 from trio_sidecar.status import StatusCode
 from trio_sidecar.transport import (
@@ -231,6 +233,7 @@ class _Call:
         self.prepared = prepared
         self.rank = rank
         self.engine = server._engines[rank]
+        self.timer = server.request_metrics.timer(rank, len(prepared.prompt))  # vLLM-named metrics
         self.sent = 0  # tokens handed to the client so far
         self.claim: _Claim | None = None
         self.shutting_down = False
@@ -266,6 +269,7 @@ class _Call:
         """The RPC ended (any way): stop the engine work if it is still live, unregister, free the permit."""
         if self.try_claim(_Claim.DROP) and self.engine.cancel(self.prepared.uuid):
             LOGGER.debug("auto-aborting request due to dropped stream request_id=%r", self.prepared.request_id)
+        self.timer.ended()
         if self._receive is not None:
             self._receive.close()
         self.server._unregister(self)
@@ -391,7 +395,8 @@ class MockServer:
         self._active = trio_util.AsyncValue(0)
         self._shutting_down = False
         self._record = prepared.config.record_requests
-        self._byte_text = prepared.args.text_mode is _engine_args.TextMode.BYTES
+        #: The text of a request's tokens, when not the ``<token:{id}>`` tags: a detokenizer per request.
+        self._text_of: Callable[[], Any] | None = _TEXT_MODES.get(prepared.args.text_mode)
         self.health = HealthServicer({name: SERVING for name in HEALTH_SERVICES})
         self.host = prepared.host
         self.port = 0
@@ -409,6 +414,10 @@ class MockServer:
         self.rl = _rl.RlState(_rl_capabilities(prepared.args))
         self.server_info = _server_info(prepared)
         self.model_info = _model_info(prepared)
+        #: vLLM-named request and scheduler metrics (``trio_sidecar.mock.metrics``; ``--metrics-port``).
+        self.request_metrics = MockMetrics(
+            prepared.policy.served_model_name, [partial(self.metrics, rank) for rank in range(len(self._engines))]
+        )
 
     def __repr__(self) -> str:
         ranks = ", ".join(
@@ -576,12 +585,13 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
             tokens: list[int] = []
             while True:
                 chunk, terminal = await call.next_output()
+                call.timer.delivered(len(chunk), _finished_reason(terminal))
                 tokens.extend(chunk)
                 if terminal is not None:
                     break
             text = None
-            if self._server._byte_text:
-                detokenizer = ByteDetokenizer()
+            if self._server._text_of is not None:
+                detokenizer = self._server._text_of()
                 text = detokenizer.step(tokens)
                 if terminal.finish_reason != FinishReason.ABORTED:
                     text += detokenizer.finish()
@@ -603,10 +613,11 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
             if rejection is not None:
                 raise rejection
             options = call.prepared.output
-            detokenizer = ByteDetokenizer() if self._server._byte_text else None
+            detokenizer = None if self._server._text_of is None else self._server._text_of()
             encode = _framed_token_encoder(options) if detokenizer is None else _byte_text_encoder(options, detokenizer)
             while True:
                 tokens, terminal = await call.next_output()
+                call.timer.delivered(len(tokens), _finished_reason(terminal))
                 if terminal is None or terminal.finish_reason == FinishReason.ABORTED:
                     plain, last_token = tokens, None
                 else:
@@ -630,6 +641,20 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
                     return
         finally:
             call.release()
+
+
+def _finished_reason(terminal: pb.FinishInfo | None) -> str | None:
+    """vLLM's ``finished_reason`` metric label of a terminal (``None``: no terminal yet)."""
+    if terminal is None:
+        return None
+    return {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}.get(terminal.finish_reason, "abort")
+
+
+#: text_mode -> a new request's detokenizer (``step(tokens)``/``finish()``); the tags need none.
+_TEXT_MODES: dict[_engine_args.TextMode, Callable[[], Any]] = {
+    _engine_args.TextMode.BYTES: ByteDetokenizer,
+    _engine_args.TextMode.WORDS: WordText,
+}
 
 
 # Framed per-token messages by (text, token_ids) option pair, indexed by token - TOKEN_BASE: the mock's

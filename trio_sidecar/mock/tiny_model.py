@@ -9,10 +9,14 @@ weights (docs/dynamo.md, "Tiny model"). The directory holds:
 - ``tokenizer.json``: a byte-level BPE trained with ``tokenizers`` on a few synthetic sentences (special
   tokens ``<s>`` = 0, ``</s>`` = 1, ``<pad>`` = 2), whose vocabulary is then padded up to
   ``VOCAB_SIZE`` (32,000) entries. The mock server generates ids in [1000, 32000) and the frontend
-  detokenizes every id it streams, so every id must exist. The padding entries are pronounceable synthetic
-  words with a leading space (``Ġ`` in byte-level form: id 1000 decodes to `` dedopa``); they are plain
-  vocabulary entries reachable by no merge, so encoding text never produces them and prompts tokenize
-  exactly as with the trained BPE alone.
+  detokenizes every id it streams, so every id must exist. Each padding id is a common English word with a
+  leading space (:func:`word_text`: id 1000 decodes to `` dog``), so the mock's output reads as words
+  (``text_mode = "words"``, the default of ``trio-sidecar mock --tiny-model``). Vocabulary entries must be
+  unique and 31,000 ids share a few hundred words, so each entry is the word's byte-level form followed by
+  ``⁑{id}`` (a character outside the byte-level alphabet, which no trained token contains); the decoder
+  removes that suffix before the byte-level decoding. The padding entries are reachable by no merge, so
+  encoding text never produces them: any text, in any script, still encodes with the trained byte-level
+  BPE (every byte has a token) and prompts tokenize exactly as with it alone.
 - ``tokenizer_config.json``: fast tokenizer, bos/eos/pad and a trivial chat template rendering
   ``"{role}: {content}\\n"`` per message and ending with ``assistant: ``.
 - ``config.json`` / ``generation_config.json``: a LLaMA stub with ``vocab_size`` equal to the tokenizer's.
@@ -31,12 +35,14 @@ import tempfile
 from pathlib import Path
 
 __all__ = [
+    "WORDS",
+    "WordText",
+    "word_text",
     "VOCAB_SIZE",
     "FORMAT_VERSION",
     "MARKER",
     "FILES",
     "CHAT_TEMPLATE",
-    "synthetic_word",
     "build_tokenizer_json",
     "build_files",
     "is_complete",
@@ -45,7 +51,9 @@ __all__ = [
 ]
 
 VOCAB_SIZE = 32_000
-FORMAT_VERSION = 1
+#: The first padding id (the mock generates ids from here on; docs/reference/mock.md#tokens).
+FIRST_WORD_ID = 1000
+FORMAT_VERSION = 2
 MARKER = ".trio-sidecar-tiny-model"
 FILES = ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json")
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")
@@ -57,10 +65,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 
-_CONSONANTS = "bdfgklmnprstvz"
-_VOWELS = "aeiou"
-_SYLLABLES = [c + v for c in _CONSONANTS for v in _VOWELS]  # 70
-
 _CORPUS_WORDS = (
     "hello world the quick brown fox jumps over a lazy dog tiny model serves tokens through a trio sidecar "
     "into the dynamo frontend which streams chat completions back to every client while the mock engine "
@@ -68,14 +72,50 @@ _CORPUS_WORDS = (
 ).split()
 
 
-def synthetic_word(token_id: int) -> str:
-    """A pronounceable three-syllable word, unique for ids below 70**3.
-
-    The id is first permuted (7919 is coprime with 70**3) so neighbouring ids read differently.
+#: The words of the padding ids: common English words, so that any sequence of them reads as words.
+WORDS: tuple[str, ...] = tuple(
     """
-    n = len(_SYLLABLES)
-    token_id = (token_id * 7919) % (n * n * n)
-    return _SYLLABLES[(token_id // (n * n)) % n] + _SYLLABLES[(token_id // n) % n] + _SYLLABLES[token_id % n]
+    the a of and to in is it that was for on are with as at be this have from or one had by but not what
+    all were when we there can an your which their said if do will each about how up out them then she many
+    some so these would other into has more her two like him see time could no make than first been its who
+    now people my made over did down only way find use may water long little very after words called just
+    where most know get through back much go good new write our me man too any day same right look think
+    also around another came come work three word must because does part even place well such here take why
+    things help put years different away again off went old number great tell men say small every found
+    still between name should home big give air line set own under read last never us left end along while
+    might next sound below saw something thought both few those always looked show large often together asked
+    house world going want school important until form food keep children feet land side without boy once
+    animals life enough took sometimes four head above kind began almost live page got earth need far hand
+    high year mother light parts country father let night following picture being study second eyes soon
+    times story boys since white days ever paper hard near sentence better best across during today others
+    however sure means knew trying river mountain quiet bright garden window morning evening stone bridge
+    forest ocean city music letter train green blue warm gentle clear simple careful patient steady
+    """.split()
+)
+_WORD_MARK = "\u2051"  # "⁑": outside the byte-level alphabet, so no trained token contains it
+
+
+def word_text(token_id: int) -> str:
+    """The text of a padding id (``>= FIRST_WORD_ID``): a space and a common English word.
+
+    The id is permuted first (7919 is prime, coprime with the word count) so neighbouring ids read
+    differently.
+    """
+    return " " + WORDS[(token_id * 7919) % len(WORDS)]
+
+
+class WordText:
+    """``text_mode = "words"`` in the mock server: each output token's text is :func:`word_text` (ids below
+    ``FIRST_WORD_ID``, which the mock never generates, keep their ``<token:{id}>`` tag). The interface of
+    ``mock.generation.ByteDetokenizer``: nothing is held back."""
+
+    __slots__ = ()
+
+    def step(self, tokens: list[int] | tuple[int, ...]) -> str:
+        return "".join(word_text(t) if t >= FIRST_WORD_ID else f"<token:{t}>" for t in tokens)
+
+    def finish(self) -> str:
+        return ""
 
 
 def _corpus() -> list[str]:
@@ -92,11 +132,11 @@ def _corpus() -> list[str]:
 
 def build_tokenizer_json() -> dict:
     """Train the byte-level BPE and pad its vocabulary to VOCAB_SIZE entries (deterministic)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
+    tok.decoder = decoders.Sequence([decoders.Replace(Regex(_WORD_MARK + "[0-9]+"), ""), decoders.ByteLevel()])
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=400,
@@ -111,20 +151,12 @@ def build_tokenizer_json() -> dict:
     for index, name in enumerate(SPECIAL_TOKENS):
         if vocab.get(name) != index:
             raise RuntimeError(f"special token {name!r} did not get id {index}")
-    used = set(vocab)
     next_id = max(vocab.values()) + 1
-    if next_id > 1000:
+    if next_id > FIRST_WORD_ID:
         raise RuntimeError(f"trained vocabulary too large ({next_id} ids)")
-    while next_id < VOCAB_SIZE:
-        word = "\u0120" + synthetic_word(next_id)  # "Ġ" is the byte-level form of a space
-        suffix = 0
-        candidate = word
-        while candidate in used:
-            suffix += 1
-            candidate = f"{word}{suffix}"
-        vocab[candidate] = next_id
-        used.add(candidate)
-        next_id += 1
+    for token_id in range(next_id, VOCAB_SIZE):
+        # "Ġ" is the byte-level form of a space; the words are ASCII, their own byte-level form.
+        vocab["\u0120" + word_text(token_id)[1:] + f"{_WORD_MARK}{token_id}"] = token_id
     return data
 
 
