@@ -177,7 +177,10 @@ def test_pause_resume_and_discovery_alike(sides):
         {"status": "paused"},
         [("PauseGeneration", "mode: PAUSE_MODE_KEEP clear_cache: true")],
     )
-    assert _models(sides) == {"native": [], "trio": []}  # withdrawn from discovery first
+    # withdrawn from discovery first; each frontend sees that through its discovery watch, a moment later
+    for side in SIDES:
+        assert local.wait_for_no_model(sides[1][side]["http_port"], "tiny", timeout=30) is not None, side
+    assert _models(sides) == {"native": [], "trio": []}
     failed = _both(sides, "control/pause_generation", {"mode": "wait"})  # file discovery: already withdrawn
     assert failed[1]["message"].startswith("failed to unregister endpoint before /engine/control/pause_generation: ")
     assert failed[2] == []
