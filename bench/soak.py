@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """Soak: a mixed load through ``dynamo.frontend``, the native sidecar and trio-sidecar side by side.
 
-Usage: python bench/soak.py [--backend grpcio|mock] [--duration S] [--idle S] [--clients N] [--pace-ms P]
+Usage: python bench/soak.py [--backend grpcio|mock|grpcio,mock] [--duration S] [--idle S] [--clients N] [--pace-ms P]
                             [--sides native,trio] [--json PATH]
 
 Each side (``native``: ``python -m dynamo.vllm.sidecar``; ``trio``: ``trio-sidecar run``) gets its own vLLM
 stand-in, its own frontend and its own Dynamo namespace, all on 127.0.0.1 and all at once, so both see the
-same machine at the same moment. The stand-in (``--backend``) is either
+same machine at the same moment (with two backends, four sides run at once). The stand-in (``--backend``) is
 
 * ``grpcio``: a ``grpc.aio`` server (gRPC-core, stock policies: keepalive ping enforcement, GOAWAY) that
   streams the mock's deterministic tokens ``--pace-ms`` apart (``trio_sidecar/_devtools/grpcio_vllm.py``), or
@@ -288,7 +288,9 @@ def _side_report(name: str, load: SideLoad, backend: Any, rss: RssSampler, ended
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    sides = tuple(args.sides.split(","))
+    """Every (backend, side) pair at once: its own stand-in, frontend, namespace and sidecar."""
+    pairs = [(backend, side) for backend in args.backend.split(",") for side in args.sides.split(",")]
+    names = [f"{side}@{backend}" for backend, side in pairs]
     with tempfile.TemporaryDirectory(prefix="trio-sidecar-soak-") as tmp:
         work = Path(tmp)
         model = make_tiny_model(work / "tiny-model")
@@ -298,20 +300,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         ports: dict[str, int] = {}
         sidecars: dict[str, local.Process] = {}
         try:
-            for name in sides:
-                backend = backends[name] = _backend(args.backend, model, args.pace_ms).start()
-                frontend, ports[name] = local.start_frontend(work, env, namespace=f"soak-{name}")
+            for name, (backend_kind, side) in zip(names, pairs, strict=True):
+                backend = backends[name] = _backend(backend_kind, model, args.pace_ms).start()
+                namespace = f"soak-{side}-{backend_kind}"
+                frontend, ports[name] = local.start_frontend(work, env, namespace=namespace)
                 processes.append(frontend)
-                start = local.start_native_sidecar if name == "native" else local.start_trio_sidecar
-                sidecar = sidecars[name] = start(work, env, backend.address, namespace=f"soak-{name}", name=name)
+                start = local.start_native_sidecar if side == "native" else local.start_trio_sidecar
+                sidecar = sidecars[name] = start(work, env, backend.address, namespace=namespace, name=name)
                 processes.append(sidecar)
-            for name in sides:
+            for name in names:
                 local.wait_for_models(ports[name], [MODEL], timeout=180, watch=[sidecars[name]])
             if args.idle:
                 print(f"idle for {args.idle:g} s", flush=True)
                 time.sleep(args.idle)
-            print(f"{args.clients} client(s) per side for {args.duration:g} s against {args.backend}", flush=True)
-            samplers = {name: RssSampler(sidecars[name].pid, args.duration / 10) for name in sides}
+            print(f"{args.clients} client(s) per side for {args.duration:g} s: {', '.join(names)}", flush=True)
+            samplers = {name: RssSampler(sidecars[name].pid, args.duration / 10) for name in names}
             for sampler in samplers.values():
                 sampler.__enter__()
             try:
@@ -324,22 +327,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 time.sleep(0.1)
             reports = [
                 _side_report(name, loads[name], backends[name], samplers[name], _active(backends[name]) == 0)
-                for name in sides
+                for name in names
             ]
-            for name in sides:
+            for name, report in zip(names, reports, strict=True):
                 if not sidecars[name].alive():
-                    next(r for r in reports if r["side"] == name)["problems"].append("the sidecar exited")
+                    report["problems"].append("the sidecar exited")
         finally:
             for proc in reversed(processes):
                 proc.stop(grace=5)
             for backend in backends.values():
                 backend.stop()
-    return {"backend": args.backend, "duration_s": args.duration, "clients_per_side": args.clients, "sides": reports}
+    return {"duration_s": args.duration, "idle_s": args.idle, "clients_per_side": args.clients, "sides": reports}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--backend", choices=("grpcio", "mock"), default="grpcio")
+    parser.add_argument("--backend", default="grpcio", help="grpcio (default), mock, or grpcio,mock (both at once)")
     parser.add_argument("--duration", type=float, default=180.0, help="seconds of load (default 180)")
     parser.add_argument("--idle", type=float, default=0.0, help="seconds without traffic before the load")
     parser.add_argument("--clients", type=int, default=24, help="concurrent clients per side (default 24)")
@@ -352,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     for side in report["sides"]:
         answered = sum(side["answered"].values())
         print(
-            f"{side['side']:>6}: {answered} answered {side['answered']}; unexpected {side['unexpected']}; "
+            f"{side['side']:>12}: {answered} answered {side['answered']}; unexpected {side['unexpected']}; "
             f"streams {side['streams']}; RSS MiB settled {side['rss_mib']['settled']:.0f} "
             f"peak {side['rss_mib']['peak']:.0f} last {side['rss_mib']['last']:.0f}"
         )
@@ -360,8 +363,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"        {example}")
         for problem in side["problems"]:
             print(f"        problem: {problem}")
-        if side["side"] == "trio" and side["problems"]:
+        if side["side"].startswith("trio@") and side["problems"]:
             failed = True
+    by_name = {side["side"]: sum(side["answered"].values()) for side in report["sides"]}
+    for backend in args.backend.split(","):
+        native, trio = by_name.get(f"native@{backend}"), by_name.get(f"trio@{backend}")
+        if native and trio is not None:
+            print(f"answered requests against {backend}: trio-sidecar / native = {trio / native:.2f}x")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 1 if failed else 0

@@ -2,7 +2,10 @@
 
 The public API (docs/reference/sidecar.md#embedded-api)::
 
-    from trio_sidecar import open_sidecar, SidecarConfig, GenerateContext, DisaggregationMode
+    from trio_sidecar import open_sidecar, SidecarConfig, SamplingParams, Completion
+
+The typed API (``Sidecar.complete``/``stream``/``complete_many``, docs/embedded.md) sits beside the
+Dynamo-shaped one (``Sidecar.generate``/``submit`` with ``GenerateContext``).
 
 The exports are resolved lazily, so importing a pure submodule (``trio_sidecar.errors``,
 ``trio_sidecar.convert.request``, ...) never pulls in Trio or the transport.
@@ -23,6 +26,14 @@ __all__ = [
     "GenerateContext",
     "ChunkSink",
     "SidecarEngine",
+    # typed API (docs/embedded.md)
+    "SamplingParams",
+    "StructuredOutputs",
+    "Completion",
+    "CompletionStream",
+    "Delta",
+    "Logprob",
+    "Usage",
     # configuration
     "SidecarConfig",
     "WorkerOptions",
@@ -57,6 +68,8 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .api import Sidecar, discover, open_sidecar
+    from .completion_stream import CompletionStream
+    from .completions import Completion, Delta, Logprob, SamplingParams, StructuredOutputs, Usage
     from .config import DisaggregationMode, SidecarConfig, WorkerOptions
     from .context import ChunkSink, GenerateContext
     from .engine import SidecarEngine
@@ -70,8 +83,8 @@ if TYPE_CHECKING:
         RequestCancelled,
         SidecarError,
     )
+    from .health_policy import HealthKind, HealthState
     from .model import DiscoveredModel, EngineConfig, ModelIdentity
-    from .prober import HealthKind, HealthState
     from .protocol import LLMEngineOutput, PreprocessedRequest, structure_request
     from .rl import PauseMode, RlCapabilities
     from .rl_controls import WakeState
@@ -85,6 +98,13 @@ _HOMES = {
     "GenerateContext": "context",
     "ChunkSink": "context",
     "SidecarEngine": "engine",
+    "SamplingParams": "completions",
+    "StructuredOutputs": "completions",
+    "Completion": "completions",
+    "CompletionStream": "completion_stream",
+    "Delta": "completions",
+    "Logprob": "completions",
+    "Usage": "completions",
     "SidecarConfig": "config",
     "WorkerOptions": "config",
     "DisaggregationMode": "config",
@@ -95,8 +115,8 @@ _HOMES = {
     "ModelIdentity": "model",
     "EngineConfig": "model",
     "KvEventSource": "routing",
-    "HealthKind": "prober",
-    "HealthState": "prober",
+    "HealthKind": "health_policy",
+    "HealthState": "health_policy",
     "PauseMode": "rl",
     "RlCapabilities": "rl",
     "WakeState": "rl_controls",

@@ -1,12 +1,15 @@
-"""The embeddable Trio API (docs/reference/sidecar.md#embedded-api).
+"""The embeddable Trio API (docs/embedded.md, docs/reference/sidecar.md#embedded-api).
 
 ```python
 async with open_sidecar(SidecarConfig(grpc_endpoint="127.0.0.1:50051")) as sidecar:
-    ctx = GenerateContext(request_id="req-1")
-    async with sidecar.generate({"token_ids": [1, 2, 3], "stop_conditions": {"max_tokens": 8}}, ctx) as chunks:
-        async for chunk in chunks:
-            print(chunk.to_dict())
+    completion = await sidecar.complete("Hello", SamplingParams(max_tokens=8, temperature=0.0))
+    async with sidecar.stream([1, 2, 3], SamplingParams(max_tokens=8)) as stream:
+        async for delta in stream:
+            print(delta.text, end="")
 ```
+
+``complete``/``stream``/``complete_many`` are the typed API (vLLM's names); ``generate``/``submit`` take
+and give Dynamo's request and chunk shapes (what the Dynamo worker uses).
 
 Everything the sidecar runs (connections, the abort sender, the health prober, one task per in-flight
 request) lives in the nursery of :func:`open_sidecar`; nothing outlives its ``async with`` block.
@@ -23,14 +26,17 @@ import attrs
 import trio
 import trio_util
 
+from .completion_stream import CompletionStream, Prompt, Result, open_many
+from .completions import Completion, CompletionBuilder, SamplingParams, prompt_token_ids
 from .config import SidecarConfig, validate_sidecar_config
 from .context import ChunkSink, GenerateContext
 from .discovery import discover
 from .engine import SidecarEngine
+from .health_policy import HealthState
 from .lora import LoadResult, LoraAdapter
 from .lora_lifecycle import LoraLifecycle
 from .model import DiscoveredModel, EngineConfig
-from .prober import HealthState, run_health_prober
+from .prober import run_health_prober
 from .protocol import LLMEngineOutput, PreprocessedRequest
 from .rl import (
     PauseMode,
@@ -46,12 +52,16 @@ from .rl import (
 from .rl_controls import RlControls, WakeState
 from .routing import KvEventSource
 from .stats import StatsSnapshot
+from .tokenizer import Encoder, load_tokenizer
 from .transport import collapse_single_exception
 
 __all__ = [
     "open_sidecar",
     "discover",
     "Sidecar",
+    "Completion",
+    "CompletionStream",
+    "SamplingParams",
     "ChunkSink",
     "GenerateContext",
     "LoadResult",
@@ -84,6 +94,7 @@ class Sidecar:
     kv_event_sources: tuple[KvEventSource, ...]
     health: trio_util.AsyncValue[HealthState]
     lora: LoraLifecycle
+    _encoder: Encoder | None = attrs.field(default=None, init=False)  # the local tokenizer, once loaded
 
     def __repr__(self) -> str:
         return (
@@ -103,14 +114,111 @@ class Sidecar:
         """
         return self.engine.generate(request, ctx)
 
-    def submit(self, request: dict[str, Any] | PreprocessedRequest, ctx: GenerateContext, sink: ChunkSink) -> None:
+    # --- the typed API (docs/embedded.md) ----------------------------------------------------------------
+
+    async def complete(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str = ""
+    ) -> Completion:
+        """Generate one completion of ``prompt`` (text, or token ids) and return it whole.
+
+        Args:
+            prompt: a ``str`` (sent as text when vLLM advertises ``supports_text_input``, else tokenized
+                here with the model's tokenizer: docs/embedded.md#text-prompts), or token ids.
+            params: vLLM's sampling parameters; ``None``: ``SamplingParams()`` (vLLM's defaults).
+            request_id: vLLM's request id; empty: a fresh UUID4 string.
+
+        Raises:
+            InvalidArgument: the prompt (empty, an id out of range, no tokenizer for a text prompt: the
+                message names the extra), or vLLM refused the request (its text).
+            CannotConnect, EngineShutdown, ProtocolError, SidecarError: as :meth:`generate`.
+
+        Cancellation: cancelling the caller (a deadline, a sibling's failure) stops the request in vLLM; the
+        call returns or raises only once the stream is reset and the request no longer counts in
+        ``engine.in_flight`` (docs/embedded.md#what-a-blocks-exit-guarantees).
+        """
+        async with self.stream(prompt, params, request_id=request_id) as stream:
+            return await stream.final()
+
+    @asynccontextmanager
+    async def stream(
+        self, prompt: Prompt, params: SamplingParams | None = None, *, request_id: str = ""
+    ) -> AsyncIterator[CompletionStream]:
+        """Stream one completion: ``async with sidecar.stream(prompt, params) as stream: async for delta in
+        stream: ...``; then ``stream.completion`` (or ``await stream.final()``) is the :class:`Completion`.
+
+        Arguments and errors as :meth:`complete` (``__aenter__`` raises the request's refusal; iteration
+        raises a stream error). The block's exit waits, shielded and bounded, until the stream is reset
+        and the request no longer counts (docs/embedded.md#what-a-blocks-exit-guarantees).
+        """
+        token_ids, text = await self._prompt(prompt)
+        request = (params if params is not None else _DEFAULT_PARAMS).request(token_ids)
+        ctx = GenerateContext(request_id)
+        async with self.engine.generate(request, ctx, text=text) as chunks:
+            yield CompletionStream(chunks, CompletionBuilder(chunks.request_id, token_ids or None), ctx)
+
+    @asynccontextmanager
+    async def complete_many(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        limit: int = 8,
+        return_exceptions: bool = False,
+    ) -> AsyncIterator[trio.MemoryReceiveChannel[Result]]:
+        """Complete every prompt, at most ``limit`` at a time; yield ``(index, completion)`` pairs in
+        completion order: ``async with sidecar.complete_many(prompts, params) as results: async for index,
+        completion in results: ...``. ``params`` is one ``SamplingParams`` for all, or one per prompt (as
+        vLLM's ``LLM.generate``).
+
+        A failed request (a ``SidecarError``) cancels the others (each is stopped in vLLM) and is raised
+        from the block, unless ``return_exceptions``: then its pair carries the error and the others go on.
+        Leaving the block early cancels the requests still running. Every request the block started has
+        ended (stream reset, no longer in ``engine.in_flight``) when the block is left.
+
+        Raises:
+            ValueError: ``limit`` below 1, or not one ``SamplingParams`` per prompt.
+            SidecarError: the first failure (without ``return_exceptions``); never an ``ExceptionGroup``
+                for one failure.
+        """
+        if params is None or isinstance(params, SamplingParams):
+            each: Sequence[SamplingParams | None] = [params] * len(prompts)
+        elif len(params) == len(prompts):
+            each = params
+        else:
+            raise ValueError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+
+        async def one(index: int, prompt: Prompt) -> Completion:
+            return await self.complete(prompt, each[index])
+
+        async with open_many(one, prompts, limit=limit, return_exceptions=return_exceptions) as results:
+            yield results
+
+    async def _prompt(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        """``(token_ids, text)`` for the request: text vLLM tokenizes, or token ids (docs/embedded.md#text-prompts)."""
+        if not isinstance(prompt, str):
+            return prompt_token_ids(prompt), None
+        if self.model.model_info.supports_text_input:
+            return [], prompt
+        encoder = self._encoder
+        if encoder is None:
+            encoder = self._encoder = await trio.to_thread.run_sync(load_tokenizer, self.model.model_id)
+        return prompt_token_ids(encoder.encode(prompt)), None
+
+    def submit(
+        self,
+        request: dict[str, Any] | PreprocessedRequest,
+        ctx: GenerateContext,
+        sink: ChunkSink,
+        *,
+        merge: bool = True,
+    ) -> None:
         """Start one request whose chunks go to ``sink`` (what the Dynamo worker uses); see
-        :meth:`SidecarEngine.submit`.
+        :meth:`SidecarEngine.submit` (``merge``: token chunks of messages read together go over as one).
 
         Raises (synchronously; the sink is not called): ``InvalidArgument`` (conversion), ``CannotConnect``
         (admission closed), ``EngineShutdown`` (not started). Open and stream errors reach ``sink.end``.
         """
-        self.engine.submit(request, ctx, sink)
+        self.engine.submit(request, ctx, sink, merge=merge)
 
     async def list_loras(self) -> list[LoraAdapter]:
         """The adapters vLLM holds (``ListLoras``), in its order (docs/lora.md#embedded-api).
@@ -226,6 +334,9 @@ class Sidecar:
 
     async def get_weight_version(self) -> str:
         return await self.rl_controls().get_weight_version()
+
+
+_DEFAULT_PARAMS = SamplingParams()
 
 
 def _mode_text(mode: PauseMode | str) -> str:

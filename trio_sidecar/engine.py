@@ -46,9 +46,9 @@ from .discovery import (
 )
 from .endpoint import GrpcEndpoint
 from .errors import CannotConnect, EngineShutdown, InvalidArgument, SidecarError
+from .health_policy import SERVING_STATE, HealthState
 from .model import DiscoveredModel, EngineConfig, engine_config, ensure_startup_compatible
 from .pool import ChannelPool
-from .prober import SERVING_STATE, HealthState
 from .protocol import PreprocessedRequest, structure_request
 from .request_task import GENERATE_STREAM, MergingSink, RequestTask, RunSink
 from .routing import KvEventSource
@@ -61,6 +61,7 @@ if TYPE_CHECKING:  # (imported only when tracing is on: docs/reference/sidecar.m
 __all__ = [
     "ABORT",
     "ABORT_FLUSH_GRACE",
+    "EXIT_WAIT",
     "GENERATE_STREAM",
     "ChunkSink",
     "ChunkStream",
@@ -71,6 +72,9 @@ __all__ = [
 LOGGER = logging.getLogger("trio_sidecar.engine")
 
 NOT_STARTED = "vLLM sidecar is not started"
+#: The longest a ``generate()`` block's exit waits for its request task to end (a reset is one frame on a
+#: live connection; a wedged one is the pool's to detect).
+EXIT_WAIT = 1.0
 ALREADY_STARTED = "vLLM sidecar has already started"
 
 
@@ -323,7 +327,14 @@ class SidecarEngine:
 
     # ---------------------------------------------------------------- requests
 
-    def submit(self, request: dict[str, Any] | PreprocessedRequest, ctx: GenerateContext, sink: ChunkSink) -> None:
+    def submit(
+        self,
+        request: dict[str, Any] | PreprocessedRequest,
+        ctx: GenerateContext,
+        sink: ChunkSink,
+        *,
+        merge: bool = True,
+    ) -> None:
         """Start one generation whose output goes to ``sink`` (a synchronous call; the engine's one
         delivery path, docs/reference/sidecar.md#embedded-api).
 
@@ -332,18 +343,23 @@ class SidecarEngine:
         no back-pressure beyond the sink's; an open failure reaches ``sink.end`` as the error. Cancellation:
         ``ctx.stop()`` (decode mode defers it, docs/reference/sidecar.md#decode-deferral) and engine shutdown
         end the request with a cancelled chunk; an opened stream abandoned before the server ended it is
-        aborted.
+        aborted. ``merge=False`` delivers one chunk per vLLM message instead, as the native sidecar does:
+        Dynamo's reasoning parser counts ``reasoning_tokens`` chunk by chunk (docs/reference/worker.md#parsers).
 
         Raises (nothing was sent, ``sink`` is not called):
             InvalidArgument: conversion failed.
             CannotConnect: ``vLLM is not serving: {reason}`` (admission closed by the prober's state).
             EngineShutdown: ``vLLM sidecar is not started`` (not started, stopped admitting, or closed).
         """
-        self._start_request(request, ctx, MergingSink(sink))
+        self._start_request(request, ctx, MergingSink(sink, merge=merge))
 
     @asynccontextmanager
     async def generate(
-        self, request: dict[str, Any] | PreprocessedRequest, ctx: GenerateContext | None = None
+        self,
+        request: dict[str, Any] | PreprocessedRequest,
+        ctx: GenerateContext | None = None,
+        *,
+        text: str | None = None,
     ) -> AsyncIterator[ChunkStream]:
         """Open one generation: :meth:`submit` with an async iterator as its sink (``stream.ChunkStream``).
 
@@ -354,15 +370,25 @@ class SidecarEngine:
         from iteration after the chunks already produced. The request reads at most one run of messages
         ahead of the caller (back-pressure reaches HTTP/2 flow control).
 
+        ``text``: a text prompt for vLLM to tokenize (see ``build_generate_request``); ``request.token_ids``
+        may then be empty.
+
         Cancellation: ``ctx.stop()`` ends the stream with a cancelled chunk (decode mode defers it until the
         KV transfer completed); chunks not taken yet are dropped and not counted. Leaving the block early,
-        or cancelling the caller's scope, drops the stream and queues an Abort; ``trio.Cancelled``
-        propagates at once (decode mode keeps reading in the background until the transfer completed).
+        or cancelling the caller's scope, drops the stream and queues an Abort.
+
+        The exit guarantee (docs/embedded.md#what-a-blocks-exit-guarantees): however the block is left
+        (end of stream, ``break``, an exception, a deadline), its exit waits, shielded and for at most
+        :data:`EXIT_WAIT` seconds, until the request task ended: the stream is reset (or ended by the
+        server) and the request no longer counts in :attr:`in_flight`. Only the queued ``Control.Abort`` is
+        sent afterwards, by the abort sender. Decode mode does not wait for a request whose client
+        cancellation is deferred (docs/reference/sidecar.md#decode-deferral): it keeps reading in the
+        background until the KV transfer completed; :meth:`wait_idle` waits for it.
         """
         if ctx is None:
             ctx = GenerateContext()
         stream = ChunkStream()
-        req = self._start_request(request, ctx, stream)
+        req = self._start_request(request, ctx, stream, text=text)
         stream.bind(req.request_id, req.state)
         try:
             await req.opened.wait()
@@ -372,9 +398,17 @@ class SidecarEngine:
         finally:
             req.client_cancel()  # (no-op once the request ended; it unsubscribes from ``ctx`` then)
             stream.close()
+            if not req.ended.is_set() and not req.request_cancelled:  # (deferred in decode mode: not waited)
+                with trio.CancelScope(deadline=trio.current_time() + EXIT_WAIT, shield=True):
+                    await req.ended.wait()
 
     def _start_request(
-        self, request: dict[str, Any] | PreprocessedRequest, ctx: GenerateContext, sink: RunSink
+        self,
+        request: dict[str, Any] | PreprocessedRequest,
+        ctx: GenerateContext,
+        sink: RunSink,
+        *,
+        text: str | None = None,
     ) -> RequestTask:
         stats = self.stats
         if not self._admitting or self._state is not _State.STARTED:
@@ -391,6 +425,7 @@ class SidecarEngine:
                 self.model.served_model_name,
                 self.mode,
                 lora_supported=self.model.supports_lora,
+                text=text,
             )
         except InvalidArgument:
             stats.request_rejected("invalid_argument")
@@ -432,6 +467,7 @@ class SidecarEngine:
                 self._idle.set()
             self._count_end(req)
             req.end()
+            req.ended.set()
 
     def _count_end(self, req: RequestTask) -> None:
         """Count the request's outcome, tokens and inter-token latency (docs/observability.md)."""

@@ -154,7 +154,8 @@ def nz(value: int) -> int | None:
 class EngineConfig:
     """Registration data (docs/reference/sidecar.md#registration-data): identity from the model, capacity from the start-phase ``ServerInfo``.
 
-    Parsers are never advertised (Control's parser names are intentionally dropped).
+    Control's parser names are never advertised: the registered parsers are only those the operator
+    configures (``WorkerOptions.tool_call_parser`` / ``reasoning_parser``).
     """
 
     model: str

@@ -16,6 +16,12 @@ After startup (docs/reference/sidecar.md#reconnection-after-startup) purerpc-sty
 connection-level failure is *broken*; the next RPC that selects it reconnects once (bounded by the attempt
 timeout) under the slot's lock, so concurrent users share a single attempt.
 
+GOAWAY (docs/reference/transport.md#goaway): a connection that got GOAWAY is *draining*: the server still
+completes the calls it accepted, so the replaced connection is not closed but left to finish them and
+closed once it has no call open (a task in the pool's nursery). A call the server did not process (its
+stream above the GOAWAY's last stream id, or started after the GOAWAY: ``StreamNotProcessedError``) is sent
+again on the next connection, up to ``NOT_PROCESSED_RETRIES`` times, as a refused stream is.
+
 Resource handling: the connections' I/O tasks run in the nursery passed to :meth:`ChannelPool.connect`
 (or owned by :func:`open_channel_pool`). :meth:`ChannelPool.aclose` closes every connection.
 """
@@ -31,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from .config import SidecarConfig
+from .config import SidecarConfig, keepalive_config
 from .diagnostics import describe_exception, round_duration
 from .endpoint import GrpcEndpoint
 from .errors import CannotConnect, ConnectionTimeout, SidecarError, format_duration, status_to_error
@@ -58,6 +64,9 @@ LOG_INTERVAL = 30.0
 PHASE_GRACE = 0.5
 
 DEFAULT_CAUSE = "the connection attempt exceeded the startup deadline"
+
+#: How many times a call the server did not process (GOAWAY) is sent again on another connection.
+NOT_PROCESSED_RETRIES = 3
 
 
 def _transport() -> Any:
@@ -100,12 +109,12 @@ def channel_options(config: SidecarConfig) -> dict[str, Any]:
     """``connect_channel``'s options for every connection to vLLM: message limit and keepalive.
 
     The message limit each way on Inference and Control calls (docs/reference/sidecar.md#connection-pool) is
-    the transport's ``DEFAULT_MAX_MESSAGE_LENGTH`` (64 MiB), the one definition of it.
+    the transport's ``DEFAULT_MAX_MESSAGE_LENGTH`` (64 MiB), the one definition of it. The keepalive is
+    :func:`~trio_sidecar.config.keepalive_config` (docs/reference/transport.md#keepalive).
     """
     return {
         "max_message_length": _transport().DEFAULT_MAX_MESSAGE_LENGTH,
-        "keepalive_time": config.keepalive_time or None,  # 0: no keepalive
-        "keepalive_timeout": config.keepalive_timeout,
+        "keepalive": keepalive_config(config),
     }
 
 
@@ -200,6 +209,8 @@ class ChannelPool:
         #: Broken slots replaced, and replacement attempts that failed (docs/observability.md).
         self.reconnects = 0
         self.reconnect_failures = 0
+        #: Replaced connections that got GOAWAY and still finish their calls (closed when idle).
+        self._draining: set[Channel] = set()
 
     def __repr__(self) -> str:
         broken = sum(1 for s in self._slots if _unusable(s.channel))
@@ -310,8 +321,13 @@ class ChannelPool:
             if self.closed:
                 raise status_to_error(rpc, StatusCode.UNAVAILABLE, f"the {self.name} connection pool is closed")
             old = slot.channel
-            with trio.CancelScope(shield=True):
-                await old.aclose()
+            if getattr(old, "draining", False):
+                # GOAWAY: the server finishes the calls it accepted; closing now would fail them.
+                self._draining.add(old)
+                self._nursery.start_soon(self._drain, old)
+            else:
+                with trio.CancelScope(shield=True):
+                    await old.aclose()
             try:
                 new = await _attempt(self._nursery, self.endpoint, self._config, self._config.connect_attempt_timeout)
             except (OSError, SidecarError, _transport().RpcError) as exc:
@@ -327,6 +343,15 @@ class ChannelPool:
             LOGGER.info("reconnected %s gRPC pool slot %d to %s", self.name, slot.index, self.endpoint.canonical)
             return new
 
+    async def _drain(self, channel: Channel) -> None:
+        """Close a replaced connection that got GOAWAY once its open calls have ended."""
+        try:
+            await channel.wait_idle()
+        finally:
+            self._draining.discard(channel)
+            with trio.CancelScope(shield=True):
+                await channel.aclose()
+
     async def unary(
         self,
         rpc: str,
@@ -338,7 +363,8 @@ class ChannelPool:
         timeout: float | None = None,
         channel: Any = None,
     ) -> Any:
-        """A unary call on ``channel`` (default: the next connection, :meth:`channel`).
+        """A unary call on ``channel`` (default: the next connection, :meth:`channel`); a call the server did not
+        process (GOAWAY) is sent again on the next connection.
 
         The edge for gRPC errors (with :meth:`stream`): a transport ``RpcError`` (``ConnectionLostError``
         included) is raised as ``status_to_error(rpc, code, message)``, chained from it
@@ -350,10 +376,16 @@ class ChannelPool:
         transport = _transport()
         if channel is None:
             channel = await self.channel(rpc)
-        try:
-            return await channel.unary_unary(method, request, response_type, metadata=metadata, timeout=timeout)
-        except transport.RpcError as exc:
-            raise status_to_error(rpc, exc.code, exc.message) from exc
+        attempt = 0
+        while True:
+            try:
+                return await channel.unary_unary(method, request, response_type, metadata=metadata, timeout=timeout)
+            except transport.RpcError as exc:
+                if _not_processed(exc) and attempt < NOT_PROCESSED_RETRIES and not self.closed:
+                    attempt += 1
+                    channel = await self.channel(rpc)
+                    continue
+                raise status_to_error(rpc, exc.code, exc.message) from exc
 
     def stream(
         self,
@@ -388,11 +420,14 @@ class ChannelPool:
         return _PoolStream(self, rpc, (method, request, response_type, metadata, timeout), channel)
 
     async def aclose(self) -> None:
-        """Close every connection (idempotent). Shielded: cleanup must not be interrupted half-way."""
+        """Close every connection, draining ones included (idempotent). Shielded: cleanup must not be
+        interrupted half-way."""
         self.closed = True
         with trio.CancelScope(shield=True):
             for slot in self._slots:
                 await slot.channel.aclose()
+            for channel in list(self._draining):
+                await channel.aclose()
 
 
 class _PoolStream:
@@ -409,17 +444,24 @@ class _PoolStream:
 
     async def __aenter__(self) -> Any:
         rpc = self._rpc
+        pool = self._pool
         channel = self._channel
         if channel is None:
-            channel = await self._pool.channel(rpc)
+            channel = await pool.channel(rpc)
         method, request, response_type, metadata, timeout = self._args
-        stream = channel.unary_stream(method, request, response_type, metadata=metadata, timeout=timeout)
-        try:
-            await stream.__aenter__()
-        except _transport().RpcError as exc:  # (the stream closed its call)
-            raise status_to_error(rpc, exc.code, exc.message) from exc
-        self._stream = stream
-        return stream
+        attempt = 0
+        while True:
+            stream = channel.unary_stream(method, request, response_type, metadata=metadata, timeout=timeout)
+            try:
+                await stream.__aenter__()
+            except _transport().RpcError as exc:  # (the stream closed its call)
+                if _not_processed(exc) and attempt < NOT_PROCESSED_RETRIES and not pool.closed:
+                    attempt += 1  # GOAWAY before the server took the call: the next connection
+                    channel = await pool.channel(rpc)
+                    continue
+                raise status_to_error(rpc, exc.code, exc.message) from exc
+            self._stream = stream
+            return stream
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
         await self._stream.__aexit__(exc_type, exc, tb)  # resets the stream unless the server ended it
@@ -427,6 +469,11 @@ class _PoolStream:
             error: Any = exc  # (the transport is imported lazily: its types are Any here)
             raise status_to_error(self._rpc, error.code, error.message) from exc
         return False
+
+
+def _not_processed(exc: BaseException) -> bool:
+    """The server did not process the call (GOAWAY): it may be sent again on another connection."""
+    return isinstance(exc, _transport()._errors.StreamNotProcessedError)
 
 
 def _unusable(channel: Channel) -> bool:

@@ -21,6 +21,7 @@ from .errors import InvalidArgument
 from .jsonstruct import int_text
 
 __all__ = [
+    "EMBEDDINGS_UNSUPPORTED",
     "StopConditions",
     "GuidedDecoding",
     "SamplingOptions",
@@ -273,12 +274,23 @@ def structure_request(obj: dict[str, Any] | PreprocessedRequest) -> Preprocessed
             return fast
     if not isinstance(obj, dict):
         raise InvalidArgument(f"invalid PreprocessedRequest: expected an object, got {type(obj).__name__}")
+    if _is_embedding_request(obj):
+        raise InvalidArgument(EMBEDDINGS_UNSUPPORTED)
     # null equals absent: drop top-level nulls so attribute defaults apply.
     data = {k: v for k, v in obj.items() if v is not None}
     try:
         return _request_inner(data, PreprocessedRequest)
     except Exception as exc:  # cattrs raises ExceptionGroup subclasses; translate once, here.
         raise InvalidArgument(f"invalid PreprocessedRequest: {_detail(exc)}") from None
+
+
+EMBEDDINGS_UNSUPPORTED = "embeddings are not supported by vLLM gRPC (its Inference service only generates)"
+
+
+def _is_embedding_request(obj: dict[str, Any]) -> bool:
+    """Dynamo's ``PreprocessedEmbeddingRequest`` (``--endpoint-types embeddings``): one token list per input."""
+    token_ids = obj.get("token_ids")
+    return isinstance(token_ids, list) and bool(token_ids) and all(isinstance(t, list) for t in token_ids)
 
 
 # The common request, structured without cattrs (it costs ~10 µs a request; this ~3 µs). Only plain values
@@ -475,6 +487,8 @@ class LLMEngineOutput:
     completion_usage: CompletionUsage | None = None
     disaggregated_params: dict[str, Any] | None = None
     engine_data: dict[str, Any] | None = None
+    #: An encode worker's terminal: the encoder handoff the next worker forwards to vLLM.
+    encoder_result: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The Dynamo chunk dict (``None`` fields omitted); a plain token chunk's is
@@ -496,6 +510,8 @@ class LLMEngineOutput:
             out["disaggregated_params"] = self.disaggregated_params
         if self.engine_data is not None:
             out["engine_data"] = self.engine_data
+        if self.encoder_result is not None:
+            out["encoder_result"] = self.encoder_result
         return out
 
     @classmethod
@@ -527,6 +543,7 @@ def token_chunk(token_ids: list[int], text: str) -> LLMEngineOutput:
     chunk.completion_usage = None
     chunk.disaggregated_params = None
     chunk.engine_data = None
+    chunk.encoder_result = None
     return chunk
 
 

@@ -82,17 +82,18 @@ class RunSink(Protocol):
 
 class MergingSink:
     """``submit()``'s :class:`RunSink`: every run to a :class:`ChunkSink`, plain token chunks merged
-    (``deliver_items``); never pauses."""
+    (``deliver_items``) unless ``merge`` is false; never pauses."""
 
-    __slots__ = ("_chunk", "_tokens", "end")
+    __slots__ = ("_chunk", "_merge", "_tokens", "end")
 
-    def __init__(self, sink: ChunkSink) -> None:
+    def __init__(self, sink: ChunkSink, *, merge: bool = True) -> None:
         self._chunk = sink.chunk
         self._tokens = sink.tokens
+        self._merge = merge
         self.end = sink.end
 
     def run(self, items: list[Any]) -> bool:
-        deliver_items(items, self._tokens, self._chunk)
+        deliver_items(items, self._tokens, self._chunk, merge=self._merge)
         return False
 
     async def wait_taken(self) -> None:  # pragma: no cover - run() never pauses
@@ -118,6 +119,7 @@ class RequestTask:
     #: Cancelled by the client's cancellation or by engine shutdown (see the module docstring).
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     opened: trio.Event = attrs.field(factory=trio.Event)  # the open finished (either way)
+    ended: trio.Event = attrs.field(factory=trio.Event)  # the engine stopped counting it and ``end`` ran
     done: bool = False  # the task ended (its outcome below is final)
     open_error: BaseException | None = None
     final: LLMEngineOutput | None = None

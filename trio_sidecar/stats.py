@@ -72,7 +72,7 @@ ERROR_TYPES: tuple[str, ...] = (
 REJECT_REASONS: tuple[str, ...] = ("not_serving", "not_started", "invalid_argument")
 #: ``Control.Abort`` outcomes, counted in request ids.
 ABORT_OUTCOMES: tuple[str, ...] = ("sent", "failed", "timed_out")
-#: The prober's states (``prober.HealthKind`` values).
+#: The prober's states (``health_policy.HealthKind`` values).
 HEALTH_STATES: tuple[str, ...] = ("serving", "not_serving", "unreachable", "recovering", "failed")
 
 _ERROR_TYPE_OF_KIND = {

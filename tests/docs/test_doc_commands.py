@@ -21,6 +21,10 @@ README.md and docs/**/*.md is preceded by one marker line saying how this test t
     Not run here, for the stated reason (a GPU, a real vLLM server, Kubernetes, Docker, another test that
     already runs it).
 
+A ```python block is illustrative unless it carries a marker: ``run`` (or ``run retry=SECONDS``) runs it
+with the environment's ``python`` in the clone's root, with the same port rewrites; ``skip: REASON`` says why
+not. In a guide of runnable programs (:data:`RUNNABLE_GUIDES`) every python block must carry one.
+
 The fresh clone is ``git clone`` of the repository's committed HEAD. It reuses the running test
 environment: ``.venv`` is a symlink to it, its ``bin`` leads PATH and PYTHONPATH points at the clone, so
 ``trio-sidecar`` and ``python`` run the clone's code without installing anything. The only rewrites of a
@@ -48,6 +52,9 @@ from trio_sidecar._devtools import local
 REPO = Path(__file__).resolve().parents[2]
 DOCS = ("README.md", *sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").rglob("*.md")))
 SHELL_LANGS = ("bash", "sh", "shell", "console")
+PYTHON_LANGS = ("python",)
+#: Guides whose every python block is a program the test runs (or skips for a stated reason).
+RUNNABLE_GUIDES = ("docs/embedded.md",)
 PORTS = ("50051", "8000")
 
 _FENCE = re.compile(r"^```([A-Za-z0-9_+-]*)[^\n]*\n(.*?)^```[ \t]*$", re.S | re.M)
@@ -102,6 +109,31 @@ def extract_blocks(path: str) -> list[Block]:
 
 def shell_blocks(path: str) -> list[Block]:
     return [b for b in extract_blocks(path) if b.lang in SHELL_LANGS]
+
+
+def python_blocks(path: str) -> list[Block]:
+    """The marked python blocks of ``path`` (in a runnable guide: all of them, a missing marker included)."""
+    blocks = [b for b in extract_blocks(path) if b.lang in PYTHON_LANGS]
+    if path in RUNNABLE_GUIDES:
+        return blocks
+    return [b for b in blocks if b.mode is not None or b.reason]
+
+
+def runnable_blocks(path: str) -> list[Block]:
+    """The shell and marked python blocks of ``path``, in document order."""
+    return sorted([*shell_blocks(path), *python_blocks(path)], key=lambda b: b.line)
+
+
+def test_every_python_block_with_a_marker_is_run_or_skipped():
+    bad = [
+        f"{b.where} ({b.mode or b.reason or 'no marker'})"
+        for path in DOCS
+        for b in python_blocks(path)
+        if b.mode not in ("run", "skip") or (b.mode == "skip" and not b.reason)
+    ]
+    assert not bad, "python blocks must be marked run or skip: REASON: " + ", ".join(bad)
+    for guide in RUNNABLE_GUIDES:
+        assert any(b.mode == "run" for b in python_blocks(guide)), f"{guide} runs no python block"
 
 
 def test_every_shell_block_in_the_docs_says_how_it_is_tested():
@@ -159,7 +191,10 @@ def _with_free_ports(text: str, ports: dict[str, str]) -> str:
 
 
 def _script(block: Block, ports: dict[str, str]) -> str:
-    return "set -euo pipefail\n" + _with_free_ports(block.text, ports) + "\n"
+    text = _with_free_ports(block.text, ports)
+    if block.lang in PYTHON_LANGS:  # (a quoted here-document: the shell expands nothing in it)
+        return f"set -euo pipefail\npython - <<'DOC_TEST_PYTHON'\n{text}\nDOC_TEST_PYTHON\n"
+    return "set -euo pipefail\n" + text + "\n"
 
 
 def _dry_run(block: Block, clone: Path, env: dict[str, str]) -> None:
@@ -224,7 +259,7 @@ def _stop_group(proc: subprocess.Popen, grace: float = 30.0) -> int | None:
     return proc.wait(10)
 
 
-RUNNABLE = [path for path in DOCS if any(b.mode in ("run", "background", "dry-run") for b in shell_blocks(path))]
+RUNNABLE = [path for path in DOCS if any(b.mode in ("run", "background", "dry-run") for b in runnable_blocks(path))]
 
 
 @pytest.mark.dynamo
@@ -240,7 +275,7 @@ def test_the_documented_commands_work_in_a_fresh_clone(path, clone, tmp_path):
     background: list[tuple[Block, subprocess.Popen, float]] = []
     codes: list[tuple[Block, int | None]] = []
     try:
-        for block in shell_blocks(path):
+        for block in runnable_blocks(path):
             if block.mode == "dry-run":
                 _dry_run(block, clone, env)
             elif block.mode == "run":

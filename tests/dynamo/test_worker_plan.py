@@ -35,9 +35,11 @@ ENGINE = EngineConfig(
 SOURCES = (KvEventSource("tcp://127.0.0.1:20081", "", 0),)
 
 
-def plan(mode="agg", *, options=None, engine=ENGINE, sources=SOURCES, environ=None):
+def plan(mode="agg", *, options=None, engine=ENGINE, sources=SOURCES, environ=None, multimodal=False):
     config = SidecarConfig(grpc_endpoint="127.0.0.1:50051", disaggregation_mode=mode)
-    return plan_registration(config, options or WorkerOptions(), engine, sources, environ=environ or {})
+    return plan_registration(
+        config, options or WorkerOptions(), engine, sources, supports_multimodal=multimodal, environ=environ or {}
+    )
 
 
 @pytest.mark.parametrize(
@@ -76,8 +78,17 @@ def test_identity_and_capacity_come_from_the_engine_config():
         "exclude_tools_when_tool_choice_none": True,
         "enable_local_indexer": True,
     }
-    # Parsers are never advertised (docs/reference/sidecar.md#registration-data).
+    # Control's parser names are never advertised (docs/reference/sidecar.md#registration-data).
     assert "tool_call_parser" not in p.runtime_config and "reasoning_parser" not in p.runtime_config
+
+
+@pytest.mark.parametrize("mode", ["agg", "prefill", "decode"])
+def test_configured_parsers_are_registered_in_every_mode(mode):
+    options = WorkerOptions(tool_call_parser="hermes", reasoning_parser="deepseek_r1")
+    p = plan(mode, options=options)
+    assert (p.runtime_config["tool_call_parser"], p.runtime_config["reasoning_parser"]) == ("hermes", "deepseek_r1")
+    assert "reasoning_parser" not in plan(options=WorkerOptions(tool_call_parser="")).runtime_config
+    assert plan(options=WorkerOptions(tool_call_parser="")).runtime_config["tool_call_parser"] == ""
 
 
 def test_unknown_limits_are_left_at_dynamo_defaults():
@@ -105,15 +116,21 @@ def test_unknown_limits_are_left_at_dynamo_defaults():
 
 @pytest.mark.parametrize(
     ("types", "expected"),
-    [("chat", ("Chat",)), ("completions", ("Completions",)), ("completions,chat", ("Completions", "Chat"))],
+    [
+        ("chat", ("Chat",)),
+        ("completions", ("Completions",)),
+        ("completions,chat", ("Completions", "Chat")),
+        ("chat,embeddings", ("Chat", "Embedding")),
+        ("embeddings", ("Embedding",)),
+    ],
 )
 def test_endpoint_types_map_to_model_type_flags(types, expected):
     assert plan(options=WorkerOptions(endpoint_types=types)).model_types == expected
 
 
 def test_an_unknown_endpoint_type_is_rejected():
-    with pytest.raises(InvalidArgument, match="unsupported endpoint type `embeddings`"):
-        plan(options=WorkerOptions(endpoint_types="chat,embeddings"))
+    with pytest.raises(InvalidArgument, match="unknown endpoint type 'rerank'"):
+        plan(options=WorkerOptions(endpoint_types="chat,rerank"))
 
 
 def test_template_and_exclude_tools_are_passed_through():
@@ -137,9 +154,42 @@ def test_namespace_worker_suffix_is_appended_once(namespace, suffix, expected):
     assert p.endpoint_path == f"{expected}.backend.generate"
 
 
-def test_encode_mode_is_rejected():
-    with pytest.raises(InvalidArgument, match="encode mode is not supported by the vLLM sidecar"):
+def test_encode_mode_needs_a_multimodal_engine():
+    with pytest.raises(InvalidArgument) as info:
         plan(DisaggregationMode.ENCODE)
+    assert str(info.value) == (
+        "encode mode requires a multimodal engine; `served-model` does not advertise multimodal support"
+    )
+
+
+def test_an_encode_worker_registers_like_natives():
+    p = plan(DisaggregationMode.ENCODE, options=WorkerOptions(component="custom"), multimodal=True)
+    assert p.endpoint_path == "dynamo.encode.generate"
+    assert (p.model_types, p.worker_type) == (("Empty",), "Encode")
+    assert p.needs == (("Prefill", "Decode"), ("Aggregated",))
+    assert p.kv_cache_block_size is None and not p.local_indexer
+    assert "total_kv_blocks" not in p.runtime_config
+    assert p.runtime_config["enable_local_indexer"] is False
+    assert p.runtime_config["kv_event_publishing_enabled"] is False
+    assert not p.encoder_result_handoff
+
+
+@pytest.mark.parametrize(("mode", "needs"), [("agg", (("Encode",),)), ("prefill", (("Decode", "Encode"),))])
+def test_route_to_encoder_adds_the_encode_peer_and_the_handoff_capability(mode, needs):
+    p = plan(mode, options=WorkerOptions(route_to_encoder=True), multimodal=True)
+    assert p.needs == needs and p.encoder_result_handoff
+    assert not plan(mode).encoder_result_handoff
+
+
+@pytest.mark.parametrize("mode", ["decode", "encode"])
+def test_route_to_encoder_on_decode_or_encode_is_refused_with_natives_text(mode):
+    with pytest.raises(InvalidArgument) as info:
+        plan(mode, options=WorkerOptions(route_to_encoder=True), multimodal=True)
+    assert str(info.value) == (
+        f"--route-to-encoder is meaningful only for --disaggregation-mode agg|prefill; got '{mode}'. Decode workers "
+        "consume KV cache from a Prefill peer (encoder dependency propagates transitively through Prefill); "
+        "Encode workers are the producer of the encoder result."
+    )
 
 
 def test_health_check_payload_uses_the_models_bos_token_and_the_canary_marker(tmp_path):

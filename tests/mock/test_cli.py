@@ -65,7 +65,7 @@ def test_help_documents_every_flag(capsys):
         (["--extra-engine-args", "/nonexistent/engine.json"], "cannot read engine args file"),
         (["--listen", "localhost:50051"], "invalid listen address"),
         (["--listen", "127.0.0.1:70000"], "port"),
-        (["--disaggregation-mode", "encode"], "invalid choice"),
+        (["--disaggregation-mode", "both"], "invalid choice"),
         (["--seed", "-1"], "unsigned 64-bit"),
         (["--bogus"], "unrecognized arguments"),
         (["--handshake-timeout", "0"], "must be a positive number of seconds"),

@@ -169,7 +169,7 @@ async def test_grpcio_error_codes():
 @pytest.mark.parametrize("compression", ["Gzip", "Deflate"])
 async def test_grpcio_compressed_requests_are_served(compression, monkeypatch):
     """A grpc.aio client compressing its requests (gRPC gzip / deflate): the mock answers normally."""
-    from trio_sidecar.transport._protocol import BoundedReadBuffer
+    from trio_sidecar.transport._decompress import BoundedReadBuffer
 
     inflated: list[str] = []
     original = BoundedReadBuffer.decompress

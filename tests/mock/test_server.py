@@ -234,7 +234,7 @@ async def test_prefill_handoff_round_trips_through_a_decode_server_and_needs_the
         ({"engine_args": {"num_gpu_blocks": 0}}, "num_gpu_blocks"),
         ({"engine_args": {"bogus": 1}}, "bogus"),
         ({"listen": "localhost:0"}, "listen"),
-        ({"disaggregation_mode": "encode"}, "encode"),
+        ({"disaggregation_mode": "both"}, "both"),
     ],
 )
 async def test_startup_errors_name_the_key(kw, key):
@@ -716,11 +716,32 @@ async def test_multimodal_flag():
             assert messages[0].prompt_info.num_prompt_tokens == 2 + 16
         audio = pb.MediaItem(modality=pb.MODALITY_AUDIO, url="http://example.invalid/a.wav")
         err = await rpc_error(collect(ch, gen(prompt=(1, 31999), media=[audio])))
-        assert err.message == "only image media is supported by the mock server"
+        assert err.message == "only image and video media are supported by the mock server"
+        video = pb.MediaItem(modality=pb.MODALITY_VIDEO, url="http://example.invalid/v.mp4")
+        messages = await collect(ch, gen(prompt=(1, 31999, 2), media=[video], max_new_tokens=1))
+        assert messages[0].prompt_info.num_prompt_tokens == 2 + 16
         err = await rpc_error(collect(ch, gen(prompt=(1, 31999), media=[pb.MediaItem(modality=pb.MODALITY_IMAGE)])))
         assert err.message == "media item 0 has no source"
         err = await rpc_error(collect(ch, gen(prompt=(1, 2), media=[image])))
         assert err.message == "expected 1 image placeholders in token_ids, found 0"
+
+
+async def test_an_encode_server_answers_an_encoder_handoff_and_no_tokens():
+    image = pb.MediaItem(modality=pb.MODALITY_IMAGE, url="http://example.invalid/cat.png", uuid="cat")
+    async with running_mock(supports_multimodal=True, disaggregation_mode="encode") as (mock, ch):
+        messages = await collect(ch, gen("e1", prompt=(1, 31999, 2), media=[image], max_new_tokens=1))
+        assert messages[0].prompt_info.num_prompt_tokens == 2 + 16
+        assert [m.outputs.num_tokens for m in messages[1:]] == [0]
+        finish = messages[-1].outputs.finish_info
+        assert (finish.finish_reason, finish.num_output_tokens) == (pb.FinishInfo.STOP, 0)
+        assert dict(finish.ec_transfer_params) == {"mocker_encode_request_id": "e1", "mm_hashes": ["cat"]}
+        assert not finish.HasField("kv_transfer_params")
+        err = await rpc_error(collect(ch, gen("e2", prompt=(1, 2), max_new_tokens=1)))
+        assert (err.code, err.message) == (C.INVALID_ARGUMENT, "encode mock server requires media")
+        prefill = gen("e3", prompt=(1, 31999), media=[image], max_new_tokens=1)
+        prefill.kv.kv_transfer_params.update({"do_remote_decode": True})
+        err = await rpc_error(collect(ch, prefill))
+        assert (err.code, err.message) == (C.FAILED_PRECONDITION, "encode mock server received KV transfer parameters")
 
 
 # --- 29: preemption through the server --------------------------------------------------------------------------

@@ -309,8 +309,9 @@ def test_prefill_terminal_params_round_trip_into_a_decode_request():
 
 def test_mode_parse():
     assert Role.parse("agg") is Role.AGGREGATED and Role.parse("Prefill") is Role.PREFILL
+    assert Role.parse("encode") is Role.ENCODE
     with pytest.raises(ValueError):
-        Role.parse("encode")
+        Role.parse("both")
 
 
 # --- multimodal (docs/reference/mock.md#multimodal) ----------------------------------------------------------------
@@ -320,8 +321,9 @@ def test_media_checks():
     check_media([], False)
     check_media([pb.MediaItem(modality=pb.MODALITY_IMAGE, data_uri="data:image/png;base64,AA==")], True)
     check_media([pb.MediaItem(modality=pb.MODALITY_IMAGE, raw_bytes=b"\x89PNG")], True)
+    check_media([pb.MediaItem(modality=pb.MODALITY_VIDEO, url="http://v.mp4")], True)
     assert rejected(check_media, [pb.MediaItem(modality=pb.MODALITY_AUDIO, url="http://a")], True).message == (
-        "only image media is supported by the mock server"
+        "only image and video media are supported by the mock server"
     )
     assert (
         rejected(check_media, [pb.MediaItem(modality=pb.MODALITY_IMAGE)], True).message == "media item 0 has no source"

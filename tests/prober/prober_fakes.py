@@ -20,8 +20,9 @@ from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar._proto.vllm import control_grpc, control_pb2
 from trio_sidecar.config import SidecarConfig
 from trio_sidecar.endpoint import parse_grpc_endpoint
+from trio_sidecar.health_policy import HealthKind, HealthState
 from trio_sidecar.model import DiscoveredModel
-from trio_sidecar.prober import HealthKind, HealthState, run_health_prober
+from trio_sidecar.prober import run_health_prober
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -244,3 +245,70 @@ class MockRunner:
         self._stop.set()
         await self._done.wait()
         self.mock = self._stop = self._done = None
+
+
+@attrs.define
+class ProxiedLink:
+    client: trio.SocketStream
+    scope: trio.CancelScope
+
+
+class ResettableProxy:
+    """A TCP proxy on 127.0.0.1:0 in front of a vLLM stand-in that can reset one client connection (the
+    fault injection of a prober hiccup) and refuse new ones (a failed reconnect).
+
+    ``links`` lists the live connections in the order they were accepted. Usage:
+    ``proxy = await nursery.start(ResettableProxy(port).serve)``; ``proxy.endpoint``.
+    """
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.listen_port = 0
+        self.accepted = 0
+        self.links: list[ProxiedLink] = []
+        self.refuse = False
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.listen_port}"
+
+    def reset(self, link: ProxiedLink, *, abortive: bool = True) -> None:
+        """Drop ``link``: a TCP RST (``abortive``) or a plain close (FIN) towards the client."""
+        if abortive:
+            import socket
+            import struct
+
+            link.client.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        link.scope.cancel()
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.listen_port = listeners[0].socket.getsockname()[1]
+        async with trio.open_nursery() as nursery:
+            task_status.started(self)
+            await trio.serve_listeners(self._handle, listeners, handler_nursery=nursery)
+
+    async def _handle(self, client: trio.SocketStream) -> None:
+        self.accepted += 1
+        async with client:
+            if self.refuse:
+                return
+            try:
+                upstream = await trio.open_tcp_stream("127.0.0.1", self.port)
+            except OSError:
+                return
+            async with upstream, trio.open_nursery() as nursery:
+                link = ProxiedLink(client, nursery.cancel_scope)
+                self.links.append(link)
+
+                async def pipe(src: trio.SocketStream, dst: trio.SocketStream) -> None:
+                    try:
+                        while data := await src.receive_some(65536):
+                            await dst.send_all(data)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(pipe, client, upstream)
+                nursery.start_soon(pipe, upstream, client)
+            self.links.remove(link)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import trio
 from prober_fakes import (
     NOT_SERVING,
@@ -22,7 +23,7 @@ from prober_fakes import (
 
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar.errors import ProtocolError
-from trio_sidecar.prober import (
+from trio_sidecar.health_policy import (
     WATCH_ENDED,
     WATCH_NOT_SERVING,
     WATCH_TIMED_OUT,
@@ -257,37 +258,112 @@ async def test_watch_unimplemented_falls_back_to_check_polling(nursery):
         assert len(prober.recovered) == 1
 
 
-def _failing_health(fail: trio.Event, watching: list):
-    """Watch streams end with UNAVAILABLE once ``fail`` is set (vLLM's SIGTERM path, docs/reference/real-vllm.md#shutdown-and-engine-death)."""
+def _failing_health(fail: trio.Event, watching: list, *, times: int = 1, then_silent: bool = False):
+    """Watch streams end with UNAVAILABLE once ``fail`` is set (vLLM's SIGTERM path, docs/reference/real-vllm.md#shutdown-and-engine-death,
+    or a reset of the prober's own connection), for the first ``times`` sessions; later ones are normal, or
+    send nothing at all with ``then_silent``."""
     from trio_sidecar.transport import HealthServicer, RpcError
 
     class Failing(HealthServicer):
         async def Watch(self, request, context):
-            if fail.is_set():  # later sessions: a normal server again
+            watching.append(request.service)
+            if len(watching) > 2 * times and then_silent:
+                await trio.sleep_forever()
+            if len(watching) > 2 * times:  # later sessions: a normal server again
                 async for message in super().Watch(request, context):
                     yield message
                 return
             yield health_pb2.HealthCheckResponse(status=SERVING)
-            watching.append(request.service)
             await fail.wait()
             raise RpcError(StatusCode.UNAVAILABLE, "server shutting down")
 
     return Failing({"": SERVING, "vllm.Control": SERVING, "vllm.Inference": SERVING})
 
 
-async def test_watch_failing_with_a_status_is_unreachable_and_the_prober_reconnects(nursery):
+async def wait_watching(watching: list, count: int) -> None:
+    with trio.fail_after(20):
+        while len(watching) < count:
+            await trio.sleep(0.01)
+
+
+async def test_a_watch_failing_while_serving_is_a_hiccup_reconnected_at_once_with_admission_open(
+    nursery, caplog_prober
+):
+    fail, watching = trio.Event(), []
+    vllm = ScriptedVllm(nursery, health=_failing_health(fail, watching))
+    await vllm.start()
+    # A long retry interval: the reconnect is immediate, not the outage path's.
+    async with running_prober(vllm, config=prober_config(vllm.port, retry_interval=60.0)) as prober:
+        await wait_watching(watching, 2)
+        fail.set()
+        await wait_watching(watching, 4)  # the second session watches again
+        with trio.fail_after(20):
+            while vllm.control.calls["GetKvEventSources"] < 1:  # the verification after the reconnect
+                await trio.sleep(0.01)
+        await trio.sleep(0.2)
+        assert prober.health.history == [HealthState(HealthKind.SERVING)]
+        assert prober.recovered == []  # the same vLLM: nothing to adopt
+    assert warnings_of(caplog_prober) == []
+    assert any("reconnecting at once (admission stays open)" in m for m in infos_of(caplog_prober))
+
+
+async def test_a_second_failure_within_the_retry_interval_is_an_outage(nursery):
+    fail, watching = trio.Event(), []
+    vllm = ScriptedVllm(nursery, health=_failing_health(fail, watching, times=2))
+    await vllm.start()
+    fail.set()  # every stream of the first two sessions fails right after its first status
+    async with running_prober(vllm, config=prober_config(vllm.port, retry_interval=0.5)) as prober:
+        state = await prober.wait_for(HealthKind.UNREACHABLE)
+        assert state.reason.endswith("Health.Watch failed: server shutting down (Unavailable)")
+        await prober.wait_for(HealthKind.SERVING)  # the third session: a normal server, recovered
+        assert len(prober.recovered) == 1
+
+
+async def test_a_failed_reconnect_after_a_hiccup_closes_admission(nursery):
     fail, watching = trio.Event(), []
     vllm = ScriptedVllm(nursery, health=_failing_health(fail, watching))
     await vllm.start()
     async with running_prober(vllm) as prober:
-        with trio.fail_after(20):
-            while len(watching) < 2:
-                await trio.sleep(0.01)
-        fail.set()
+        await wait_watching(watching, 2)
+        port = vllm.port
+        await vllm.stop()  # every connection drops, and the port refuses the reconnect
         state = await prober.wait_for(HealthKind.UNREACHABLE)
-        assert state.reason.endswith("Health.Watch failed: server shutting down (Unavailable)")
-        await prober.wait_for(HealthKind.SERVING)  # a new session on a new connection
-        assert len(prober.recovered) == 1
+        assert state.reason.startswith(f"cannot connect to http://127.0.0.1:{port}: "), state.reason
+        assert prober.health.kinds() == [HealthKind.SERVING, HealthKind.UNREACHABLE]
+
+
+async def test_a_replaced_vllm_found_after_a_hiccup_is_adopted(nursery, caplog_prober):
+    fail, watching = trio.Event(), []
+    vllm = ScriptedVllm(nursery, health=_failing_health(fail, watching))
+    await vllm.start()
+    async with running_prober(vllm, config=prober_config(vllm.port, retry_interval=60.0)) as prober:
+        await wait_watching(watching, 2)
+        vllm.control.server_info = server_info(instance_id="instance-2")
+        fail.set()
+        with trio.fail_after(20):
+            while not prober.recovered:
+                await trio.sleep(0.01)
+        await prober.wait_for(HealthKind.SERVING)
+        assert prober.health.kinds() == [HealthKind.SERVING, HealthKind.RECOVERING, HealthKind.SERVING]
+        assert prober.recovered[0][0].instance_id == "instance-2"
+    assert "vLLM is serving again (instance instance-1 → instance-2)" in infos_of(caplog_prober)
+
+
+async def test_a_reconnect_that_gets_no_status_closes_admission_at_the_hung_engine_deadline(nursery):
+    fail, watching = trio.Event(), []
+    vllm = ScriptedVllm(nursery, health=_failing_health(fail, watching, then_silent=True))
+    await vllm.start()
+    # keepalive 0.2 s + 0.3 s: the hiccup may keep admission open for 0.5 s at most.
+    config = prober_config(vllm.port, keepalive_time=0.2, keepalive_timeout=0.3, retry_interval=60.0)
+    async with running_prober(vllm, config=config) as prober:
+        await wait_watching(watching, 2)
+        fail.set()  # the next session's watches stay silent
+        state = await prober.wait_for(HealthKind.UNREACHABLE)
+        assert state.reason == (
+            "vllm.Control Health.Watch failed: server shutting down (Unavailable); not watching again within 0.5s"
+        ) or state.reason == (
+            "vllm.Inference Health.Watch failed: server shutting down (Unavailable); not watching again within 0.5s"
+        )
 
 
 def _silent_health():
@@ -324,3 +400,18 @@ def test_health_state_admission():
     assert HealthState(HealthKind.SERVING).admits
     for kind in (HealthKind.NOT_SERVING, HealthKind.UNREACHABLE, HealthKind.RECOVERING, HealthKind.FAILED):
         assert not HealthState(kind, "x").admits
+
+
+async def test_the_hung_engine_deadline_of_a_hiccup_is_keepalive_time_plus_timeout(nursery, autojump_clock):
+    fail, watching = trio.Event(), []
+    vllm = ScriptedVllm(nursery, health=_failing_health(fail, watching, then_silent=True))
+    await vllm.start()
+    config = prober_config(vllm.port, keepalive_time=10.0, keepalive_timeout=4.0, retry_interval=60.0)
+    async with running_prober(vllm, config=config) as prober:
+        await wait_watching(watching, 2)
+        fail.set()
+        failed = trio.current_time()
+        state = await prober.wait_for(HealthKind.UNREACHABLE, timeout=60)
+        assert trio.current_time() - failed == pytest.approx(14.0, abs=0.1)
+        assert state.reason.endswith("; not watching again within 14s"), state.reason
+        assert prober.health.kinds() == [HealthKind.SERVING, HealthKind.UNREACHABLE]

@@ -388,7 +388,8 @@ async def test_by_design_differences(channels, real_server):
     assert len(outs["mock"].tokens()) == len(outs["real"].tokens()) == 8
     assert outs["mock"].tokens() != outs["real"].tokens()
 
-    # 2. A text prompt: vLLM tokenizes it; the mock has no tokenizer and answers UNIMPLEMENTED.
+    # 2. A text prompt: vLLM tokenizes it; so does the mock, with the model directory's tokenizer, into as
+    #    many prompt tokens (a mock model name without a tokenizer answers UNIMPLEMENTED: tests/mock).
     text = inference_pb2.GenerateRequest(
         request_id=unique_id("text"),
         text="hello world",
@@ -398,14 +399,16 @@ async def test_by_design_differences(channels, real_server):
     real_text = await collect(channels["real"], text)
     assert real_text.error is None and real_text.terminal().num_output_tokens == 4
     mock_text = await collect(channels["mock"], text)
-    assert mock_text.code == StatusCode.UNIMPLEMENTED and "token_ids" in mock_text.message
+    assert mock_text.error is None and mock_text.terminal().num_output_tokens == 4
+    prompt_counts = [o.messages[0].prompt_info.num_prompt_tokens for o in (real_text, mock_text)]
+    assert prompt_counts[0] == prompt_counts[1] > 0
     models = {
         s: await ch.unary_unary(
             "/vllm.Control/GetModelInfo", control_pb2.GetModelInfoRequest(), control_pb2.ModelInfo, timeout=30
         )
         for s, ch in channels.items()
     }
-    assert (models["real"].supports_text_input, models["mock"].supports_text_input) == (True, False)
+    assert (models["real"].supports_text_input, models["mock"].supports_text_input) == (True, True)
 
     # 3. A duplicate in-flight request id: vLLM accepts it, the mock answers ALREADY_EXISTS.
     for side, expected in (("real", None), ("mock", StatusCode.ALREADY_EXISTS)):

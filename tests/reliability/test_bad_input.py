@@ -38,11 +38,6 @@ RUN_CASES = [
     ([], {}, "--grpc-endpoint"),
     (["--grpc-endpoint", ENDPOINT, "--disaggregation-mode", "sideways"], {}, "--disaggregation-mode"),
     (
-        ["--grpc-endpoint", ENDPOINT, "--disaggregation-mode", "encode"],
-        {},
-        "encode mode is not supported by the vLLM sidecar",
-    ),
-    (
         ["--grpc-endpoint", ENDPOINT, "--enable-rl", "--vllm-http-endpoint", "http://user@127.0.0.1:9"],
         {},
         "`--vllm-http-endpoint` must not include user information",
@@ -57,7 +52,7 @@ MOCK_CASES = [
     (["--listen", "127.0.0.1:notaport"], "invalid listen address '127.0.0.1:notaport'"),
     (["--listen", "127.0.0.1:0", "--seed", "-1"], "--seed"),
     (["--listen", "127.0.0.1:0", "--max-concurrent-requests", "0"], "max_concurrent_requests"),
-    (["--listen", "127.0.0.1:0", "--disaggregation-mode", "encode"], "--disaggregation-mode"),
+    (["--listen", "127.0.0.1:0", "--disaggregation-mode", "sideways"], "--disaggregation-mode"),
     (["--listen", "127.0.0.1:0", "--log-level", "loud"], "--log-level"),
 ]
 
@@ -215,7 +210,7 @@ MALFORMED_REQUESTS = [
     {"token_ids": [1, 2], "sampling_options": {"top_k": -2}},
     {"token_ids": [1, 2], "output_options": {"logprobs": 2**31}},
     {"token_ids": [1, 2], "extra_args": {"unknown": True}},
-    {"token_ids": [1, 2], "multi_modal_data": {"audio_url": [{"Url": "data:audio/wav;base64,AAAA"}]}},
+    {"token_ids": [1, 2], "multi_modal_data": {"image_url": [{"Url": "file:///etc/passwd"}]}},
     [1, 2, 3],
     None,
 ]

@@ -36,8 +36,8 @@ def set_all(mock, status: int) -> None:
 
 async def test_health_flaps_under_load_lose_nothing():
     from trio_sidecar.api import open_sidecar
+    from trio_sidecar.health_policy import HealthKind
     from trio_sidecar.mock import open_mock_server
-    from trio_sidecar.prober import HealthKind
 
     engine_args = {
         "block_size": 4,

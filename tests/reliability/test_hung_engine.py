@@ -3,10 +3,12 @@
 Nothing closes a socket when a process is stopped, so only the client keepalive (an HTTP/2 PING after the
 keepalive time without reads, the connection lost when nothing answers within the keepalive timeout) can tell.
 Invariant: every in-flight request ends exactly once, with the typed retryable error (CannotConnect, which
-Dynamo's migration retries), within keepalive time + timeout of the stop (plus the socket buffers' drain);
-the prober goes UNREACHABLE (its Watch streams are silent, so only the keepalive notices) and new requests
-fail fast; after SIGCONT the prober re-checks the identity, admission reopens, the pool reconnects its lost
-slots and requests complete again.
+Dynamo's migration retries), within keepalive time + timeout of the stop (plus the socket buffers' drain):
+tokens were flowing, so the PING is one a gRPC-core server would accept at once. The prober's Watch streams
+are silent, so its connection is PINGed at most once per ``keepalive_min_ping_interval`` (5 minutes by
+default, gRPC-core's ping policy); with that lowered to the keepalive time (the mock polices no PINGs) the
+prober goes UNREACHABLE within keepalive time + timeout too and new requests fail fast. After SIGCONT the
+prober re-checks the identity, admission reopens, the pool reconnects its lost slots and requests complete.
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def check_failed_by_keepalive(outcomes, concurrent: int) -> None:
 
 async def test_sigstopped_engine_is_detected_and_serving_resumes_after_sigcont(tmp_path, caplog):
     from trio_sidecar.api import open_sidecar
-    from trio_sidecar.prober import HealthKind
+    from trio_sidecar.health_policy import HealthKind
 
     caplog.set_level(logging.INFO, logger="trio_sidecar.prober")
     keepalive_time, keepalive_timeout = 1.0, 0.5
@@ -88,6 +90,8 @@ async def test_sigstopped_engine_is_detected_and_serving_resumes_after_sigcont(t
                 grpc_connections=4,
                 keepalive_time=keepalive_time,
                 keepalive_timeout=keepalive_timeout,
+                # The mock has no ping policy: the prober's silent connection may be PINGed every keepalive time.
+                keepalive_min_ping_interval=keepalive_time,
             )
             async with open_sidecar(config) as sidecar:
                 pool = sidecar.engine._pool
@@ -99,7 +103,7 @@ async def test_sigstopped_engine_is_detected_and_serving_resumes_after_sigcont(t
                 assert sidecar_in_flight(sidecar) == 0
 
                 # The prober's connection is silent by nature (Watch sends only changes): its keepalive
-                # notices too, and admission closes.
+                # notices too (PINGs allowed every keepalive time here), and admission closes.
                 with trio.fail_after(keepalive_time + keepalive_timeout + SLACK):
                     await sidecar.health.wait_value(lambda s: s.kind is HealthKind.UNREACHABLE)
                 print(f"prober UNREACHABLE {trio.current_time() - stopped:.2f} s after SIGSTOP")
@@ -149,7 +153,7 @@ async def test_sigstopped_engine_is_detected_and_serving_resumes_after_sigcont(t
 async def test_default_keepalive_detects_a_sigstopped_engine_within_15_seconds(tmp_path):
     from trio_sidecar.api import open_sidecar
     from trio_sidecar.config import SidecarConfig
-    from trio_sidecar.prober import HealthKind
+    from trio_sidecar.health_policy import HealthKind
 
     defaults = SidecarConfig(grpc_endpoint="127.0.0.1:1")
     bound = defaults.keepalive_time + defaults.keepalive_timeout
@@ -172,9 +176,8 @@ async def test_default_keepalive_detects_a_sigstopped_engine_within_15_seconds(t
                 detected = max(ended) - stopped
                 print(f"\nall {concurrent} in-flight requests failed {detected:.2f} s after SIGSTOP (defaults)")
                 assert bound - 1.0 <= detected <= 15.0, detected
-                with trio.fail_after(bound + SLACK):
-                    await sidecar.health.wait_value(lambda s: s.kind is HealthKind.UNREACHABLE)
-                print(f"prober UNREACHABLE {trio.current_time() - stopped:.2f} s after SIGSTOP (defaults)")
+                # (The prober's silent connection is PINGed at most every 5 minutes with the defaults, so it
+                # need not have noticed yet; the in-flight requests did, within the keepalive bound.)
                 mock.process.send_signal(signal.SIGCONT)
                 with trio.fail_after(60):
                     await sidecar.health.wait_value(lambda s: s.kind is HealthKind.SERVING)

@@ -50,7 +50,7 @@ def mock_args(engine_args: dict) -> list[str]:
 
 async def test_mock_killed_mid_stream_and_restarted(tmp_path):
     from trio_sidecar.api import open_sidecar
-    from trio_sidecar.prober import HealthKind
+    from trio_sidecar.health_policy import HealthKind
 
     first_kv_port, second_kv_port = free_ports(2)
     mock = MockProcess(mock_args({**SLOW_ARGS, "zmq_kv_events_port": first_kv_port}), tmp_path / "mock.log")

@@ -11,7 +11,7 @@ import trio_sidecar
 from trio_sidecar import GenerateContext, open_sidecar
 from trio_sidecar import abort as abort_module
 from trio_sidecar.errors import ProtocolError
-from trio_sidecar.prober import HealthKind
+from trio_sidecar.health_policy import HealthKind
 from trio_sidecar.status import StatusCode
 
 BODY = {"token_ids": [1, 2, 3], "stop_conditions": {"max_tokens": 4}}
@@ -221,7 +221,7 @@ def test_collapse_single_exception_unwraps_a_single_failure_only():
 )
 async def test_admission_gate_reads_the_health_value(fake, state, message):
     from trio_sidecar.errors import CannotConnect
-    from trio_sidecar.prober import HealthState
+    from trio_sidecar.health_policy import HealthState
 
     async with open_sidecar(sidecar_config(fake.endpoint)) as sidecar:
         sidecar.health.value = HealthState(HealthKind[state[0]], state[1])

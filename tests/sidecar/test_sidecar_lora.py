@@ -15,9 +15,9 @@ import trio
 from trio_sidecar import GenerateContext, open_sidecar
 from trio_sidecar.config import SidecarConfig
 from trio_sidecar.errors import CannotConnect, InvalidArgument, ProtocolError, UnknownError, status_to_error
+from trio_sidecar.health_policy import HealthKind
 from trio_sidecar.lora import LORA_UNSUPPORTED, LoadRequest, LoadResult, LoraAdapter, check_adapter_directory
 from trio_sidecar.lora_lifecycle import LoraLifecycle
-from trio_sidecar.prober import HealthKind
 from trio_sidecar.status import StatusCode
 
 ENGINE_ARGS = {"block_size": 4, "enable_prefix_caching": False, "speedup_ratio": 0.0}

@@ -34,7 +34,7 @@ from trio_sidecar.errors import (
     ProtocolError,
     UnknownError,
 )
-from trio_sidecar.prober import HealthKind, HealthState
+from trio_sidecar.health_policy import HealthKind, HealthState
 from trio_sidecar.protocol import token_chunk
 from trio_sidecar.status import StatusCode
 

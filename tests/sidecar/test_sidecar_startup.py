@@ -18,8 +18,8 @@ from trio_sidecar._proto.vllm import control_pb2
 from trio_sidecar.discovery import discover
 from trio_sidecar.endpoint import parse_grpc_endpoint
 from trio_sidecar.errors import CannotConnect, ConnectionTimeout, InvalidArgument, ProtocolError
+from trio_sidecar.health_policy import HealthKind
 from trio_sidecar.pool import ChannelPool, open_channel_pool
-from trio_sidecar.prober import HealthKind
 from trio_sidecar.status import StatusCode
 
 
@@ -66,8 +66,8 @@ async def test_connection_failures_are_logged_at_debug_and_rate_limited(caplog_s
 
 
 async def test_pre_network_checks_run_before_any_socket():
-    with pytest.raises(InvalidArgument, match="encode mode is not supported by the vLLM sidecar"):
-        async with open_sidecar(sidecar_config("127.0.0.1:1", disaggregation_mode="encode")):
+    with pytest.raises(InvalidArgument, match="`--grpc-endpoint` must include a host"):
+        async with open_sidecar(sidecar_config("http://", disaggregation_mode="encode")):
             pass  # pragma: no cover
     with pytest.raises(InvalidArgument, match="grpc_connections must be at least 1"):
         await discover(sidecar_config("127.0.0.1:1", grpc_connections=0))

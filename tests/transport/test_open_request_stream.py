@@ -1,4 +1,4 @@
-"""``_H2Connection.open_request_stream`` (the client's HEADERS fast path) against h2's ``send_headers``.
+"""``H2Connection.open_request_stream`` (the client's HEADERS fast path) against h2's ``send_headers``.
 
 Two client connections in the same state open the same stream, one through each path: the bytes queued,
 the connection's and the stream's state, and the decoded headers a server sees must be the same.
@@ -127,7 +127,7 @@ def test_open_request_stream_property_same_bytes_and_state(metadata: list, strea
     both_open([*HEAD, *metadata], streams=streams)
 
 
-# ``_H2Connection.send_data``'s fast path against h2's (``h2.connection.H2Connection.send_data``).
+# ``H2Connection.send_data``'s fast path against h2's (``h2.connection.H2Connection.send_data``).
 
 
 def both_send(steps: list) -> None:

@@ -20,7 +20,7 @@ from transport_peers import GENERATE, MIB, _aio_handlers, aio_options, aio_strea
 from trio_sidecar._proto.vllm import inference_pb2 as pb
 from trio_sidecar.status import StatusCode
 from trio_sidecar.transport import open_channel
-from trio_sidecar.transport._protocol import BoundedReadBuffer, MessageDecodeError
+from trio_sidecar.transport._decompress import BoundedReadBuffer, MessageDecodeError
 
 COMPRESSIONS = {"gzip": grpc.Compression.Gzip, "deflate": grpc.Compression.Deflate}
 # Compressible: grpcio sends a message uncompressed when compressing would not make it smaller.

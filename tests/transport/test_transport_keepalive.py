@@ -1,9 +1,12 @@
-"""Client keepalive (issue 19): gRPC's keepalive timing, on a virtual clock.
+"""Client keepalive: gRPC's keepalive timing, within gRPC-core's ping policy, on a virtual clock.
 
 The peer is a bare h2 server on 127.0.0.1 (in this process, so the virtual clock sees it): it answers every
 request with response headers and then stays silent, records the PINGs it receives (h2 acknowledges them),
-and can *hang*: stop reading the socket altogether, as a SIGSTOPped process does. The same behaviour against
-real processes (the mock, SIGSTOP/SIGCONT by PID) is in tests/reliability/test_hung_engine.py.
+and can *hang*: stop reading the socket altogether, as a SIGSTOPped process does. A PING follows
+``time`` without reads, but never sooner than ``min_ping_interval_without_data`` after the previous PING's
+acknowledgement unless the peer sent data after it (a gRPC-core server would count it as a strike). The same
+behaviour against real processes (the mock, SIGSTOP/SIGCONT by PID) is in tests/reliability/test_hung_engine.py,
+against grpcio servers with a ping policy in tests/transport/test_transport_goaway.py.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import trio
 from transport_peers import GENERATE_STREAM, request
 
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
+from trio_sidecar.config import KeepaliveConfig
 from trio_sidecar.status import StatusCode
 from trio_sidecar.transport import ConnectionLostError, RpcError, connect_channel
 
@@ -32,6 +36,7 @@ HERE = Path(__file__).parent
 WATCH = "/grpc.health.v1.Health/Watch"
 REQUEST = health_pb2.HealthCheckRequest(service="")
 TIME, TIMEOUT = 10.0, 4.0
+KEEPALIVE = KeepaliveConfig.client(time=TIME, timeout=TIMEOUT)
 
 
 @attrs.define
@@ -91,14 +96,16 @@ async def connected(nursery, peer: SilentPeer, **keepalive):
     return await connect_channel(nursery, "127.0.0.1", peer.port, **keepalive)
 
 
-async def test_a_silent_but_healthy_peer_is_pinged_every_keepalive_time_and_kept(nursery, autojump_clock):
+async def test_a_silent_call_is_pinged_after_keepalive_time_then_at_most_every_five_minutes(nursery, autojump_clock):
     peer = SilentPeer()
-    channel = await connected(nursery, peer, keepalive_time=TIME, keepalive_timeout=TIMEOUT)
+    channel = await connected(nursery, peer, keepalive=KEEPALIVE)
     stream = await open_stream(channel)
     opened = trio.current_time()
-    await trio.sleep(35)
-    # One PING per keepalive time without reads (its ACK is the last read each time).
-    assert [round(t - opened, 3) for t in peer.pings] == [10.0, 20.0, 30.0]
+    await trio.sleep(620)
+    # The first PING keepalive time after the last read; then nothing but its ACK was read, so a gRPC-core
+    # server would count a PING sooner than 5 minutes after the previous one as a strike. The interval is
+    # counted from when the ACK was noticed (at the latest TIMEOUT after the PING).
+    assert [round(t - opened, 3) for t in peer.pings] == [10.0, 314.0, 618.0]
     assert not channel.broken
     await peer.send_message(peer.streams[0])
     assert await stream.__anext__() == b""
@@ -106,9 +113,37 @@ async def test_a_silent_but_healthy_peer_is_pinged_every_keepalive_time_and_kept
     await channel.aclose()
 
 
+async def test_data_from_the_peer_after_the_ack_allows_the_next_ping_after_keepalive_time(nursery, autojump_clock):
+    peer = SilentPeer()
+    channel = await connected(nursery, peer, keepalive=KEEPALIVE)
+    stream = await open_stream(channel)
+    opened = trio.current_time()
+    await trio.sleep(25)  # PING at 10, acknowledged
+    await peer.send_message(peer.streams[0])  # data written after the ACK: gRPC-core resets its strikes
+    assert await stream.__anext__() == b""
+    sent = trio.current_time()
+    await trio.sleep(15)
+    assert [round(t - opened, 3) for t in peer.pings] == [10.0, round(sent - opened + TIME, 3)]
+    assert not channel.broken
+    await channel.aclose()
+
+
+async def test_a_hung_peer_with_a_silent_call_is_detected_at_the_next_permitted_ping(nursery, autojump_clock):
+    peer = SilentPeer()
+    channel = await connected(nursery, peer, keepalive=KEEPALIVE)
+    stream = await open_stream(channel)
+    opened = trio.current_time()
+    await trio.sleep(60)  # the first PING (at 10) is acknowledged
+    peer.hung = True
+    with trio.fail_after(400), pytest.raises(ConnectionLostError, match="keepalive PING not acknowledged"):
+        async for _ in stream:
+            raise AssertionError("no message was sent")
+    assert trio.current_time() - opened == pytest.approx(314.0 + TIMEOUT, abs=1e-6)
+
+
 async def test_a_hung_peer_fails_every_open_call_once_within_time_plus_timeout(nursery, autojump_clock):
     peer = SilentPeer()
-    channel = await connected(nursery, peer, keepalive_time=TIME, keepalive_timeout=TIMEOUT)
+    channel = await connected(nursery, peer, keepalive=KEEPALIVE)
     streams = [await open_stream(channel) for _ in range(3)]
     last_read = channel._conn.last_read
     peer.hung = True
@@ -140,7 +175,7 @@ async def test_a_hung_peer_fails_every_open_call_once_within_time_plus_timeout(n
 
 async def test_reads_postpone_the_ping(nursery, autojump_clock):
     peer = SilentPeer()
-    channel = await connected(nursery, peer, keepalive_time=TIME, keepalive_timeout=TIMEOUT)
+    channel = await connected(nursery, peer, keepalive=KEEPALIVE)
     stream = await open_stream(channel)
     for _ in range(8):  # a message every 6 s (less than the keepalive time) for 48 s: never a PING
         await trio.sleep(6)
@@ -156,7 +191,7 @@ async def test_reads_postpone_the_ping(nursery, autojump_clock):
 
 async def test_no_ping_without_calls_and_the_time_counts_from_the_first_call(nursery, autojump_clock):
     peer = SilentPeer()
-    channel = await connected(nursery, peer, keepalive_time=TIME, keepalive_timeout=TIMEOUT)
+    channel = await connected(nursery, peer, keepalive=KEEPALIVE)
     await trio.sleep(100)
     assert peer.pings == []  # (gRPC's GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS is off)
     stream = await open_stream(channel)
@@ -171,7 +206,7 @@ async def test_no_ping_without_calls_and_the_time_counts_from_the_first_call(nur
 
 async def test_hung_idle_connection_is_detected_by_its_next_call(nursery, autojump_clock):
     peer = SilentPeer()
-    channel = await connected(nursery, peer, keepalive_time=TIME, keepalive_timeout=TIMEOUT)
+    channel = await connected(nursery, peer, keepalive=KEEPALIVE)
     await trio.sleep(50)
     peer.hung = True
     await trio.sleep(50)  # no call: nothing noticed
@@ -201,10 +236,32 @@ async def test_keepalive_is_off_by_default(nursery, autojump_clock):
     await channel.aclose()
 
 
-@pytest.mark.parametrize(("time", "timeout"), [(0, 1), (-1, 1), (1, 0), (math.nan, 1)])
-async def test_keepalive_values_must_be_positive(nursery, time, timeout):
-    with pytest.raises(ValueError, match="keepalive_time and keepalive_timeout must be positive"):
-        await connect_channel(nursery, "127.0.0.1", 9, keepalive_time=time, keepalive_timeout=timeout)
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"time": 0}, "keepalive time must be a finite, positive number of seconds"),
+        ({"time": -1}, "keepalive time must be a finite, positive number of seconds"),
+        ({"time": math.nan}, "keepalive time must be a finite, positive number of seconds"),
+        ({"timeout": 0}, "keepalive timeout must be a finite, positive number of seconds"),
+        ({"timeout": math.inf}, "keepalive timeout must be a finite, positive number of seconds"),
+        ({"min_ping_interval_without_data": 0}, "min_ping_interval_without_data must be a finite, positive"),
+        ({"max_ping_strikes": -1}, "max_ping_strikes must be a whole number, 0 or more, or None"),
+        ({"max_ping_strikes": True}, "max_ping_strikes must be a whole number, 0 or more, or None"),
+    ],
+)
+def test_keepalive_config_is_validated(values, message):
+    with pytest.raises(ValueError, match=message):
+        KeepaliveConfig(**values)
+
+
+def test_keepalive_config_has_grpcs_client_and_server_defaults():
+    assert KeepaliveConfig.client() == KeepaliveConfig(
+        time=None, timeout=20.0, min_ping_interval_without_data=300.0, max_ping_strikes=None
+    )
+    assert KeepaliveConfig.server() == KeepaliveConfig(
+        time=None, timeout=20.0, min_ping_interval_without_data=300.0, max_ping_strikes=2
+    )
+    assert KeepaliveConfig.server(max_ping_strikes=None).max_ping_strikes is None
 
 
 @pytest.fixture
@@ -228,7 +285,9 @@ async def peer_process_port():
 async def test_a_stall_of_this_process_is_not_taken_for_a_hung_peer(nursery, peer_process_port):
     """The ACK arrives while this process's event loop is blocked past the keepalive timeout; afterwards the
     keepalive task and the reader become runnable together (in either order): the unread ACK counts."""
-    channel = await connect_channel(nursery, "127.0.0.1", peer_process_port, keepalive_time=0.2, keepalive_timeout=0.2)
+    # (Our server has no ping policy; the short gap lets a PING follow every keepalive time.)
+    keepalive = KeepaliveConfig.client(time=0.2, timeout=0.2, min_ping_interval_without_data=0.2)
+    channel = await connect_channel(nursery, "127.0.0.1", peer_process_port, keepalive=keepalive)
     conn = channel._conn
     sent: list[float] = []
     ping, flush = conn.protocol.ping, conn.flush

@@ -19,17 +19,15 @@ from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.grpclib.connection import GRPCConnection
 
 from trio_sidecar.status import StatusCode
-from trio_sidecar.transport._protocol import (
-    GrpcProtocol,
+from trio_sidecar.transport._events import (
     MessageReceived,
     RequestEnded,
     RequestReceived,
     StreamFailed,
     StreamReset,
-    decode_grpc_message,
-    encode_grpc_message,
-    encode_timeout,
 )
+from trio_sidecar.transport._protocol import GrpcProtocol
+from trio_sidecar.transport._wire import decode_grpc_message, encode_grpc_message, encode_timeout
 
 REQUEST_HEADERS = [
     (":method", "POST"),
@@ -219,7 +217,8 @@ _STEP = st.tuples(st.one_of(st.none(), st.sampled_from([64, 256, 4096])), st.lis
 def test_hpack_caches_give_the_same_bytes_and_headers_as_plain_hpack(steps):
     import hpack
 
-    from trio_sidecar.transport._protocol import _CachingDecoder, _CachingEncoder
+    from trio_sidecar.transport._hpack import CachingDecoder as _CachingDecoder
+    from trio_sidecar.transport._hpack import CachingEncoder as _CachingEncoder
 
     cached_encoder, plain_encoder = _CachingEncoder(), hpack.Encoder()
     cached_decoder, plain_decoder = _CachingDecoder(), hpack.Decoder()

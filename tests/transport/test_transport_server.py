@@ -15,7 +15,7 @@ from trio_sidecar._proto.vllm import inference_grpc
 from trio_sidecar._proto.vllm import inference_pb2 as pb
 from trio_sidecar.status import StatusCode
 from trio_sidecar.transport import FramedMessages, RpcError, open_channel, serve_grpc
-from trio_sidecar.transport._protocol import frame_message
+from trio_sidecar.transport._wire import frame_message
 
 
 async def wait_for(predicate, timeout: float = 2.0) -> None:

@@ -15,7 +15,7 @@ import grpc
 import trio
 from transport_peers import aio_options, aio_stream, request
 
-from trio_sidecar.transport._protocol import _H2Connection
+from trio_sidecar.transport._h2 import H2Connection
 
 RUNS = 50
 STREAMS = 100
@@ -35,7 +35,7 @@ async def test_100_concurrent_grpc_aio_streams_50_times_never_hang(aio, our_serv
 
         return await asyncio.gather(*(one(i) for i in range(STREAMS)))
 
-    late_before = _H2Connection.late_window_updates
+    late_before = H2Connection.late_window_updates
     try:
         for run in range(RUNS):
             with trio.fail_after(30):
@@ -45,4 +45,4 @@ async def test_100_concurrent_grpc_aio_streams_50_times_never_hang(aio, our_serv
     finally:
         await aio.call(lambda: channel.close())
     # Diagnostic only (timing-dependent): each of these would have killed the connection on stock h2 3.2.0.
-    print(f"late WINDOW_UPDATE frames ignored: {_H2Connection.late_window_updates - late_before}")
+    print(f"late WINDOW_UPDATE frames ignored: {H2Connection.late_window_updates - late_before}")

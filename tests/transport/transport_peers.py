@@ -252,16 +252,19 @@ class AioThread:
 class AioServer:
     """A grpc.aio server (the echo service + a Check-only health service) on 127.0.0.1:0."""
 
-    def __init__(self, aio: AioThread, recorder: Recorder, max_message_length: int = 64 * MIB) -> None:
+    def __init__(
+        self, aio: AioThread, recorder: Recorder, max_message_length: int = 64 * MIB, options: Any = ()
+    ) -> None:
         self.aio = aio
         self.recorder = recorder
         self.max_message_length = max_message_length
+        self.options = list(options)  # more grpc.aio server options (ping policy, connection age, ...)
         self.server: Any = None
         self.port = 0
 
     async def start(self) -> None:
         async def start() -> int:
-            self.server = grpc.aio.server(options=aio_options(self.max_message_length))
+            self.server = grpc.aio.server(options=aio_options(self.max_message_length) + self.options)
             self.server.add_generic_rpc_handlers(_aio_handlers(self.recorder))
             port = self.server.add_insecure_port("127.0.0.1:0")
             await self.server.start()

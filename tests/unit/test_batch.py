@@ -465,3 +465,10 @@ def test_token_chunk_equals_the_attrs_init_for_every_field() -> None:
 def test_token_chunk_dict_equals_the_token_chunks_dict() -> None:
     for token_ids, text in (([1], "x"), ([2, 3], ""), ([], "")):
         assert token_chunk_dict(token_ids, text) == token_chunk(list(token_ids), text).to_dict()
+
+
+def test_deliver_items_without_merging_hands_over_one_tokens_call_per_message() -> None:
+    got: list = []
+    items = [1, "a", [2, 3], "", 4, "c"]
+    deliver_items(items, lambda ids, text: got.append((ids, text)), lambda c: got.append(c), merge=False)
+    assert got == [([1], "a"), ([2, 3], ""), ([4], "c")]

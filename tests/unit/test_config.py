@@ -20,9 +20,9 @@ from trio_sidecar.config import (
 )
 from trio_sidecar.errors import InvalidArgument
 
-ENCODE = "encode mode is not supported by the vLLM sidecar"
-ENCODER = "route-to-encoder is not supported by the vLLM sidecar"
-PARSERS = "vLLM gRPC does not preserve the request options required by Dynamo tool-call and reasoning parsers"
+UNKNOWN_TYPE = (
+    "unknown endpoint type 'rerank'; expected some of chat, completions, embeddings, images, audios, videos, tensor"
+)
 ADMIN_URL = "`--vllm-http-endpoint` must not include a query or fragment"
 ENDPOINT = "`--grpc-endpoint` must include a host"
 
@@ -72,10 +72,8 @@ def _cfg(**kw: object) -> SidecarConfig:
 
 # Each row breaks every check from its own onwards, so only the order decides the message (docs/reference/sidecar.md#pre-network-checks).
 ORDER = [
-    (dict(disaggregation_mode="encode"), dict(route_to_encoder=True), ENCODE),
-    (dict(), dict(route_to_encoder=True, tool_call_parser="hermes", enable_rl=True), ENCODER),
-    (dict(), dict(tool_call_parser="hermes", enable_rl=True), PARSERS),
-    (dict(), dict(reasoning_parser="deepseek_r1"), PARSERS),
+    (dict(), dict(endpoint_types="chat,rerank", vllm_http_endpoint="http://a?b"), UNKNOWN_TYPE),
+    (dict(), dict(endpoint_types=" , ", vllm_http_endpoint="http://a?b"), "endpoint_types cannot be empty"),
     (
         dict(grpc_endpoint="http://", grpc_connections=0),
         dict(enable_rl=True, vllm_http_endpoint="http://a?b"),
@@ -83,6 +81,13 @@ ORDER = [
     ),
     (dict(grpc_endpoint="http://", grpc_connections=0), dict(), ENDPOINT),
 ]
+
+
+@pytest.mark.parametrize("mode", ["encode", "agg", "prefill", "decode"])
+def test_encoder_settings_pass_the_pre_network_checks(mode: str) -> None:
+    # Like native, they are checked once the engine is known (docs/reference/worker.md#encoder-disaggregation).
+    prepare(_cfg(disaggregation_mode=mode), WorkerOptions(route_to_encoder=True), dynamo_required=False)
+    assert validate_sidecar_config(_cfg(disaggregation_mode=mode)).canonical
 
 
 @pytest.mark.parametrize(("cfg_kw", "opt_kw", "message"), ORDER)
@@ -115,6 +120,8 @@ def test_prepare_checks_in_order(cfg_kw: dict, opt_kw: dict, message: str) -> No
         (dict(keepalive_time=math.nan), "keepalive_time must be a finite number of seconds, 0 or more"),
         (dict(keepalive_timeout=0), "keepalive_timeout must be positive"),
         (dict(keepalive_timeout=math.inf), "keepalive_timeout must be positive"),
+        (dict(keepalive_min_ping_interval=0), "keepalive_min_ping_interval must be positive"),
+        (dict(keepalive_min_ping_interval=math.nan), "keepalive_min_ping_interval must be positive"),
     ],
 )
 def test_transport_values(kw: dict, message: str) -> None:
@@ -133,7 +140,7 @@ def test_fractional_durations_are_accepted_in_the_api() -> None:
 
 
 def test_validate_sidecar_config_order() -> None:
-    with pytest.raises(InvalidArgument, match=ENCODE):
+    with pytest.raises(InvalidArgument, match="is required"):
         validate_sidecar_config(_cfg(disaggregation_mode="encode", grpc_endpoint="", grpc_connections=0))
     with pytest.raises(InvalidArgument, match="is required"):
         validate_sidecar_config(_cfg(grpc_endpoint="", grpc_connections=0))
@@ -174,3 +181,41 @@ def test_config_objects_are_frozen() -> None:
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         _cfg().grpc_connections = 3  # type: ignore[misc]
     assert WorkerOptions(endpoint_types="chat, Completions").endpoint_types == ("chat", "completions")
+
+
+def test_keepalive_config_of_the_vllm_connections() -> None:
+    from trio_sidecar.config import KeepaliveConfig, keepalive_config
+
+    assert keepalive_config(_cfg()) == KeepaliveConfig.client(
+        time=10.0, timeout=4.0, min_ping_interval_without_data=300.0
+    )
+    assert keepalive_config(_cfg(keepalive_time=0)).time is None  # 0: no keepalive
+    assert keepalive_config(_cfg(keepalive_min_ping_interval=2.5)).min_ping_interval_without_data == 2.5
+
+
+def test_a_prefill_worker_ignores_its_endpoint_types_as_native_does() -> None:
+    prepare(_cfg(disaggregation_mode="prefill"), WorkerOptions(endpoint_types="foo"), dynamo_required=False)
+    with pytest.raises(InvalidArgument, match="unknown endpoint type 'foo'"):
+        prepare(_cfg(disaggregation_mode="decode"), WorkerOptions(endpoint_types="foo"), dynamo_required=False)
+
+
+def test_configured_parsers_pass_the_checks() -> None:
+    options = WorkerOptions(tool_call_parser="hermes", reasoning_parser="deepseek_r1")
+    prepare(_cfg(), options, dynamo_required=False)
+    assert (options.tool_call_parser, options.reasoning_parser) == ("hermes", "deepseek_r1")
+
+
+@pytest.mark.parametrize(
+    ("types", "names"),
+    [
+        ("chat", ("Chat",)),
+        ("Completions,chat", ("Completions", "Chat")),
+        ("chat,,chat, embeddings", ("Chat", "Embedding")),
+        ("embedding", ("Embedding",)),
+        ("image,audios,VIDEO,tensor", ("Images", "Audios", "Videos", "TensorBased")),
+    ],
+)
+def test_endpoint_types_are_native_model_types(types: str, names: tuple[str, ...]) -> None:
+    options = WorkerOptions(endpoint_types=types)
+    prepare(_cfg(), options, dynamo_required=False)
+    assert config_module.model_type_names(options.endpoint_types) == names

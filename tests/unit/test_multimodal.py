@@ -1,4 +1,6 @@
-"""Multimodal image requests (docs/reference/sidecar.md#multimodal-requests): the upstream handoff example and every error text."""
+"""Multimodal requests (docs/reference/sidecar.md#multimodal-requests): the prefill/decode handoff (decode re-sends the
+original prompt and the media), images, videos and audio by URL and data URI, media uuid safety, encoder
+handoff parameters, and every error text."""
 
 from __future__ import annotations
 
@@ -12,10 +14,15 @@ from trio_sidecar.config import DisaggregationMode
 from trio_sidecar.convert import ResponseState, build_generate_request
 from trio_sidecar.errors import InvalidArgument, ProtocolError
 from trio_sidecar.jsonstruct import json_to_struct, struct_to_json
-from trio_sidecar.multimodal import HANDOFF_KEY, MEDIA_SOURCE_ERROR, classify_media_source, pad_uuid
+from trio_sidecar.multimodal import HANDOFF_KEY, UNSAFE_UUID, classify_media_source, media_source_error, pad_uuid
 from trio_sidecar.protocol import structure_request
 
-AGG, PREFILL, DECODE = DisaggregationMode.AGG, DisaggregationMode.PREFILL, DisaggregationMode.DECODE
+AGG, PREFILL, DECODE, ENCODE = (
+    DisaggregationMode.AGG,
+    DisaggregationMode.PREFILL,
+    DisaggregationMode.DECODE,
+    DisaggregationMode.ENCODE,
+)
 DATA_URI = "data:image/png;base64,iVBORw0KGgo="
 PLACEHOLDER = 31999
 
@@ -75,20 +82,19 @@ def test_prefill_decode_handoff_with_601_expanded_ids() -> None:
     assert handoff is not None and handoff[HANDOFF_KEY] == expanded
     assert terminal.completion_usage.prompt_tokens == 601  # type: ignore[union-attr]
 
-    # Decode: no media, the 601 ids, the key stripped; remote_port a string.
+    # Decode: the original 3 ids and the media again (the engine rebuilds the expanded prompt and its
+    # multimodal positions); the expanded ids stripped from the handoff; remote_port a string.
     for _ in range(2):
         dreq = image_request(prefill_result={"disaggregated_params": copy.deepcopy(handoff)})
         drequest, dbuilt = build(dreq, DECODE)
         dm = dbuilt.message
-        assert len(dm.media) == 0 and not dbuilt.has_media
-        assert list(dm.token_ids.ids) == expanded and dbuilt.prompt_tokens == 601
+        assert list(dm.media) == list(m.media) and dbuilt.has_media
+        assert list(dm.token_ids.ids) == [1, PLACEHOLDER, 2] and dbuilt.prompt_tokens == 3
         assert struct_to_json(dm.kv.kv_transfer_params) == {"do_remote_prefill": True, "remote_port": "20097"}
+        assert dm.response.prompt_token_ids is False
         dst = ResponseState(drequest, dbuilt, DECODE)
         dst.convert(pb.GenerateResponse(prompt_info=pb.PromptInfo(num_prompt_tokens=601)))
-        with pytest.raises(ProtocolError, match="prompt token count 600 does not match request count 601"):
-            ResponseState(drequest, dbuilt, DECODE).convert(
-                pb.GenerateResponse(prompt_info=pb.PromptInfo(num_prompt_tokens=600))
-            )
+        assert dst.prompt_tokens == 601  # vLLM's expanded count is authoritative
 
 
 def test_aggregated_media_with_url_and_uuid_override() -> None:
@@ -126,16 +132,24 @@ def test_empty_media_list_is_no_media() -> None:
 
 ERRORS = [
     (
-        image_request(multi_modal_data={"video_url": [{"Url": "https://x"}]}),
-        "vLLM gRPC currently supports image_url media only; got `video_url`",
+        image_request(multi_modal_data={"pdf_url": [{"Url": "https://x"}]}),
+        "vLLM gRPC does not support media modality `pdf_url`",
     ),
     (
         image_request(multi_modal_data={"image_url": [{"Url": "ftp://x"}]}),
-        "vLLM gRPC image input must use an http://, https://, or data: URI",
+        "vLLM gRPC image_url input must use an http://, https://, or data: URI",
     ),
     (
         image_request(multi_modal_data={"image_url": ["file:///etc/passwd"]}),
-        "vLLM gRPC image input must use an http://, https://, or data: URI",
+        "vLLM gRPC image_url input must use an http://, https://, or data: URI",
+    ),
+    (
+        image_request(multi_modal_data={"video_url": ["file:///v.mp4"]}),
+        "vLLM gRPC video_url input must use an http://, https://, or data: URI",
+    ),
+    (
+        image_request(multi_modal_data={"video_url": ["https://x/v.mp4"]}, multi_modal_uuids={"video_url": ["v"]}),
+        "multimodal cache UUIDs are supported only for image_url; got non-empty multi_modal_uuids.video_url",
     ),
     (
         image_request(multi_modal_data={"image_url": [{"Decoded": {"shape": [1]}}]}),
@@ -153,11 +167,9 @@ ERRORS = [
         {"token_ids": [1], "multi_modal_uuids": {"image_url": ["a"]}},
         "multi_modal_uuids were provided without multi_modal_data",
     ),
-    (
-        image_request(extra_args={"mm_hashes": ["a", ""]}),
-        "extra_args.mm_hashes must be an array of non-empty strings",
-    ),
-    (image_request(extra_args={"mm_hashes": "abc"}), "extra_args.mm_hashes must be an array of non-empty strings"),
+    (image_request(extra_args={"mm_hashes": ["a", ""]}), "extra_args.mm_hashes[1] must be a non-empty string"),
+    (image_request(extra_args={"mm_hashes": [3]}), "extra_args.mm_hashes[0] must be a non-empty string"),
+    (image_request(extra_args={"mm_hashes": "abc"}), "extra_args.mm_hashes must be an array of strings"),
     (image_request(extra_args={"mm_hashes": ["a", "b"]}), "extra_args.mm_hashes has 2 entries for 1 media items"),
 ]
 
@@ -165,25 +177,6 @@ ERRORS = [
 @pytest.mark.parametrize(("req", "message"), ERRORS)
 def test_media_errors(req: dict[str, Any], message: str) -> None:
     rejects(req, message)
-
-
-@pytest.mark.parametrize(
-    ("prefill_result", "message"),
-    [
-        (None, "multimodal decode request is missing the prefill result"),
-        ({"disaggregated_params": {"a": 1}}, "multimodal decode request is missing expanded prefill token IDs"),
-        ({"disaggregated_params": None}, "multimodal decode request is missing expanded prefill token IDs"),
-        ({"disaggregated_params": {HANDOFF_KEY: []}}, "multimodal prefill token IDs must not be empty"),
-    ],
-)
-def test_decode_handoff_errors(prefill_result: Any, message: str) -> None:
-    rejects(image_request(prefill_result=prefill_result), message, DECODE)
-
-
-@pytest.mark.parametrize("ids", ["1,2", [1, -1], [1, 2**32], [1, 1.5], [True], {"a": 1}])
-def test_decode_invalid_handoff_ids(ids: Any) -> None:
-    with pytest.raises(InvalidArgument, match="^multimodal prefill token IDs are invalid: "):
-        build(image_request(prefill_result={"disaggregated_params": {HANDOFF_KEY: ids}}), DECODE)
 
 
 def prefill_state(**req: Any) -> ResponseState:
@@ -245,5 +238,145 @@ def test_media_source_is_classified_case_insensitively(source: str, field: str, 
 def test_other_sources_are_rejected_by_the_same_classifier(source: str) -> None:
     with pytest.raises(InvalidArgument) as info:
         classify_media_source(source)
-    assert str(info.value) == MEDIA_SOURCE_ERROR
-    rejects(image_request(multi_modal_data={"image_url": [{"Url": source}]}), MEDIA_SOURCE_ERROR)
+    assert str(info.value) == media_source_error("image_url")
+    rejects(image_request(multi_modal_data={"image_url": [{"Url": source}]}), media_source_error("image_url"))
+
+
+# --- media uuid safety: a uuid that could act as a path is refused before anything reaches vLLM ------------
+
+
+@pytest.mark.parametrize(
+    ("uuid", "via"),
+    [(u, "multi_modal_uuids") for u in ("../etc", "..", ".", "a/b", "/abs", "a\\b", "a\x00b")]
+    # A frontend hash is padded to 64 characters first, so "." or ".." alone cannot come that way.
+    + [(u, "mm_hashes") for u in ("../etc", "a/b", "a\\b", "a\x00b")],
+)
+def test_a_path_like_media_uuid_is_refused_with_natives_text(uuid: str, via: str) -> None:
+    if via == "multi_modal_uuids":
+        req = image_request(multi_modal_uuids={"image_url": [uuid]})
+    else:
+        req = image_request(extra_args={"mm_hashes": [uuid]})
+    for mode in (AGG, PREFILL, DECODE):
+        rejects({**req, "prefill_result": {"disaggregated_params": {}}}, UNSAFE_UUID, mode)
+
+
+@pytest.mark.parametrize("uuid", ["a..b", "...", "abc", "x.y", "0123456789abcdef", "..a", "a.."])
+def test_dots_inside_a_media_uuid_are_fine(uuid: str) -> None:
+    _, built = build(image_request(multi_modal_uuids={"image_url": [uuid]}))
+    assert built.message.media[0].uuid == uuid
+
+
+def test_a_null_user_uuid_falls_back_to_nothing_and_mm_hashes_are_not_used_beside_user_uuids() -> None:
+    _, built = build(image_request(multi_modal_uuids={"image_url": [None]}))
+    assert built.message.media[0].uuid == pad_uuid("0123456789abcdef")  # no user uuid: the frontend's hash
+    two = {"image_url": [DATA_URI, DATA_URI]}
+    _, built = build(image_request(multi_modal_data=two, multi_modal_uuids={"image_url": ["u", None]}))
+    assert [item.uuid for item in built.message.media] == ["u", ""]
+
+
+# --- video and audio: forwarded with their modality, by URL and by data URI, never with a uuid -------------
+
+
+@pytest.mark.parametrize(("key", "modality"), [("video_url", pb.MODALITY_VIDEO), ("audio_url", pb.MODALITY_AUDIO)])
+@pytest.mark.parametrize(
+    ("source", "field"), [("https://host/v.mp4", "url"), ("data:video/mp4;base64,AAAA", "data_uri")]
+)
+def test_video_and_audio_are_forwarded_with_their_modality(key: str, modality: int, source: str, field: str) -> None:
+    req = {"token_ids": [1, PLACEHOLDER], "multi_modal_data": {key: [{"Url": source}]}, "extra_args": {"mm_hashes": []}}
+    for mode in (AGG, PREFILL):
+        _, built = build(req, mode)
+        (item,) = built.message.media
+        assert item.modality == modality and item.WhichOneof("source") == field and getattr(item, field) == source
+        assert item.uuid == "" and built.has_media
+
+
+def test_images_then_videos_keep_the_requests_order() -> None:
+    req = image_request(multi_modal_data={"image_url": [DATA_URI], "video_url": ["https://h/v.mp4"]})
+    _, built = build(req)
+    assert [item.modality for item in built.message.media] == [pb.MODALITY_IMAGE, pb.MODALITY_VIDEO]
+    assert built.message.media[0].uuid == pad_uuid("0123456789abcdef") and built.message.media[1].uuid == ""
+
+
+# --- encoder disaggregation: the encode worker's request and the encoder handoff downstream ----------------
+
+
+def test_an_encode_request_asks_for_one_token_with_the_media_and_no_kv_handoff() -> None:
+    req = image_request(extra_args={"mm_hashes": ["0123456789abcdef"], "kv_transfer_params": {"k": 1}})
+    req["routing"] = {"dp_rank": 1}
+    _, built = build(req, ENCODE)
+    m = built.message
+    assert m.stopping.max_new_tokens == 1 and m.stopping.min_new_tokens == 1
+    assert len(m.media) == 1 and m.media[0].uuid == pad_uuid("0123456789abcdef")
+    assert not m.kv.HasField("kv_transfer_params") and not m.kv.HasField("ec_transfer_params")
+    assert built.dp_rank is None and built.metadata == ()
+
+
+@pytest.mark.parametrize(
+    ("req", "message"),
+    [
+        ({"token_ids": [1]}, "encode requests require multimodal media"),
+        (
+            image_request(multi_modal_data={"audio_url": ["https://h/a.wav"]}),
+            "encode requests support image and video media only",
+        ),
+        (image_request(encoder_result={"ec": 1}), "encode requests must not include encoder_result"),
+    ],
+)
+def test_encode_request_errors(req: dict[str, Any], message: str) -> None:
+    rejects(req, message, ENCODE)
+
+
+@pytest.mark.parametrize("mode", [AGG, PREFILL, DECODE])
+def test_the_encoder_handoff_is_forwarded_as_ec_transfer_params(mode: DisaggregationMode) -> None:
+    handoff = {"ec_connector": "shm", "mm_hashes": ["h"], "port": 7}
+    req = image_request(encoder_result=handoff, prefill_result={"disaggregated_params": {"do_remote_prefill": True}})
+    _, built = build(req, mode)
+    assert struct_to_json(built.message.kv.ec_transfer_params) == handoff
+    rejects({**req, "encoder_result": [1]}, "encoder_result must be a JSON object", mode)
+
+
+def encode_state() -> ResponseState:
+    request, built = build(image_request(), ENCODE)
+    return ResponseState(request, built, ENCODE)
+
+
+def encode_terminal(reason: int = pb.FinishInfo.STOP, tokens: int = 0, **ec: Any) -> pb.GenerateResponse:
+    finish = pb.FinishInfo(num_output_tokens=tokens, finish_reason=reason)
+    if ec:
+        finish.ec_transfer_params.CopyFrom(json_to_struct(ec))
+    return pb.GenerateResponse(outputs=pb.SequenceOutput(num_tokens=0, finish_info=finish))
+
+
+def test_an_encode_terminal_becomes_the_encoder_result() -> None:
+    st = encode_state()
+    assert st.convert(pb.GenerateResponse(prompt_info=pb.PromptInfo(num_prompt_tokens=18))) is None
+    chunk = st.convert(encode_terminal(handle="h", mm_hashes=["a"]))
+    assert chunk is not None
+    assert chunk.to_dict() == {
+        "token_ids": [],
+        "index": 0,
+        "finish_reason": "stop",
+        "encoder_result": {"handle": "h", "mm_hashes": ["a"]},
+    }
+    cancelled = encode_state().convert(encode_terminal(pb.FinishInfo.ABORTED))
+    assert cancelled is not None and cancelled.finish_reason == "cancelled" and cancelled.encoder_result is None
+
+
+@pytest.mark.parametrize(
+    ("response", "message"),
+    [
+        (
+            pb.GenerateResponse(outputs=pb.SequenceOutput(num_tokens=1, token_ids=[5])),
+            "encode response produced output tokens",
+        ),
+        (encode_terminal(), "encode terminal is missing valid ec_transfer_params"),
+        (
+            encode_terminal(pb.FinishInfo.LENGTH, handle="h"),
+            "encode terminal has invalid finish reason Some(Length); expected stop or cancelled",
+        ),
+    ],
+)
+def test_encode_response_errors(response: pb.GenerateResponse, message: str) -> None:
+    with pytest.raises(ProtocolError) as info:
+        encode_state().convert(response)
+    assert str(info.value) == f"invalid vLLM gRPC response: {message}"

@@ -290,7 +290,9 @@ def test_property_request_conversion_raises_only_invalid_argument(
         return
     event("converted")
     m = built.message
-    assert mode is not DisaggregationMode.ENCODE
+    if mode is DisaggregationMode.ENCODE:  # an encode request carries media and asks for one token
+        assert len(m.media) > 0 and built.dp_rank is None
+        assert (m.stopping.max_new_tokens, m.stopping.min_new_tokens) == (1, 1)
     assert m.model == "served-model" and m.sampling.num_sequences == 1
     assert m.request_id == (request_id or m.request_id) and m.request_id
     ids = list(m.stopping.stop_token_ids)
@@ -301,8 +303,8 @@ def test_property_request_conversion_raises_only_invalid_argument(
     if mode is DisaggregationMode.PREFILL:
         assert (m.stopping.max_new_tokens, m.stopping.min_new_tokens) == (1, 1)
         assert struct_to_json(m.kv.kv_transfer_params)["do_remote_decode"] is True
-    if mode is DisaggregationMode.DECODE:
-        assert len(m.media) == 0
+    if mode is DisaggregationMode.DECODE:  # the original prompt and the media again, the expanded ids stripped
+        assert len(m.media) == sum(len(items or ()) for items in (req.get("multi_modal_data") or {}).values())
         assert HANDOFF_KEY not in struct_to_json(m.kv.kv_transfer_params)
     rank = built.dp_rank
     assert built.metadata == (() if rank is None else (("x-data-parallel-rank", str(rank)),))

@@ -11,6 +11,7 @@ import trio_sidecar
 
 ROOT = Path(trio_sidecar.__file__).parent
 PURE = {
+    "completions",
     "status",
     "errors",
     "config",
@@ -26,10 +27,13 @@ PURE = {
     "mm_routing",
     "routing",
     "sampling_checks",
+    "run_options",
     "tracecontext",
     "rl",
+    "health_policy",
     "stats",
     "dynamo.metrics",
+    "dynamo.rotation",
 }
 FORBIDDEN_TOP = {"trio", "trio_util", "anyio", "asyncio", "socket", "purerpc", "h2", "zmq", "subprocess", "threading"}
 

@@ -160,8 +160,7 @@ UNSUPPORTED = [
     (with_(token_ids=[]), "token_ids must not be empty"),
     ({}, "token_ids must not be empty"),
     (with_(prompt_embeds="AAAA"), "prompt embeddings are not supported by vLLM gRPC v0.25.1"),
-    (with_(mm_processor_kwargs={}), "preprocessed multimodal features are not supported by vLLM gRPC"),
-    (with_(encoder_result={}), "preprocessed multimodal features are not supported by vLLM gRPC"),
+    (with_(mm_processor_kwargs={}), "mm_processor_kwargs are not supported by vLLM gRPC"),
     (with_(routing={"lora_name": "adapter"}), "LoRA request selection is not supported by vLLM gRPC v0.25.1"),
     (with_(bootstrap_info={"bootstrap_room": 1}), "Dynamo bootstrap handoff is not supported by the vLLM sidecar"),
     (
@@ -184,8 +183,8 @@ def test_unsupported_features_rejected(req: dict, message: str) -> None:
     rejects(req, message)
 
 
-def test_encode_mode_rejected() -> None:
-    rejects(BASE, "encode mode is not supported by the vLLM sidecar", ENCODE)
+def test_encode_mode_needs_media() -> None:
+    rejects(BASE, "encode requests require multimodal media", ENCODE)
 
 
 def test_accepted_neutral_values() -> None:
@@ -219,13 +218,13 @@ def test_validation_order_follows_the_table() -> None:
         },
         "output_options": {"logprobs": 2**31},
         "extra_args": {"unknown": 1},
-        "multi_modal_data": {"video_url": []},
+        "multi_modal_data": {"pdf_url": ["https://x/a.pdf"]},
     }
     order = [
         "token_ids must not be empty",
         "prompt embeddings are not supported by vLLM gRPC v0.25.1",
-        "preprocessed multimodal features are not supported by vLLM gRPC",
-        "encode mode is not supported by the vLLM sidecar",
+        "mm_processor_kwargs are not supported by vLLM gRPC",
+        "encode requests support image and video media only",
         "LoRA request selection is not supported by vLLM gRPC v0.25.1",
         "Dynamo bootstrap handoff is not supported by the vLLM sidecar",
         "visible stop token IDs are not supported by vLLM gRPC v0.25.1",
@@ -270,7 +269,7 @@ def test_validation_order_follows_the_table() -> None:
             req[outer][inner] = value
         else:
             req[path] = value
-    rejects(req, "vLLM gRPC currently supports image_url media only; got `video_url`", mode)
+    rejects(req, "vLLM gRPC does not support media modality `pdf_url`", mode)
 
 
 def test_length_penalty_epsilon() -> None:
@@ -288,6 +287,15 @@ def test_invalid_request_shape_is_invalid_argument() -> None:
         structure_request({"token_ids": "abc"})
     with pytest.raises(InvalidArgument, match=r"^invalid PreprocessedRequest: "):
         structure_request([1, 2])  # type: ignore[arg-type]
+
+
+def test_an_embedding_request_is_refused_by_name() -> None:
+    """Dynamo's embedding request (one token list per input) reaches a worker registered for embeddings."""
+    embedding = {"token_ids": [[1, 2], [3]], "model": "m", "encoding_format": None, "dimensions": None}
+    with pytest.raises(InvalidArgument, match=r"^embeddings are not supported by vLLM gRPC"):
+        structure_request(embedding)
+    with pytest.raises(InvalidArgument, match=r"^invalid PreprocessedRequest: "):
+        structure_request({"token_ids": [[1], 2]})
 
 
 def test_unknown_keys_ignored_and_null_is_absent() -> None:

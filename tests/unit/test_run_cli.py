@@ -116,8 +116,16 @@ def test_string_options_flag_env_default(flag: str, env: str, fval: str, eval_: 
 def test_endpoint_types() -> None:
     assert parse_run_args(EP + ["--endpoint-types", "chat"], environ={})[1].endpoint_types == ("chat",)
     assert parse_run_args(EP, environ={"DYN_ENDPOINT_TYPES": "completions"})[1].endpoint_types == ("completions",)
-    with pytest.raises(UsageError, match="invalid endpoint type `embedding`"):
-        parse_run_args(EP + ["--endpoint-types", "chat,embedding"], environ={})
+    assert parse_run_args(EP + ["--endpoint-types", " Chat , embeddings,"], environ={})[1].endpoint_types == (
+        "chat",
+        "embeddings",
+    )
+
+
+def test_parser_names_are_kept_as_given() -> None:
+    """Like native: an empty or blank name (flag or environment) is registered as it is, not dropped."""
+    _, options = parse_run_args(EP + ["--dyn-tool-call-parser", ""], environ={"DYN_REASONING_PARSER": " "})
+    assert (options.tool_call_parser, options.reasoning_parser) == ("", " ")
 
 
 def test_rl_world_size_and_numbers() -> None:
@@ -220,6 +228,13 @@ def test_keepalive_flags_and_environment() -> None:
         parse_run_args(EP + ["--grpc-keepalive-timeout-secs", "0"], environ={})
     with pytest.raises(UsageError, match="TRIO_SIDECAR_GRPC_KEEPALIVE_TIME_SECS"):
         parse_run_args(EP, environ={"TRIO_SIDECAR_GRPC_KEEPALIVE_TIME_SECS": "-1"})
+    assert config.keepalive_min_ping_interval == 300.0  # gRPC-core's server default
+    config, _ = parse_run_args(EP, environ={"TRIO_SIDECAR_GRPC_KEEPALIVE_MIN_PING_INTERVAL_SECS": "12"})
+    assert config.keepalive_min_ping_interval == 12.0
+    config, _ = parse_run_args(EP + ["--grpc-keepalive-min-ping-interval-secs", "1.5"], environ={})
+    assert config.keepalive_min_ping_interval == 1.5
+    with pytest.raises(UsageError, match="`--grpc-keepalive-min-ping-interval-secs` must be a finite, positive"):
+        parse_run_args(EP + ["--grpc-keepalive-min-ping-interval-secs", "0"], environ={})
 
 
 NUMERIC = [
@@ -286,10 +301,8 @@ def test_unknown_flag_exits_2(worker: list, capsys: pytest.CaptureFixture[str]) 
         ),
         ([], {"VLLM_HTTP_ENDPOINT": "ftp://x"}, "`--vllm-http-endpoint` must use HTTP or HTTPS and include a host"),
         (["--vllm-rl-world-size", "4294967296"], {}, "`--vllm-rl-world-size` must be between 1 and 4294967295"),
-        (["--disaggregation-mode", "encode"], {}, "encode mode is not supported by the vLLM sidecar"),
-        (["--route-to-encoder"], {}, "route-to-encoder is not supported by the vLLM sidecar"),
-        (["--dyn-tool-call-parser", "hermes"], {}, "tool-call and reasoning parsers"),
-        ([], {"DYN_REASONING_PARSER": "deepseek_r1"}, "tool-call and reasoning parsers"),
+        (["--endpoint-types", "chat,rerank"], {}, "unknown endpoint type 'rerank'"),
+        ([], {"DYN_ENDPOINT_TYPES": ""}, "endpoint_types cannot be empty"),
         (["--grpc-endpoint", "https://server"], {}, "TLS endpoints are not supported by `--grpc-endpoint`"),
     ],
 )
@@ -375,3 +388,13 @@ def test_mock_delegates(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_error_text_is_not_rich_markup(worker: list, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--grpc-endpoint", "other://[x]"], environ={}) == 2
     assert "unsupported endpoint scheme in `--grpc-endpoint`: `other://[x]`" in capsys.readouterr().err
+
+
+def test_configured_parsers_reach_the_worker(worker: list) -> None:
+    env = {"DYN_REASONING_PARSER": "deepseek_r1"}
+    assert (
+        main(["run", *EP, "--dyn-tool-call-parser", "hermes", "--endpoint-types", "chat,embeddings"], environ=env) == 0
+    )
+    ((_, options),) = worker
+    assert (options.tool_call_parser, options.reasoning_parser) == ("hermes", "deepseek_r1")
+    assert options.endpoint_types == ("chat", "embeddings")

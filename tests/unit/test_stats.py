@@ -12,7 +12,7 @@ import pytest
 
 from trio_sidecar.dynamo.metrics import METRICS, PREFIX, common_labels, metric_names, render_text, render_typed
 from trio_sidecar.errors import ErrorKind
-from trio_sidecar.prober import HealthKind
+from trio_sidecar.health_policy import HealthKind
 from trio_sidecar.stats import (
     ERROR_TYPES,
     HEALTH_STATES,

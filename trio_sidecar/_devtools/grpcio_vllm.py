@@ -25,8 +25,8 @@ from typing import Any
 
 import attrs
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from .._proto.grpc.health.v1 import health_pb2
 from .._proto.vllm import control_pb2, inference_pb2
 from ..mock.generation import OutputOptions, build_prompt_info, fill_sequence_output, planned_tokens
 
@@ -138,17 +138,45 @@ class GrpcioVllm:
         self._stopped = asyncio.Event()
         self._grace = 1.0
         server = grpc.aio.server(options=self.options)
-        health_servicer = health.aio.HealthServicer()
-        for service in _SERVICES:
-            await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        server.add_generic_rpc_handlers((self._control_handler(), self._inference_handler()))
+        server.add_generic_rpc_handlers((self._health_handler(), self._control_handler(), self._inference_handler()))
         self.port = server.add_insecure_port("127.0.0.1:0" if not self.port else f"127.0.0.1:{self.port}")
         await server.start()
         self._server = server
         self._ready.set()
         await self._stopped.wait()
         await server.stop(self._grace)
+
+    def _health_handler(self) -> grpc.GenericRpcHandler:
+        """``grpc.health.v1.Health`` with the package's own messages (grpcio-health-checking's generated
+        module would register the same proto symbols again in a process that also runs the mock)."""
+        serving = health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+        async def check(request: Any, context: Any) -> health_pb2.HealthCheckResponse:
+            if request.service not in _SERVICES:
+                await context.abort(grpc.StatusCode.NOT_FOUND, "unknown service")
+            return serving
+
+        async def watch(request: Any, context: Any) -> AsyncIterator[health_pb2.HealthCheckResponse]:
+            if request.service not in _SERVICES:
+                yield health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVICE_UNKNOWN)
+            else:
+                yield serving
+            await asyncio.Event().wait()  # (until the client cancels or the server stops)
+
+        def serialize(message: Any) -> bytes:
+            return message.SerializeToString()
+
+        return grpc.method_handlers_generic_handler(
+            "grpc.health.v1.Health",
+            {
+                "Check": grpc.unary_unary_rpc_method_handler(
+                    check, request_deserializer=health_pb2.HealthCheckRequest.FromString, response_serializer=serialize
+                ),
+                "Watch": grpc.unary_stream_rpc_method_handler(
+                    watch, request_deserializer=health_pb2.HealthCheckRequest.FromString, response_serializer=serialize
+                ),
+            },
+        )
 
     def _control_handler(self) -> grpc.GenericRpcHandler:
         def unary(fn: Any, request_type: Any) -> grpc.RpcMethodHandler:

@@ -165,13 +165,18 @@ class ChunkBatch:
 
 
 def deliver_items(
-    items: list[Any], tokens: Callable[[list[int], str], None], chunk: Callable[[LLMEngineOutput], None]
+    items: list[Any],
+    tokens: Callable[[list[int], str], None],
+    chunk: Callable[[LLMEngineOutput], None],
+    *,
+    merge: bool = True,
 ) -> None:
     """Hand every chunk of a batch's pairs (:meth:`BatchBuilder.take_items`) over in order: a plain one as
     ``tokens(token_ids, text)`` (a fresh list), any other as ``chunk(chunk)``; what :class:`ChunkBatch` would
     return one at a time, without building the plain chunks. Consecutive plain chunks go over as one
     ``tokens`` call: their ids in order, their texts concatenated exactly (``""`` when all are empty), as
-    the Dynamo bridge would merge the deltas anyway. This is the one place the engine merges tokens."""
+    the Dynamo bridge would merge the deltas anyway. This is the one place the engine merges tokens.
+    ``merge=False`` hands every message's chunk over on its own (see ``Sidecar.submit``)."""
     index = 0
     size = len(items)
     while index < size:
@@ -183,7 +188,7 @@ def deliver_items(
             continue
         text = items[index + 1]
         index += 2
-        if index < size and type(items[index]) in _PLAIN_KINDS:  # a run: merged
+        if merge and index < size and type(items[index]) in _PLAIN_KINDS:  # a run: merged
             merged = [ids] if kind is int else ids
             texts = [text]
             while index < size and type(items[index]) in _PLAIN_KINDS:

@@ -18,13 +18,7 @@ from .._proto.vllm import inference_pb2
 from ..config import DisaggregationMode
 from ..errors import InvalidArgument
 from ..jsonstruct import json_to_struct
-from ..multimodal import (
-    HANDOFF_KEY,
-    MEDIA_EXTRA_ARGS_KEYS,
-    build_media_items,
-    decode_prompt_token_ids,
-    has_media,
-)
+from ..multimodal import HANDOFF_KEY, MEDIA_EXTRA_ARGS_KEYS, build_media_items, check_encode_request, has_media
 from ..protocol import PreprocessedRequest, RoutingHints
 from ..routing import dp_rank_metadata, select_dp_rank
 from ..sampling_checks import sampling_error
@@ -70,6 +64,7 @@ def build_generate_request(
     mode: DisaggregationMode,
     *,
     lora_supported: bool = False,
+    text: str | None = None,
 ) -> BuiltRequest:
     """Validate (in the order of docs/reference/sidecar.md#validation-order) and map (docs/reference/sidecar.md#field-mapping) a request.
 
@@ -80,6 +75,9 @@ def build_generate_request(
         mode: the sidecar's disaggregation mode.
         lora_supported: the server advertises LoRA (``max_loras`` > 0): a ``routing.lora_name`` is then
             forwarded as ``lora_name`` (an adapter vLLM does not hold is vLLM's error, docs/lora.md).
+        text: a text prompt, sent as ``GenerateRequest.text`` instead of ``request.token_ids`` (which may then
+            be empty) for vLLM to tokenize (a server advertising ``supports_text_input``; docs/embedded.md).
+            ``prompt_tokens`` is then 0 until vLLM's ``prompt_info`` reports the count.
 
     Returns:
         The ``GenerateRequest`` plus per-call metadata and bookkeeping for ``ResponseState``.
@@ -94,14 +92,14 @@ def build_generate_request(
     routing = request.routing
 
     # docs/reference/sidecar.md#validation-order rows 1-14.
-    if not request.token_ids:
+    if not request.token_ids and text is None:
         raise InvalidArgument("token_ids must not be empty")
     if request.prompt_embeds is not None:
         raise InvalidArgument("prompt embeddings are not supported by vLLM gRPC v0.25.1")
-    if request.mm_processor_kwargs is not None or request.encoder_result is not None:
-        raise InvalidArgument("preprocessed multimodal features are not supported by vLLM gRPC")
+    if request.mm_processor_kwargs is not None:
+        raise InvalidArgument("mm_processor_kwargs are not supported by vLLM gRPC")
     if mode is DisaggregationMode.ENCODE:
-        raise InvalidArgument("encode mode is not supported by the vLLM sidecar")
+        check_encode_request(request.multi_modal_data, request.encoder_result)
     if routing.lora_name and not lora_supported:
         raise InvalidArgument("LoRA request selection is not supported by vLLM gRPC v0.25.1")
     if request.bootstrap_info is not None:
@@ -131,10 +129,11 @@ def build_generate_request(
     media_present = has_media(request.multi_modal_data)
     extras = _extra_args(request, media_present)
     items = build_media_items(request.multi_modal_data, request.multi_modal_uuids, extras.mm_hashes)
+    # Every mode sends the original prompt ids with the media: a decode engine rebuilds the expanded prompt
+    # and its multimodal positions itself (docs/reference/sidecar.md#multimodal-requests).
     token_ids: list[int] = list(request.token_ids)
-    if items and mode is DisaggregationMode.DECODE:
-        token_ids = decode_prompt_token_ids(request.prefill_result)
-    send_media = bool(items) and mode is not DisaggregationMode.DECODE
+    send_media = bool(items)
+    one_token = mode in (DisaggregationMode.PREFILL, DisaggregationMode.ENCODE)
 
     # Row 18.
     kv_params = _kv_transfer_params(request, extras, mode)
@@ -172,7 +171,7 @@ def build_generate_request(
     message.decoding.SetInParent()
 
     st = message.stopping
-    if mode is DisaggregationMode.PREFILL:
+    if one_token:
         st.max_new_tokens = 1
         st.min_new_tokens = 1
     else:
@@ -203,9 +202,15 @@ def build_generate_request(
     kv.cache_salt = cache_salt
     if kv_params is not None:
         kv.kv_transfer_params.CopyFrom(kv_params)
+    ec_params = _ec_transfer_params(request.encoder_result, mode)
+    if ec_params is not None:
+        kv.ec_transfer_params.CopyFrom(ec_params)
 
     if send_media:
         message.media.extend(items)
+    if text is not None:
+        message.text = text  # (the prompt oneof: replaces token_ids)
+        token_ids = []
 
     # vLLM's float sampling checks, on the f32 values it will see, with its texts (docs/conformance.md).
     if not _vllm_rejects_stopping_first(st):
@@ -213,7 +218,7 @@ def build_generate_request(
         if problem is not None:
             raise InvalidArgument(problem)
 
-    rank = select_dp_rank(routing, mode)
+    rank = None if mode is DisaggregationMode.ENCODE else select_dp_rank(routing, mode)
     return BuiltRequest(
         message=message,
         metadata=dp_rank_metadata(rank),
@@ -349,6 +354,8 @@ def _kv_transfer_params(request: PreprocessedRequest, extras: _Extras, mode: Dis
             except ValueError:  # beyond Python's 4300-digit limit: left as a number, which Struct refuses
                 pass
         return json_to_struct(forwarded)
+    if mode is DisaggregationMode.ENCODE:
+        return None
     if mode is DisaggregationMode.PREFILL:
         if caller is None:
             caller = {}
@@ -360,6 +367,16 @@ def _kv_transfer_params(request: PreprocessedRequest, extras: _Extras, mode: Dis
     if not isinstance(caller, dict):
         raise InvalidArgument("extra_args.kv_transfer_params must be a JSON object")
     return json_to_struct(caller)
+
+
+def _ec_transfer_params(encoder_result: Any, mode: DisaggregationMode) -> Any:
+    """The encoder handoff an encode worker produced (``encoder_result``), forwarded to vLLM as
+    ``kv.ec_transfer_params`` by every mode but encode (docs/reference/sidecar.md#multimodal-requests)."""
+    if encoder_result is None or mode is DisaggregationMode.ENCODE:
+        return None
+    if not isinstance(encoder_result, dict):
+        raise InvalidArgument("encoder_result must be a JSON object")
+    return json_to_struct(encoder_result)
 
 
 def _is_whole_non_negative(value: Any) -> TypeGuard[int | float]:

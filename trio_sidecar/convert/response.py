@@ -152,12 +152,17 @@ class ResponseState:
         self.completion_tokens: int = 0
         self.finished: bool = False
         self.is_prefill: bool = mode is DisaggregationMode.PREFILL
+        self.is_encode: bool = mode is DisaggregationMode.ENCODE
+        # Prefill and encode chunks carry no tokens and no text (their one token is not the client's).
+        self._no_output: bool = self.is_prefill or self.is_encode
         self.has_media: bool = built.has_media
+        #: vLLM's ``num_prompt_tokens`` is the count (a text prompt, or media it expanded), not the request's.
+        self._server_counts_prompt: bool = built.has_media or built.message.WhichOneof("prompt") == "text"
         self.output_logprobs: int | None = request.output_options.logprobs
         self.expect_prompt_logprobs: bool = request.output_options.prompt_logprobs is not None
         self.prompt_info: inference_pb2.PromptInfo | None = None
         #: ``convert_plain`` applies: the chunks carry token ids and text (not prefill), and no logprobs.
-        self._plain_chunks: bool = not self.is_prefill and self.output_logprobs is None
+        self._plain_chunks: bool = not self._no_output and self.output_logprobs is None
 
     def __repr__(self) -> str:
         return (
@@ -166,8 +171,8 @@ class ResponseState:
         )
 
     def reported_completion_tokens(self) -> int:
-        """Usage's completion count: 0 for prefill (its one token is decode's to report)."""
-        return 0 if self.is_prefill else self.completion_tokens
+        """Usage's completion count: 0 for prefill (its one token is decode's to report) and encode."""
+        return 0 if self._no_output else self.completion_tokens
 
     def retract(self, tokens: int) -> None:
         """``tokens`` were converted but never delivered (the caller dropped them after its cancellation):
@@ -178,7 +183,7 @@ class ResponseState:
         """The cancelled chunk (docs/reference/sidecar.md#output-chunks) with the usage accumulated so far
         (``text`` ``""`` unless prefill, like every other output chunk)."""
         chunk = cancelled_chunk(self.prompt_tokens, self.reported_completion_tokens())
-        if not self.is_prefill:
+        if not self._no_output:
             chunk.text = ""
         return chunk
 
@@ -231,8 +236,10 @@ class ResponseState:
         num_tokens = outputs.num_tokens
         if num_tokens != len(token_ids):
             raise ProtocolError(f"num_tokens {num_tokens} does not match {len(token_ids)} token IDs")
+        if self.is_encode and num_tokens > 0:
+            raise ProtocolError("encode response produced output tokens")
 
-        if self.is_prefill:
+        if self._no_output:
             chunk = LLMEngineOutput()
         else:
             # (built with its fields at once: cheaper than assigning them after construction)
@@ -246,18 +253,20 @@ class ResponseState:
         self.completion_tokens += num_tokens
 
         if not outputs.HasField("finish_info"):
-            if self.is_prefill or num_tokens == 0:
+            if self._no_output or num_tokens == 0:
                 return None
             return chunk
         self._terminal(outputs.finish_info, chunk)
         self.finished = True
+        if self.is_encode:
+            return _encode_terminal(outputs.finish_info, chunk)
         return chunk
 
     # -- helpers --------------------------------------------------------------------------------------
 
     def _prompt_info(self, info: inference_pb2.PromptInfo) -> None:
-        if self.has_media:
-            # vLLM's expanded prompt is authoritative (docs/reference/sidecar.md#multimodal-requests).
+        if self._server_counts_prompt:
+            # vLLM's tokenized or expanded prompt is authoritative (docs/reference/sidecar.md#multimodal-requests).
             self.prompt_tokens = info.num_prompt_tokens
         elif info.num_prompt_tokens != self.prompt_tokens:
             raise ProtocolError(
@@ -324,6 +333,23 @@ class ResponseState:
 
         if self.expect_prompt_logprobs and self.prompt_info is not None:
             chunk.engine_data = {"prompt_logprobs": _prompt_logprobs(self.prompt_info)}
+
+
+def _encode_terminal(finish: inference_pb2.FinishInfo, chunk: LLMEngineOutput) -> LLMEngineOutput:
+    """An encode worker's terminal (native 1.6.1): a cancelled chunk as it is; otherwise a ``stop`` that
+    carries vLLM's ``ec_transfer_params`` as ``encoder_result``, the handoff the next worker forwards.
+
+    Raises:
+        ProtocolError: a finish other than stop or cancelled, or no ``ec_transfer_params`` (native's texts).
+    """
+    if chunk.finish_reason == "cancelled":
+        return chunk
+    if chunk.finish_reason != "stop":
+        name = _FinishReason.Name(finish.finish_reason).capitalize()
+        raise ProtocolError(f"encode terminal has invalid finish reason Some({name}); expected stop or cancelled")
+    if not finish.HasField("ec_transfer_params"):
+        raise ProtocolError("encode terminal is missing valid ec_transfer_params")
+    return LLMEngineOutput(finish_reason="stop", encoder_result=struct_to_json(finish.ec_transfer_params))
 
 
 def _prompt_logprobs(info: inference_pb2.PromptInfo) -> list[dict[str, dict[str, Any]] | None]:

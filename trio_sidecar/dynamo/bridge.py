@@ -251,7 +251,7 @@ class _Waker:
 class _Stream:
     """One request on the asyncio side: its outbox, stop request and cancellation watcher."""
 
-    __slots__ = ("loop", "outbox", "request_id", "request_stop", "watcher", "ended", "warned", "first_token")
+    __slots__ = ("loop", "outbox", "request_id", "request_stop", "watcher", "merge", "ended", "warned", "first_token")
 
     def __init__(
         self,
@@ -260,8 +260,10 @@ class _Stream:
         request_id: str,
         request_stop: Callable[[], None],
         watcher: asyncio.Future,
+        merge: bool = True,
     ) -> None:
         self.loop = loop
+        self.merge = merge
         self.outbox = outbox
         self.request_id = request_id
         self.request_stop = request_stop
@@ -306,7 +308,7 @@ class _Stream:
             items.popleft()
             self.ended = True
             raise dynamo_exception(out)
-        out = take_merged(items)
+        out = take_merged(items) if self.merge else items.popleft()
         if self.first_token is not None and out.get("token_ids"):
             context, self.first_token = self.first_token, None
             _notify_first_token(context)
@@ -390,8 +392,12 @@ class RequestBridge:
         thread: AsyncioThread,
         make_context: Callable[..., Any] | None = None,
         bind_context: Callable[[Any, dict], bool] | None = None,
+        *,
+        merge: bool = True,
     ) -> None:
         self._thread = thread
+        #: Queued token deltas go to Dynamo as one (``take_merged``); false: one output per chunk queued.
+        self.merge = merge
         self._make_context = make_context or _default_context
         self._bind_context = bind_context
         self._submit: _Submit | None = None  # set while run_dispatcher() runs
@@ -454,7 +460,7 @@ class RequestBridge:
 
         watcher = asyncio.ensure_future(context.async_killed_or_stopped())
         watcher.add_done_callback(lambda f: None if f.cancelled() else request_stop())
-        stream = _Stream(loop, outbox, request_id, request_stop, watcher)
+        stream = _Stream(loop, outbox, request_id, request_stop, watcher, self.merge)
         if bound:
             stream.first_token = context
         return stream

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from ..config import DisaggregationMode, SidecarConfig, WorkerOptions
+from ..config import DisaggregationMode, SidecarConfig, WorkerOptions, model_type_names
 from ..errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -29,15 +29,31 @@ __all__ = [
 
 LOGGER = logging.getLogger("trio_sidecar.dynamo.plan")
 
-_ENDPOINT_TYPES = {"chat": "Chat", "completions": "Completions"}
 _WORKER_TYPES = {
     DisaggregationMode.AGG: "Aggregated",
     DisaggregationMode.PREFILL: "Prefill",
     DisaggregationMode.DECODE: "Decode",
+    DisaggregationMode.ENCODE: "Encode",
 }
-_FIXED_COMPONENT = {DisaggregationMode.PREFILL: "prefill", DisaggregationMode.DECODE: "backend"}
-# register_model rejects Prefill/Decode without `needs`; the native sidecar declares the peer role.
-_NEEDS = {DisaggregationMode.PREFILL: (("Decode",),), DisaggregationMode.DECODE: (("Prefill",),)}
+_FIXED_COMPONENT = {
+    DisaggregationMode.PREFILL: "prefill",
+    DisaggregationMode.DECODE: "backend",
+    DisaggregationMode.ENCODE: "encode",
+}
+# register_model rejects Prefill/Decode without `needs`; the native sidecar declares the peer role. An encode
+# worker serves a prefill/decode pair or an aggregated worker.
+_NEEDS = {
+    DisaggregationMode.PREFILL: (("Decode",),),
+    DisaggregationMode.DECODE: (("Prefill",),),
+    DisaggregationMode.ENCODE: (("Prefill", "Decode"), ("Aggregated",)),
+}
+# Native 1.6.1's texts for the encoder checks made once the engine is known (exit 1).
+ENCODE_NEEDS_MULTIMODAL = "encode mode requires a multimodal engine; `{model}` does not advertise multimodal support"
+ROUTE_TO_ENCODER_MODE = (
+    "--route-to-encoder is meaningful only for --disaggregation-mode agg|prefill; got '{mode}'. Decode workers "
+    "consume KV cache from a Prefill peer (encoder dependency propagates transitively through Prefill); Encode "
+    "workers are the producer of the encoder result."
+)
 
 
 def worker_namespace(namespace: str, environ: Mapping[str, str] = os.environ) -> str:
@@ -66,6 +82,8 @@ class WorkerPlan:
     # runtime derives /health from endpoint health and ignores set_health_status (docs/dynamo.md).
     health_check_payload: dict[str, Any] | None
     local_indexer: bool  # KvEventPublisher(enable_local_indexer=...): off for decode workers
+    # runtime_data.encoder_result_handoff: this worker takes an encode worker's result (--route-to-encoder).
+    encoder_result_handoff: bool = False
 
 
 def plan_registration(
@@ -74,32 +92,36 @@ def plan_registration(
     engine: EngineConfig,
     sources: Sequence[KvEventSource],
     *,
+    supports_multimodal: bool = False,
     environ: Mapping[str, str] = os.environ,
 ) -> WorkerPlan:
     """Build the registration from the start-phase ``EngineConfig`` (docs/reference/sidecar.md#registration-data, docs/reference/worker.md#registration).
 
+    Encoder disaggregation (docs/reference/worker.md#encoder-disaggregation): an encode worker needs a
+    multimodal engine, registers ``WorkerType.Encode`` with no OpenAI surface, no KV block size and no local
+    indexer; ``--route-to-encoder`` (aggregated and prefill workers only) adds the encode peer to ``needs``
+    and advertises ``runtime_data.encoder_result_handoff``.
+
     Raises:
-        InvalidArgument: an endpoint type other than ``chat``/``completions``, or an unsupported mode.
+        InvalidArgument: an unknown endpoint type, or an encoder setting the engine or the mode cannot serve
+            (native's texts).
     """
     mode = DisaggregationMode.parse(config.disaggregation_mode)
-    if mode not in _WORKER_TYPES:
-        raise InvalidArgument("encode mode is not supported by the vLLM sidecar")
+    if mode is DisaggregationMode.ENCODE and not supports_multimodal:
+        raise InvalidArgument(ENCODE_NEEDS_MULTIMODAL.format(model=engine.served_model_name))
+    if options.route_to_encoder and mode not in (DisaggregationMode.AGG, DisaggregationMode.PREFILL):
+        raise InvalidArgument(ROUTE_TO_ENCODER_MODE.format(mode=mode.value))
     component = _FIXED_COMPONENT.get(mode, options.component)
     path = f"{worker_namespace(options.namespace, environ)}.{component}.{options.endpoint}"
-    if mode is DisaggregationMode.PREFILL:
+    if mode is DisaggregationMode.ENCODE:
+        model_types: tuple[str, ...] = ("Empty",)  # not on the public chat/completions surface
+    elif mode is DisaggregationMode.PREFILL:
         # Prefill workers have no OpenAI surface whatever --endpoint-types says; like the native sidecar
         # they register the legacy ModelType.Prefill marker (so older frontends still see the role) and
         # WorkerType.Prefill.
-        model_types: tuple[str, ...] = ("Prefill",)
+        model_types = ("Prefill",)
     else:
-        names = []
-        for kind in options.endpoint_types:
-            if kind not in _ENDPOINT_TYPES:
-                raise InvalidArgument(f"unsupported endpoint type `{kind}`; expected chat or completions")
-            names.append(_ENDPOINT_TYPES[kind])
-        if not names:
-            raise InvalidArgument("--endpoint-types must name at least one of chat, completions")
-        model_types = tuple(dict.fromkeys(names))
+        model_types = model_type_names(options.endpoint_types)
     runtime = {
         "context_length": engine.context_length,
         "total_kv_blocks": engine.total_kv_blocks,
@@ -110,12 +132,23 @@ def plan_registration(
     }
     runtime = {k: v for k, v in runtime.items() if v is not None}
     # Publishers need a block size (KvEventPublisher rejects 0); without one no events are relayed.
-    runtime["kv_event_publishing_enabled"] = bool(sources) and engine.kv_cache_block_size is not None
+    runtime["kv_event_publishing_enabled"] = (
+        bool(sources) and engine.kv_cache_block_size is not None and mode is not DisaggregationMode.ENCODE
+    )
     runtime["exclude_tools_when_tool_choice_none"] = bool(options.exclude_tools_when_tool_choice_none)
+    # The frontend's parsers, only as the operator configured them (Control's names are never defaults).
+    for key in ("tool_call_parser", "reasoning_parser"):
+        if getattr(options, key) is not None:
+            runtime[key] = getattr(options, key)
     # The native 1.6.1 sidecar's model card says enable_local_indexer=true in every mode; decode workers
     # get no KV publishers anyway (vLLM reports no KV-event sources in decode mode).
-    runtime["enable_local_indexer"] = True
-    local_indexer = mode is not DisaggregationMode.DECODE
+    runtime["enable_local_indexer"] = mode is not DisaggregationMode.ENCODE
+    local_indexer = mode not in (DisaggregationMode.DECODE, DisaggregationMode.ENCODE)
+    needs = _NEEDS.get(mode, ())
+    if options.route_to_encoder:
+        needs = tuple((*group, "Encode") for group in needs) or (("Encode",),)
+    if mode is DisaggregationMode.ENCODE:  # the encoder keeps no KV for the router
+        runtime.pop("total_kv_blocks", None)
     return WorkerPlan(
         endpoint_path=path,
         model_path=engine.model,
@@ -123,14 +156,15 @@ def plan_registration(
         aliases=tuple(engine.aliases),
         model_types=model_types,
         worker_type=_WORKER_TYPES[mode],
-        needs=_NEEDS.get(mode, ()),
-        kv_cache_block_size=engine.kv_cache_block_size,
+        needs=needs,
+        kv_cache_block_size=None if mode is DisaggregationMode.ENCODE else engine.kv_cache_block_size,
         runtime_config=runtime,
         custom_template_path=options.custom_jinja_template,
         health_check_payload=(
             health_check_payload(engine.model, environ) if _truthy(environ.get("DYN_HEALTH_CHECK_ENABLED")) else None
         ),
         local_indexer=local_indexer,
+        encoder_result_handoff=options.route_to_encoder,
     )
 
 

@@ -89,6 +89,8 @@ class DynamoSide:
             setattr(rc, key, value)
         if self.lora_enabled:
             rc.set_engine_specific("lora_requires_registration", "true")
+        if plan.encoder_result_handoff:
+            rc.set_engine_specific("encoder_result_handoff", "true")
             extra.setdefault("max_gpu_lora_count", self.max_loras)
         model_type = getattr(ModelType, plan.model_types[0])
         for type_name in plan.model_types[1:]:

@@ -34,7 +34,9 @@ ends within 1.5 s even if Dynamo's runtime is stuck (e.g. waiting for an etcd th
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import math
 import os
 import signal
 import sys
@@ -49,6 +51,7 @@ from .._signals import SIGNALS, held, hold_signals, interrupted_code
 from ..config import SidecarConfig, WorkerOptions
 from ..diagnostics import startup_hint
 from ..errors import SidecarError, format_duration
+from ..health_policy import ArmTimer, CancelTimer, HealthState, Timer, TimerFired
 from ..progress import StartupProgress, tracking
 from ..rl import parse_admin_base_url, rl_endpoint_name, rl_world_size, system_port_required
 from ..transport import collapse_single_exception
@@ -57,6 +60,17 @@ from .lora_routes import publish_held, start_lora
 from .plan import WorkerPlan, endpoint_path, plan_registration
 from .reporter import Reporter
 from .rl_routes import RlSurface
+from .rotation import (
+    HealthChanged,
+    PublishersReplaced,
+    ReplacePublishers,
+    RestoreToRotation,
+    RotationAction,
+    RotationDone,
+    RotationEvent,
+    RotationPolicy,
+    TakeOutOfRotation,
+)
 from .runtime import DynamoSide
 from .thread import AsyncioThread, TrioCalls
 
@@ -296,7 +310,11 @@ async def _run_with_runtime(
         return _interrupted(state)
 
     bridge = RequestBridge(
-        thread, bind_context=lambda context, request: dynamo.prefill_completion.bind(context, request)
+        thread,
+        bind_context=lambda context, request: dynamo.prefill_completion.bind(context, request),
+        # Dynamo's reasoning parser counts reasoning_tokens per output: one per vLLM message, as native sends
+        # them, keeps the count exact (docs/reference/worker.md#parsers).
+        merge=options.reasoning_parser is None,
     )
     code = 0
     with state.startup() as scope:
@@ -310,7 +328,9 @@ async def _run_with_runtime(
                             await waiting.stop()
                             reporter.phase_done(state.phase)
                             async with trio.open_nursery() as requests:
-                                requests.start_soon(bridge.run_dispatcher, sidecar.submit)
+                                requests.start_soon(
+                                    bridge.run_dispatcher, functools.partial(sidecar.submit, merge=bridge.merge)
+                                )
                                 code = await _register_and_serve(
                                     config, options, state, reporter, thread, dynamo, bridge, sidecar, requests
                                 )
@@ -338,7 +358,9 @@ async def _register_and_serve(
     requests: trio.Nursery,
 ) -> int:
     sources = tuple(sidecar.kv_event_sources)
-    plan = plan_registration(config, options, sidecar.engine_config, sources)
+    plan = plan_registration(
+        config, options, sidecar.engine_config, sources, supports_multimodal=sidecar.model.supports_multimodal
+    )
     state.phase = "registration with Dynamo"
     reporter.phase(state.phase)
     # Before registering, as native: its outcome is logged even when registration then fails.
@@ -456,47 +478,76 @@ async def _supervise_health(
 ) -> None:
     """Take the instance out of rotation while vLLM is not serving (docs/reference/worker.md#out-of-rotation-while-vllm-is-not-serving, docs/reference/sidecar.md#recovery).
 
-    After ``unserving_grace`` of continuous non-SERVING state, ``unregister_endpoint_instance()``; on
-    recovery (the prober only returns to SERVING after re-checking identity and DP size),
-    ``register_endpoint_instance()``. Changed KV-event sources re-create the publishers. The model card is
-    kept throughout.
+    The I/O adapter of :class:`~trio_sidecar.health_policy.RotationPolicy`: every change of the prober's
+    published state goes in, and its actions are carried out on the asyncio thread. After
+    ``unserving_grace`` of continuous non-SERVING state, ``unregister_endpoint_instance()``; on recovery (the
+    prober only returns to SERVING after re-checking identity and DP size), ``register_endpoint_instance()``.
+    Changed KV-event sources re-create the publishers. The model card is kept throughout.
     """
     health = sidecar.health
-    registered = True
+    policy = RotationPolicy(grace=options.unserving_grace, sources=sources)
+    grace_due = math.inf
+    last: HealthState | None = None
+    fed_sources = sources
+
+    def changed(state: HealthState) -> bool:
+        # A change from what was fed last, or new KV-event sources: a replaced vLLM adopted after a prober
+        # hiccup passes through RECOVERING at once, which this task may not see if it is busy meanwhile.
+        return state != last or tuple(sidecar.kv_event_sources) != fed_sources
+
     while True:
-        await health.wait_value(lambda s: not s.admits)
-        with trio.move_on_after(options.unserving_grace) as grace:
-            await health.wait_value(lambda s: s.admits)
-        if grace.cancelled_caught:
-            reason = health.value.reason
-            LOGGER.warning(
-                "vLLM has not been serving for %s (%s); taking the instance out of rotation",
-                format_duration(options.unserving_grace),
-                reason,
-            )
-            try:
-                await thread.run(dynamo.unregister)
-                registered = False
-            except Exception as exc:  # noqa: BLE001
-                LOGGER.error("unregister_endpoint_instance failed: %s", exc)
-            await health.wait_value(lambda s: s.admits)
-        current = tuple(sidecar.kv_event_sources)
-        if current != sources:
-            LOGGER.warning("vLLM KV-event sources changed after recovery; re-creating the KV publishers")
-            try:
-                await thread.run(dynamo.replace_publishers, plan, current)
-                sources = current
-            except Exception as exc:  # noqa: BLE001
-                LOGGER.error("re-creating the KV publishers failed: %s", exc)
-        if not registered and dynamo.rl_withdrawn:
-            registered = True  # paused or asleep through the RL controls: their resume puts it back
-        if not registered:
-            try:
-                await thread.run(dynamo.register)
-                registered = True
-                LOGGER.info("vLLM is serving again; the instance is back in rotation")
-            except Exception as exc:  # noqa: BLE001
-                LOGGER.error("register_endpoint_instance failed: %s", exc)
+        event: RotationEvent | None = None
+        with trio.move_on_at(grace_due):
+            last = await health.wait_value(changed)
+            fed_sources = tuple(sidecar.kv_event_sources)
+            event = HealthChanged(last, fed_sources, rl_withdrawn=dynamo.rl_withdrawn)
+        if event is None:
+            grace_due = math.inf
+            event = TimerFired(Timer.GRACE)
+        for action in policy.handle(event):
+            if isinstance(action, ArmTimer):
+                grace_due = trio.current_time() + action.delay
+            elif isinstance(action, CancelTimer):
+                grace_due = math.inf
+            else:
+                done = await _rotate(action, thread, dynamo, plan)
+                if done is not None:
+                    policy.handle(done)
+
+
+async def _rotate(
+    action: RotationAction, thread: AsyncioThread, dynamo: DynamoSide, plan: WorkerPlan
+) -> RotationEvent | None:
+    """Carry out one rotation action on Dynamo's side; its outcome as an event (None: nothing changed)."""
+    if isinstance(action, TakeOutOfRotation):
+        LOGGER.warning(
+            "vLLM has not been serving for %s (%s); taking the instance out of rotation",
+            format_duration(action.grace),
+            action.reason,
+        )
+        try:
+            await thread.run(dynamo.unregister)
+        except Exception as exc:  # noqa: BLE001
+            LOGGER.error("unregister_endpoint_instance failed: %s", exc)
+            return None
+        return RotationDone(in_rotation=False)
+    if isinstance(action, ReplacePublishers):
+        LOGGER.warning("vLLM KV-event sources changed after recovery; re-creating the KV publishers")
+        try:
+            await thread.run(dynamo.replace_publishers, plan, action.sources)
+        except Exception as exc:  # noqa: BLE001
+            LOGGER.error("re-creating the KV publishers failed: %s", exc)
+            return None
+        return PublishersReplaced(action.sources)
+    if isinstance(action, RestoreToRotation):
+        try:
+            await thread.run(dynamo.register)
+        except Exception as exc:  # noqa: BLE001
+            LOGGER.error("register_endpoint_instance failed: %s", exc)
+            return None
+        LOGGER.info("vLLM is serving again; the instance is back in rotation")
+        return RotationDone(in_rotation=True)
+    return None
 
 
 async def _stop_runtime(thread: AsyncioThread, dynamo: DynamoSide) -> None:

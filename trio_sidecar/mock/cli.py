@@ -215,7 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--disaggregation-mode",
         default="aggregated",
-        choices=("aggregated", "agg", "prefill", "decode"),
+        choices=("aggregated", "agg", "prefill", "decode", "encode"),
         help="wire-level role to emulate; 'agg' is an alias of 'aggregated' (default: %(default)s)",
     )
     parser.add_argument(
@@ -246,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="flat JSON object of engine arguments (block_size, num_gpu_blocks, max_num_seqs, "
         "max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill, speedup_ratio, "
         "decode_speedup_ratio, dp_size, max_model_len, preemption_mode, zmq_kv_events_port, "
-        "zmq_replay_port, token_seed_source, image_token_id, tokens_per_image, text_mode, max_loras, "
+        "zmq_replay_port, token_seed_source, image_token_id, tokens_per_image, text_mode, scripted_completions, "
+        "max_loras, "
         "enable_sleep_mode, weight_transfer_backend, enable_draft_weight_updates, ...): inline when "
         "the value starts with '{', otherwise a path to a JSON file. text_mode \"tags\" (default): each token's "
         'text is <token:ID>; "words": a space and a word of the tiny model\'s vocabulary; "bytes": each token is one to three UTF-8 bytes, detokenized incrementally '

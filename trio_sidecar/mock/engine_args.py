@@ -114,6 +114,8 @@ class EngineArgs:
     enable_sleep_mode: bool = False
     weight_transfer_backend: str | None = None
     enable_draft_weight_updates: bool = False
+    #: ``(prompt_contains, text)`` pairs: answer a matching prompt with this text (docs/reference/mock.md#scripted-completions).
+    scripted_completions: tuple[tuple[str, str], ...] = ()
 
     @property
     def seq_limit(self) -> int | None:
@@ -181,6 +183,24 @@ def _enum(cls: type[enum.Enum]) -> Callable[[str, Any], enum.Enum]:
     return convert
 
 
+def _scripts(key: str, value: Any) -> tuple[tuple[str, str], ...]:
+    entries = [value] if isinstance(value, dict) else value
+    if not isinstance(entries, list):
+        raise EngineArgsError(f"engine arg '{key}' must be a list of objects with a 'text'")
+    out = []
+    for entry in entries:
+        if not isinstance(entry, dict) or not isinstance(entry.get("text"), str):
+            raise EngineArgsError(f"engine arg '{key}' entries must be objects with a string 'text'")
+        unknown = sorted(set(entry) - {"prompt_contains", "text"})
+        if unknown:
+            raise EngineArgsError(f"engine arg '{key}' entries take 'prompt_contains' and 'text', not '{unknown[0]}'")
+        contains = entry.get("prompt_contains", "")
+        if not isinstance(contains, str):
+            raise EngineArgsError(f"engine arg '{key}' entries' 'prompt_contains' must be a string")
+        out.append((contains, entry["text"]))
+    return tuple(out)
+
+
 _IGNORED = object()
 
 _KEYS: dict[str, tuple[Callable[[str, Any], Any], bool] | object] = {
@@ -208,6 +228,7 @@ _KEYS: dict[str, tuple[Callable[[str, Any], Any], bool] | object] = {
     "enable_draft_weight_updates": (_bool, False),
     "token_seed_source": (_enum(TokenSeedSource), False),
     "text_mode": (_enum(TextMode), False),
+    "scripted_completions": (_scripts, False),
     "image_token_id": (_int, False),
     "tokens_per_image": (_int, False),
     "planner_profile_data": _IGNORED,

@@ -196,6 +196,7 @@ class OutputPlan:
     tokens: Sequence[int]
     finish_reason: pb.FinishInfo.FinishReason  # FinishReason.LENGTH or FinishReason.STOP
     stop_token_id: int | None = None
+    eos_token_id: int | None = None  # a scripted completion's EOS (docs/reference/mock.md#scripted-completions)
 
 
 def plan_output(

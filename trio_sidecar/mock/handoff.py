@@ -1,8 +1,10 @@
-"""Disaggregated prefill/decode emulation, wire level only (docs/reference/mock.md#prefill-and-decode-emulation). PURE: no I/O, no Trio.
+"""Disaggregated encode/prefill/decode emulation, wire level only (docs/reference/mock.md#prefill-and-decode-emulation). PURE: no I/O, no Trio.
 
 The mock moves no KV: a prefill server answers with a vLLM-shaped ``kv_transfer_params`` handoff, and a
 decode server checks that the handoff came back verbatim (the ``mocker_request_id`` sentinel proves the
-sidecar kept it opaque) and then recomputes the prompt like an aggregated engine.
+sidecar kept it opaque) and then recomputes the prompt like an aggregated engine. An encode server (encoder
+disaggregation) computes the prompt and its media, answers a ``STOP`` terminal without tokens whose
+``ec_transfer_params`` name the request and its media, and takes no KV handoff.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ __all__ = [
     "Role",
     "check_role",
     "classify_kv_transfer_params",
+    "encode_terminal_params",
     "prefill_terminal_params",
 ]
 
@@ -37,6 +40,7 @@ class Role(enum.Enum):
     AGGREGATED = "aggregated"
     PREFILL = "prefill"
     DECODE = "decode"
+    ENCODE = "encode"
 
     @classmethod
     def parse(cls, value: str) -> Role:
@@ -135,7 +139,9 @@ _ROLE_MISMATCH = {
     Role.AGGREGATED: "aggregated mock server received disaggregated KV transfer parameters",
     Role.PREFILL: "prefill mock server requires do_remote_decode=true",
     Role.DECODE: "decode mock server requires a prefill KV transfer payload",
+    Role.ENCODE: "encode mock server received KV transfer parameters",
 }
+ENCODE_NEEDS_MEDIA = "encode mock server requires media"
 
 
 def check_role(server_mode: Role, request_role: Role) -> None:
@@ -144,7 +150,8 @@ def check_role(server_mode: Role, request_role: Role) -> None:
     Raises:
         RequestRejected: ``FAILED_PRECONDITION`` with the server mode's message.
     """
-    if request_role is not server_mode:
+    expected = Role.AGGREGATED if server_mode is Role.ENCODE else server_mode  # an encoder takes no KV handoff
+    if request_role is not expected:
         raise RequestRejected(StatusCode.FAILED_PRECONDITION, _ROLE_MISMATCH[server_mode])
 
 
@@ -163,4 +170,11 @@ def prefill_terminal_params(request_uuid: str, request_id: str, prompt_len: int)
             "mocker_request_id": request_id,
         }
     )
+    return params
+
+
+def encode_terminal_params(request_id: str, media_identifiers: list[str]) -> struct_pb2.Struct:
+    """The encode terminal's ``finish_info.ec_transfer_params`` (docs/reference/mock.md#prefill-and-decode-emulation)."""
+    params = struct_pb2.Struct()
+    params.update({"mocker_encode_request_id": request_id, "mm_hashes": list(media_identifiers)})
     return params

@@ -1,9 +1,9 @@
-"""Image media acceptance and placeholder expansion (docs/reference/mock.md#multimodal). PURE.
+"""Image and video media acceptance and placeholder expansion (docs/reference/mock.md#multimodal). PURE.
 
-Images are never fetched or decoded. With ``--supports-multimodal`` each image placeholder token
-(``image_token_id``, default 31999) in ``token_ids`` stands for one ``media`` item and is expanded to
-``tokens_per_image`` copies (default 16), which is what the scheduler computes and what ``PromptInfo``
-reports. A request without media (a decode request carrying already-expanded ids) is taken as-is.
+Media are never fetched or decoded. With ``--supports-multimodal`` each placeholder token (``image_token_id``,
+default 31999) in ``token_ids`` stands for one ``media`` item, an image or a video (the mock treats a video
+like an image), and is expanded to ``tokens_per_image`` copies (default 16), which is what the scheduler
+computes and what ``PromptInfo`` reports. A request without media (already-expanded ids) is taken as-is.
 
 Each expanded run is one multimodal feature (:class:`~trio_sidecar.mock.kvcache.MmSpan`) whose identifier is
 the item's ``uuid``, or the hex blake3 digest of its source without one (vLLM's content hash plays that
@@ -26,6 +26,7 @@ __all__ = [
     "DEFAULT_IMAGE_TOKEN_ID",
     "DEFAULT_TOKENS_PER_IMAGE",
     "MULTIMODAL_DISABLED",
+    "UNSUPPORTED_MODALITY",
     "check_media",
     "expand_image_placeholders",
     "image_spans",
@@ -34,6 +35,8 @@ __all__ = [
 
 DEFAULT_IMAGE_TOKEN_ID = 31999
 DEFAULT_TOKENS_PER_IMAGE = 16
+UNSUPPORTED_MODALITY = "only image and video media are supported by the mock server"
+_MODALITIES = (pb.MODALITY_IMAGE, pb.MODALITY_VIDEO)
 MULTIMODAL_DISABLED = "multimodal input is not supported by this mock server; start it with --supports-multimodal"
 
 
@@ -52,8 +55,8 @@ def check_media(media: Sequence[pb.MediaItem], supports_multimodal: bool) -> Non
     if not supports_multimodal:
         raise _invalid(MULTIMODAL_DISABLED)
     for i, item in enumerate(media):
-        if item.modality != pb.MODALITY_IMAGE:
-            raise _invalid("only image media is supported by the mock server")
+        if item.modality not in _MODALITIES:
+            raise _invalid(UNSUPPORTED_MODALITY)
         source = item.WhichOneof("source")
         if source is None or not getattr(item, source):
             raise _invalid(f"media item {i} has no source")

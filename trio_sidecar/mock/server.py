@@ -57,8 +57,9 @@ from trio_sidecar.mock.generation import (
     request_uuid,
     token_response_encoder,
 )
-from trio_sidecar.mock.handoff import Role, prefill_terminal_params
+from trio_sidecar.mock.handoff import Role, encode_terminal_params, prefill_terminal_params
 from trio_sidecar.mock.metrics import MockMetrics
+from trio_sidecar.mock.scripted import load_scripts
 from trio_sidecar.mock.tiny_model import WordText
 from trio_sidecar.mock.validation import PreparedRequest, RequestPolicy, parse_dp_rank, prepare_request
 from trio_sidecar.status import StatusCode
@@ -183,7 +184,7 @@ def prepare_config(config: MockConfig) -> _Prepared:
         mode = Role.parse(config.disaggregation_mode)
     except ValueError:
         raise MockConfigError(
-            f"invalid disaggregation mode '{config.disaggregation_mode}': expected aggregated, prefill or decode"
+            f"invalid disaggregation mode '{config.disaggregation_mode}': expected aggregated, prefill, decode or encode"
         ) from None
     host, port = parse_listen(config.listen)
     try:
@@ -195,6 +196,10 @@ def prepare_config(config: MockConfig) -> _Prepared:
     except ValueError as exc:
         raise MockConfigError(str(exc)) from None
     served = config.served_model_name or config.model
+    try:
+        scripts = load_scripts(args.scripted_completions, config.model) if args.scripted_completions else None
+    except ValueError as exc:
+        raise MockConfigError(str(exc)) from None
     policy = RequestPolicy(
         served_model_name=served,
         seed=config.seed,
@@ -207,8 +212,19 @@ def prepare_config(config: MockConfig) -> _Prepared:
         image_token_id=args.image_token_id,
         tokens_per_image=args.tokens_per_image,
         lora=_lora.LoraTable(args.max_loras, (served,)) if args.max_loras > 0 else None,
+        scripts=scripts,
+        tokenize=_text_tokenizer(config.model),
     )
     return _Prepared(host=host, port=port, mode=mode, args=args, policy=policy, config=config, limits=limits)
+
+
+def _text_tokenizer(model: str) -> Callable[[str], list[int]] | None:
+    """Text prompts are served when the model is a directory with a tokenizer (``--tiny-model``) and the
+    ``tokenizers`` package is installed (docs/reference/mock.md#request-validation)."""
+    from trio_sidecar.tokenizer import local_tokenizer
+
+    encoder = local_tokenizer(model)
+    return None if encoder is None else encoder.encode
 
 
 def _enum_value(value: Any) -> Any:
@@ -294,6 +310,22 @@ class _Call:
         )
 
     async def next_output(self) -> tuple[list[int], pb.FinishInfo | None]:
+        """Wait for the next tokens: ``(tokens, terminal)`` (:meth:`_next_output`). An encode server's one
+        token is not an output: it answers a ``STOP`` terminal with no tokens and the encoder handoff in
+        ``ec_transfer_params`` (an ``ABORTED`` one counts no tokens either)."""
+        tokens, terminal = await self._next_output()
+        if self.server._prepared.mode is not Role.ENCODE:
+            return tokens, terminal
+        if terminal is None:
+            return [], None
+        p = self.prepared
+        if terminal.finish_reason == FinishReason.ABORTED:
+            return [], pb.FinishInfo(num_output_tokens=0, finish_reason=FinishReason.ABORTED)
+        info = pb.FinishInfo(num_output_tokens=0, finish_reason=FinishReason.STOP)
+        info.ec_transfer_params.CopyFrom(encode_terminal_params(p.request_id, [s.identifier for s in p.mm_spans]))
+        return [], info
+
+    async def _next_output(self) -> tuple[list[int], pb.FinishInfo | None]:
         """Wait for the next tokens: ``(tokens, terminal)``; ``terminal`` is set once, on the last call.
 
         Every signal already buffered is taken at once (one wake-up for a reader that lagged behind). A
@@ -356,6 +388,8 @@ class _Call:
         info = pb.FinishInfo(num_output_tokens=self.sent, finish_reason=p.plan.finish_reason)
         if p.plan.stop_token_id is not None:
             info.stop_token_id = p.plan.stop_token_id
+        elif p.plan.eos_token_id is not None:
+            info.eos_token_id = p.plan.eos_token_id
         if self.server._prepared.mode is Role.PREFILL:
             info.kv_transfer_params.CopyFrom(prefill_terminal_params(p.uuid, p.request_id, len(p.prompt)))
         return info
@@ -523,6 +557,13 @@ class MockServer:
             self.lora.use(request.lora_name)
         return call
 
+    def _detokenizer(self, call: _Call) -> Any:
+        """The text source of a call's messages (``step(tokens)``/``finish()``): its script's, the text mode's,
+        or None (the tags)."""
+        if call.prepared.scripted is not None:
+            return call.prepared.scripted.detokenizer()
+        return None if self._text_of is None else self._text_of()
+
     def _unregister(self, call: _Call) -> None:
         if self._routes.get(call.prepared.uuid) is call:
             ended = self._ended_calls
@@ -590,8 +631,8 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
                 if terminal is not None:
                     break
             text = None
-            if self._server._text_of is not None:
-                detokenizer = self._server._text_of()
+            detokenizer = self._server._detokenizer(call)
+            if detokenizer is not None:
                 text = detokenizer.step(tokens)
                 if terminal.finish_reason != FinishReason.ABORTED:
                     text += detokenizer.finish()
@@ -613,12 +654,12 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
             if rejection is not None:
                 raise rejection
             options = call.prepared.output
-            detokenizer = None if self._server._text_of is None else self._server._text_of()
+            detokenizer = self._server._detokenizer(call)
             encode = _framed_token_encoder(options) if detokenizer is None else _byte_text_encoder(options, detokenizer)
             while True:
                 tokens, terminal = await call.next_output()
                 call.timer.delivered(len(tokens), _finished_reason(terminal))
-                if terminal is None or terminal.finish_reason == FinishReason.ABORTED:
+                if terminal is None or terminal.finish_reason == FinishReason.ABORTED or not tokens:
                     plain, last_token = tokens, None
                 else:
                     plain, last_token = tokens[:-1], tokens[-1]
@@ -627,7 +668,7 @@ class _InferenceServicer(inference_grpc.InferenceServicer):
                 if terminal is not None:
                     message = pb.GenerateResponse()
                     if last_token is None:
-                        message.outputs.SetInParent()  # the ABORTED terminal carries no token
+                        message.outputs.SetInParent()  # the ABORTED (or an encode) terminal carries no token
                     elif detokenizer is None:
                         fill_sequence_output(message.outputs, (last_token,), options)
                     else:  # the finish flushes what the detokenizer holds back
@@ -685,7 +726,7 @@ def _framed_token_encoder(options: OutputOptions) -> Callable[[int], bytes]:
     return framed
 
 
-def _byte_text_encoder(options: OutputOptions, detokenizer: ByteDetokenizer) -> Callable[[int], bytes]:
+def _byte_text_encoder(options: OutputOptions, detokenizer: Any) -> Callable[[int], bytes]:
     """``token -> framed GenerateResponse`` in ``text_mode = "bytes"``: the text is the request's
     detokenizer's, so nothing is cached."""
     frame = FramedMessages.frame
@@ -909,7 +950,7 @@ def _model_info(prepared: _Prepared) -> control_pb2.ModelInfo:
     return control_pb2.ModelInfo(
         model_id=config.model,
         served_model_name=prepared.policy.served_model_name,
-        supports_text_input=False,
+        supports_text_input=prepared.policy.tokenize is not None,
         supports_token_ids_input=True,
         supports_lora=prepared.args.max_loras > 0,
         supports_multimodal=config.supports_multimodal,
@@ -924,7 +965,7 @@ def _model_info(prepared: _Prepared) -> control_pb2.ModelInfo:
 def _open_publishers(prepared: _Prepared) -> list[Any]:
     """docs/reference/mock.md#startup-and-shutdown step 2: one PUB (and optional replay ROUTER) per rank on the listen IP, all or nothing."""
     args = prepared.args
-    if not args.enable_prefix_caching or prepared.mode is Role.DECODE:
+    if not args.enable_prefix_caching or prepared.mode in (Role.DECODE, Role.ENCODE):
         return []
     from trio_sidecar.mock import kv_events
 

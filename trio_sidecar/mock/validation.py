@@ -38,6 +38,7 @@ from trio_sidecar.mock.generation import (
 )
 from trio_sidecar.mock.handoff import Role
 from trio_sidecar.mock.kvcache import MmSpan
+from trio_sidecar.mock.scripted import ScriptedOutput, Scripts
 from trio_sidecar.sampling_checks import format_f32, sampling_error
 from trio_sidecar.status import StatusCode
 
@@ -105,6 +106,11 @@ class RequestPolicy:
     tokens_per_image: int = multimodal.DEFAULT_TOKENS_PER_IMAGE
     #: The server's adapter table (mutable: Control.LoadLora changes it); ``None`` = LoRA disabled.
     lora: lora.LoraTable | None = None
+    #: Scripted completions (docs/reference/mock.md#scripted-completions); ``None`` = synthetic tokens only.
+    scripts: Scripts | None = None
+    #: Text → prompt token ids (the model directory's tokenizer, special tokens added as vLLM adds them);
+    #: ``None``: text prompts are refused (docs/reference/mock.md#request-validation).
+    tokenize: Callable[[str], list[int]] | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -121,6 +127,8 @@ class PreparedRequest:
     bypass_prefix_cache: bool = False
     priority: int = 0
     mm_spans: tuple[MmSpan, ...] = ()
+    #: Set when a scripted completion answers the request: it gives the messages' text.
+    scripted: ScriptedOutput | None = None
 
 
 def _new_request_id() -> str:
@@ -149,13 +157,16 @@ def prepare_request(
     # Rows 5–7.
     which = request.WhichOneof("prompt")
     if which == "text":
-        raise RequestRejected(
-            StatusCode.UNIMPLEMENTED,
-            "text tokenization is not available in the CPU-only Mocker server; send token_ids",
-        )
-    if which is None:
+        if policy.tokenize is None:
+            raise RequestRejected(
+                StatusCode.UNIMPLEMENTED,
+                "text tokenization is not available in the CPU-only Mocker server; send token_ids",
+            )
+        prompt = tuple(policy.tokenize(request.text))
+    elif which is None:
         raise _invalid("prompt is required")
-    prompt = tuple(request.token_ids.ids)
+    else:
+        prompt = tuple(request.token_ids.ids)
     if not prompt:
         raise _invalid("token_ids must not be empty")
     if 0 < request.truncate_prompt_tokens < len(prompt):
@@ -183,6 +194,8 @@ def prepare_request(
     kv_params = request.kv.kv_transfer_params if request.kv.HasField("kv_transfer_params") else None
     role = handoff.classify_kv_transfer_params(kv_params)
     handoff.check_role(policy.mode, role)
+    if policy.mode is Role.ENCODE and not request.media:
+        raise _invalid(handoff.ENCODE_NEEDS_MEDIA)
     # Rows 16–18 and the context cap of docs/reference/mock.md#termination.
     stopping = request.stopping
     max_tokens = stopping.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
@@ -216,7 +229,21 @@ def prepare_request(
         seed_value = prompt_token_seed(policy.seed, prompt)
     else:
         seed_value = token_seed(policy.seed, request_id)
-    plan = plan_output(seed_value, max_tokens, stopping.min_new_tokens, stopping.stop_token_ids)
+    scripted = None
+    if policy.scripts is not None:
+        response = request.response
+        scripted = policy.scripts.match(
+            prompt,
+            max_tokens=max_tokens,
+            min_tokens=stopping.min_new_tokens,
+            ignore_eos=stopping.ignore_eos,
+            stop_token_ids=stopping.stop_token_ids,
+            skip_special_tokens=response.skip_special_tokens if response.HasField("skip_special_tokens") else True,
+        )
+    if scripted is not None:
+        plan = OutputPlan(scripted.tokens, scripted.finish_reason, scripted.stop_token_id, scripted.eos_token_id)
+    else:
+        plan = plan_output(seed_value, max_tokens, stopping.min_new_tokens, stopping.stop_token_ids)
     return PreparedRequest(
         request_id=request_id,
         uuid=request_uuid(policy.seed, request_id),
@@ -228,4 +255,5 @@ def prepare_request(
         bypass_prefix_cache=request.kv.bypass_prefix_cache,
         priority=request.priority,
         mm_spans=mm_spans,
+        scripted=scripted,
     )

@@ -11,13 +11,16 @@ Layers:
 
 * ``_protocol`` (pure): ``GrpcProtocol``, a ``GRPCConnection`` subclass that turns every per-stream failure
   (RST_STREAM from the peer, an oversize message, malformed headers) into an event for that stream instead
-  of an exception that kills the connection, and ``_H2Connection``, which tolerates h2 3.2.0's
-  WINDOW_UPDATE-after-close race inside h2's own frame handling (docs/reference/transport.md#the-h2-320-window_update-race). It also caches HPACK
-  encodings/decodings while the dynamic table is unchanged (steady-state gRPC header blocks repeat).
-  It is the only module that touches h2, hpack or purerpc internals: the layers below use its explicit
-  surface (``open_stream``, ``send_message``/``send_data``/``send_trailers``, ``acknowledge``,
-  ``data_to_send``/``output_size``, ``ping``, ``close_connection``, ...), so the h2 pin (3.2.0) is this
-  module's concern alone (checked by ``tests/transport/test_protocol_boundary.py``).
+  of an exception that kills the connection. It is built from: ``_events`` (the events it reports and the
+  exceptions of its surface), ``_h2`` (``H2Connection``: h2 3.2.0 with gRPC's GOAWAY semantics, the
+  WINDOW_UPDATE-after-close race handled inside h2's own frame handling,
+  docs/reference/transport.md#the-h2-320-window_update-race, and fast frame building), ``_hpack`` (HPACK
+  encodings/decodings cached while the dynamic table is unchanged) and ``_decompress`` (decompression
+  bounded by the message limit). These are the only modules that touch h2, hpack or purerpc internals:
+  the layers below use ``GrpcProtocol``'s explicit surface (``open_stream``,
+  ``send_message``/``send_data``/``send_trailers``, ``acknowledge``, ``data_to_send``/``output_size``,
+  ``ping``, ``close_connection``, ...), so the h2 pin (3.2.0) is their concern alone (checked by
+  ``tests/transport/test_protocol_boundary.py``). ``_wire`` (pure) holds gRPC's framing and header values.
 * ``_connection``: one socket = one ``Connection`` with exactly two tasks. The **reader** feeds received
   bytes to the protocol and dispatches the events to ``Call`` objects (one per HTTP/2 stream) without
   awaiting. The **writer** is the only task that awaits on the socket: everyone else queues frames in h2
@@ -26,8 +29,9 @@ Layers:
   On the latency-critical path (a unary request, a handler's final status, the reader's replies) the
   caller may ``flush()`` instead: one non-blocking ``os.write`` while the writer is idle, the rest (if any)
   left to the writer, first in line.
-* ``_client`` / ``_server``: calls. A call's owner task (the client caller, or the server's handler task)
-  parks on its ``Call`` and re-checks state when woken.
+* ``_client_connection`` (the reader's dispatch to client calls) / ``_client`` (``Channel``,
+  ``ResponseStream``) and ``_server``: calls. A call's owner task (the client caller, or the server's
+  handler task) parks on its ``Call`` and re-checks state when woken.
 
 Rules that close the measured defects:
 
@@ -38,6 +42,9 @@ Rules that close the measured defects:
 2. *Connection loss.* EOF, a socket error, or an HTTP/2 protocol error marks the connection ``lost``:
    every open call fails at once with ``ConnectionLostError`` (UNAVAILABLE), new calls fail the same way,
    and the socket is closed. A channel never reconnects; its owner replaces a ``broken`` channel.
+   GOAWAY is not a loss: calls up to its last stream id finish, calls above it and new calls fail with
+   ``StreamNotProcessedError`` (UNAVAILABLE, safe to send again elsewhere); the channel is ``draining``
+   (docs/reference/transport.md#goaway).
 3. *Deadlines.* A client ``timeout`` is sent as ``grpc-timeout`` and enforced locally
    (DEADLINE_EXCEEDED); the server turns a received ``grpc-timeout`` into its handler scope's deadline.
 4. *Message size.* The limit (default 64 MiB) applies each way; an over-limit message fails only its own
@@ -49,11 +56,12 @@ Rules that close the measured defects:
    single failure leaves the package as an ExceptionGroup.
 7. *Resources.* Closing a channel sends GOAWAY and closes its socket; the server binds exactly the host
    it is given, without SO_REUSEPORT, and closes every connection when cancelled.
-8. *Keepalive* (client, opt-in: ``keepalive_time``/``keepalive_timeout``, gRPC's semantics). A hung peer
-   closes nothing, so while calls are open a connection that read nothing for ``keepalive_time`` sends a
-   PING; when nothing is read within ``keepalive_timeout`` after it, the connection is lost as in rule 2.
-   A third task per connection (parked while the connection has no calls) does this; the reader only
-   records the time of each read.
+8. *Keepalive* (client, opt-in: ``KeepaliveConfig``, gRPC's semantics). A hung peer closes nothing, so
+   while calls are open a connection that read nothing for ``time`` sends a PING; when nothing is read
+   within ``timeout`` after it, the connection is lost as in rule 2. PINGs stay within gRPC-core's server
+   policy: the next one only after the peer sent data following the previous PING's ACK, or
+   ``min_ping_interval_without_data`` (5 minutes) after that ACK; GOAWAY ``too_many_pings`` doubles the
+   target's keepalive time (``_keepalive``, docs/reference/transport.md#keepalive).
 9. *Hostile peers* (docs/reliability.md). The server closes a connection that does not complete its
    handshake in time, sends GOAWAY to one idle too long, and caps the connections it serves
    (``ServerLimits``). Compressed messages (gRPC ``gzip``, ``deflate``) are inflated with the message

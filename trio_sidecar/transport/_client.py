@@ -6,60 +6,33 @@ import logging
 import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, NoReturn, cast
+from typing import Any, NoReturn
 
 import trio
 from purerpc.grpclib.config import GRPCConfiguration
 
+from trio_sidecar.config import KeepaliveConfig
 from trio_sidecar.status import StatusCode
 
-from ._connection import Call, Connection, _copy_error, deadline_after, encode_metadata, parse_message
-from ._errors import DEFAULT_MAX_MESSAGE_LENGTH, ConnectionLostError, RpcError
-from ._protocol import (
-    CONNECTION_ERRORS,
-    ErrorCodes,
-    GoAway,
-    GrpcProtocol,
-    MessageReceived,
-    ResponseEnded,
-    ResponseReceived,
-    SettingsReceived,
-    StreamFailed,
-    StreamIdsExhausted,
-    StreamLimitReached,
-    StreamReset,
-    WindowUpdated,
-    encode_timeout,
-    frame_message,
-)
+from ._client_connection import ClientCall, ClientConnection, NoStreamSlot, StreamRefused, listener_failed
+from ._connection import _copy_error, deadline_after, encode_metadata, parse_message
+from ._errors import DEFAULT_MAX_MESSAGE_LENGTH, ConnectionLostError, RpcError, StreamNotProcessedError
+from ._events import GoAway, SettingsReceived, StreamIdsExhausted, StreamLimitReached
+from ._keepalive import keepalive_time_for
+from ._protocol import CONNECTION_ERRORS, GrpcProtocol
 from ._util import collapse_single_exception
+from ._wire import encode_timeout, frame_message
 
-__all__ = ["DEFAULT_KEEPALIVE_TIMEOUT", "Channel", "ResponseStream", "connect_channel", "open_channel"]
+__all__ = ["Channel", "ResponseStream", "connect_channel", "open_channel"]
 
-LOGGER = logging.getLogger("trio_sidecar.transport")
+LOGGER = logging.getLogger("trio_sidecar.transport.channel")
 
 _REQUEST_HEADERS_TAIL = (("te", "trailers"), ("content-type", "application/grpc"))
 _USER_AGENT = ("user-agent", "trio-sidecar (purerpc 0.8.0 core)")
 
-#: gRPC's default ``GRPC_ARG_KEEPALIVE_TIMEOUT_MS`` (20 s), used when only ``keepalive_time`` is given.
-DEFAULT_KEEPALIVE_TIMEOUT = 20.0
-
-_RESET_CODES = {
-    ErrorCodes.CANCEL: (StatusCode.CANCELLED, "stream cancelled by the server"),
-    ErrorCodes.REFUSED_STREAM: (StatusCode.UNAVAILABLE, "stream refused by the server"),
-    ErrorCodes.ENHANCE_YOUR_CALM: (StatusCode.RESOURCE_EXHAUSTED, "stream reset by the server (ENHANCE_YOUR_CALM)"),
-}
-
 
 def _deadline_exceeded() -> RpcError:
     return RpcError(StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
-
-
-class _StreamRefused(RpcError):
-    """RST_STREAM(REFUSED_STREAM): the server did not process the stream (RFC 9113 section 8.7), so the call can be
-    started again on a new stream. grpc-core does this transparently; a server at its
-    MAX_CONCURRENT_STREAMS may refuse a stream our count saw as free (it still counts a stream we already
-    saw end)."""
 
 
 #: Transparent retries of a refused stream per call (each after a short pause, within the call's deadline).
@@ -67,13 +40,9 @@ REFUSED_STREAM_RETRIES = 5
 _REFUSED_STREAM_PAUSE = 0.005
 
 
-def _listener_failed(exc: Exception) -> RpcError:
-    return RpcError(StatusCode.INTERNAL, f"response listener failed: {exc!r}")
-
-
 def _raise_call_error(error: RpcError) -> NoReturn:
-    if isinstance(error, _StreamRefused):
-        raise _StreamRefused(error.code, error.message)
+    if isinstance(error, StreamRefused):
+        raise StreamRefused(error.code, error.message)
     raise _copy_error(error)
 
 
@@ -86,190 +55,6 @@ async def _pause_before_retry(attempt: int, deadline: float, timeout: float | No
     if trio.current_time() >= deadline:
         raise _deadline_exceeded()
     return None if timeout is None else deadline - trio.current_time()
-
-
-class _ClientCall(Call):
-    __slots__ = ("end", "headers", "listener", "listener_flush")
-
-    def __init__(self, conn: Connection, stream_id: int) -> None:
-        super().__init__(conn, stream_id)
-        self.headers: ResponseReceived | None = None
-        self.end: ResponseEnded | None = None
-        #: ``ResponseStream.listen``: messages go to it from the reader instead of queueing for the owner.
-        self.listener: Callable[[bytes], bool] | None = None
-        #: ``listen``'s ``flush``: called after each run of messages handed to ``listener`` together.
-        self.listener_flush: Callable[[], bool] | None = None
-
-    def close(self) -> None:
-        """Forget the call; if the server has not ended the stream, reset it (RST_STREAM CANCEL) now."""
-        if self.done:
-            return
-        self.done = True
-        conn = self.conn
-        conn.calls.pop(self.stream_id, None)
-        if conn.lost is None:
-            if self.end is None and self.error is None:
-                conn.protocol.reset_stream(self.stream_id, ErrorCodes.CANCEL)
-                conn.kick()
-                conn.stream_ended()  # type: ignore[attr-defined]
-            self.release_messages()
-
-    def peer_ended(self) -> bool:
-        return self.end is not None
-
-    def status_error(self) -> RpcError | None:
-        """The error a non-OK end represents (None for OK)."""
-        status = self.end.status  # type: ignore[union-attr]
-        code = status.int_value
-        if code == 0:
-            return None
-        return RpcError(StatusCode.from_wire(code), status.status_message, self.end.custom_metadata)  # type: ignore[union-attr]
-
-    def take_message(self) -> bytes:
-        event = self.messages.popleft()
-        conn = self.conn  # (Connection.acknowledge, inlined: once per message)
-        if conn.lost is None and conn.protocol.acknowledge(self.stream_id, event.flow_controlled_length):
-            conn.kick()
-        return event.data
-
-
-class _NoStreamSlot(Exception):
-    """The server's MAX_CONCURRENT_STREAMS is reached (internal: the call waits for a free stream)."""
-
-
-class _ClientConnection(Connection):
-    def __init__(self, stream: trio.SocketStream, protocol: GrpcProtocol, description: str) -> None:
-        super().__init__(stream, protocol, description)
-        self.goaway: str | None = None
-        self._slot_waiters: list = []
-
-    async def wait_stream_slot(self) -> None:
-        """Park until some stream of this connection ends (or the connection is lost)."""
-        if self.lost is not None:
-            return
-        task = trio.lowlevel.current_task()
-        self._slot_waiters.append(task)
-
-        def abort(raise_cancel):  # type: ignore[no-untyped-def]
-            try:
-                self._slot_waiters.remove(task)
-            except ValueError:
-                pass
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        await trio.lowlevel.wait_task_rescheduled(abort)
-
-    def stream_ended(self) -> None:
-        if self._slot_waiters:
-            waiters, self._slot_waiters = self._slot_waiters, []
-            for task in waiters:
-                trio.lowlevel.reschedule(task)
-
-    def lose(self, reason: str) -> None:
-        super().lose(reason)
-        self.stream_ended()
-
-    def handle_events(self, events: list) -> None:
-        calls = cast("dict[int, _ClientCall]", self.calls)  # this connection's calls are all client calls
-        flushing: _ClientCall | None = None  # a listening call handed messages in this run, not flushed yet
-        for event in events:
-            kind = type(event)
-            if flushing is not None and (kind is not MessageReceived or event.stream_id != flushing.stream_id):
-                self._flush_listener(flushing)  # the run ended: before anything else is reported
-                flushing = None
-            if kind is MessageReceived:
-                call = calls.get(event.stream_id)
-                if call is None:
-                    self.protocol.acknowledge(event.stream_id, event.flow_controlled_length)
-                elif call.listener is None:
-                    call.messages.append(event)
-                    call.wake()
-                else:
-                    self._deliver(call, event)
-                    if call.listener_flush is not None:
-                        flushing = call
-            elif kind is ResponseReceived:
-                call = calls.get(event.stream_id)
-                if call is not None:
-                    call.headers = event  # type: ignore[attr-defined]
-                    call.wake()
-            elif kind is ResponseEnded:
-                call = calls.pop(event.stream_id, None)
-                if call is not None:
-                    call.end = event  # type: ignore[attr-defined]
-                    call.wake()
-            elif kind is WindowUpdated:
-                self.wake_window_waiters(event.stream_id)
-            elif kind is StreamReset:
-                call = calls.pop(event.stream_id, None)
-                if call is not None and call.end is None:  # type: ignore[attr-defined]
-                    code, message = _RESET_CODES.get(
-                        event.error_code,
-                        (StatusCode.INTERNAL, f"stream reset by the server (error code {event.error_code})"),
-                    )
-                    error_type = _StreamRefused if event.error_code == ErrorCodes.REFUSED_STREAM else RpcError
-                    call.fail(error_type(code, message))
-            elif kind is StreamFailed:
-                call = calls.pop(event.stream_id, None)
-                if call is not None:
-                    call.fail(RpcError(event.code, event.message))
-            elif kind is SettingsReceived:
-                self.wake_window_waiters(0)
-            elif kind is GoAway:
-                self._goaway(event)
-        if flushing is not None:
-            self._flush_listener(flushing)
-        if self._slot_waiters:
-            self.stream_ended()
-
-    def _deliver(self, call: _ClientCall, event: MessageReceived) -> None:
-        """Hand a message to the call's listener (``ResponseStream.listen``), from this reader task."""
-        # Consumed now, by the listener (Connection.acknowledge, inlined: the connection is not lost).
-        if self.protocol.acknowledge(call.stream_id, event.flow_controlled_length):
-            self.kick()
-        try:
-            stop = call.listener(event.data)  # type: ignore[misc]
-        except Exception as exc:  # a listener must not raise; if one does, only its own call fails
-            self._listener_raised(call, exc)
-            return
-        if stop:
-            call.listener = call.listener_flush = None
-            call.wake()
-
-    def _flush_listener(self, call: _ClientCall) -> None:
-        """The end of a run of messages handed to ``call``'s listener: its ``flush`` (if still listening)."""
-        flush = call.listener_flush
-        if flush is None:
-            return
-        try:
-            stop = flush()
-        except Exception as exc:  # as from the listener itself: only its own call fails
-            self._listener_raised(call, exc)
-            return
-        if stop:
-            call.listener = call.listener_flush = None
-            call.wake()
-
-    def _listener_raised(self, call: _ClientCall, exc: Exception) -> None:
-        LOGGER.exception("transport: a response listener failed on %s", self.description)
-        call.listener = call.listener_flush = None
-        # The stream is abandoned: reset it now (the owner's close() does not once the call failed).
-        self.calls.pop(call.stream_id, None)
-        self.protocol.reset_stream(call.stream_id, ErrorCodes.CANCEL)
-        self.kick()
-        call.fail(_listener_failed(exc))
-        self.stream_ended()
-
-    def _goaway(self, event: GoAway) -> None:
-        if event.error_code:
-            reason = f"connection to {self.description} closed by the peer (GOAWAY, error code {event.error_code})"
-        else:
-            reason = f"connection to {self.description} is shutting down (GOAWAY)"
-        self.goaway = reason
-        for stream_id in [sid for sid in self.calls if sid > event.last_stream_id]:
-            self.calls.pop(stream_id).fail(ConnectionLostError(reason))
-        if event.error_code:
-            self.lose(reason)
 
 
 class Channel:
@@ -286,12 +71,13 @@ class Channel:
         host: str,
         port: int,
         max_message_length: int,
-        keepalive: tuple[float, float] | None = None,
+        keepalive: KeepaliveConfig | None = None,
     ) -> None:
         description = f"{host}:{port}"
         protocol = GrpcProtocol(GRPCConfiguration(client_side=True, max_message_length=max_message_length))
-        self._conn = _ClientConnection(stream, protocol, description)
+        self._conn = ClientConnection(stream, protocol, description)
         self._conn.keepalive = keepalive
+        self._conn.keepalive_time = None if keepalive is None else keepalive_time_for(description, keepalive.time)
         authority = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._head = ((":method", "POST"), (":scheme", "http"), (":authority", authority))
         self.max_message_length = max_message_length
@@ -303,6 +89,22 @@ class Channel:
     def __repr__(self) -> str:
         state = "closed" if self.closed else "broken" if self.broken else "open"
         return f"<Channel {self.host}:{self.port} [{state}, {len(self._conn.calls)} active calls]>"
+
+    @property
+    def draining(self) -> bool:
+        """The server sent GOAWAY but the connection is up: calls already open may still finish."""
+        return self._conn.goaway is not None and self._conn.lost is None
+
+    @property
+    def too_many_pings(self) -> bool:
+        """The server's GOAWAY was ENHANCE_YOUR_CALM ``too_many_pings`` (this target's keepalive is throttled)."""
+        return self._conn.too_many_pings
+
+    async def wait_idle(self) -> None:
+        """Park until no call is open on the connection (or it is lost or closed)."""
+        conn = self._conn
+        while conn.calls and conn.lost is None:
+            await conn.wait_stream_slot()
 
     @property
     def broken(self) -> bool:
@@ -318,12 +120,12 @@ class Channel:
                 f"trying to send message larger than max ({len(data)} vs. {self.max_message_length})",
             )
 
-    def _start_call(self, method: str, metadata: Sequence[tuple[str, Any]], timeout: float | None) -> _ClientCall:
+    def _start_call(self, method: str, metadata: Sequence[tuple[str, Any]], timeout: float | None) -> ClientCall:
         conn = self._conn
         if conn.lost is not None:
             raise ConnectionLostError("channel closed" if self.closed else conn.lost)
         if conn.goaway is not None:
-            raise ConnectionLostError(conn.goaway)
+            raise StreamNotProcessedError(conn.goaway)
         headers = [*self._head, (":path", method), *_REQUEST_HEADERS_TAIL]
         if timeout is not None:
             headers.append(("grpc-timeout", encode_timeout(timeout)))
@@ -332,24 +134,24 @@ class Channel:
         try:
             stream_id = conn.protocol.open_stream(headers)
         except StreamLimitReached:
-            raise _NoStreamSlot from None
+            raise NoStreamSlot from None
         except StreamIdsExhausted:
             conn.goaway = f"connection to {conn.description} ran out of stream ids"
-            raise ConnectionLostError(conn.goaway) from None
-        call = _ClientCall(conn, stream_id)
+            raise StreamNotProcessedError(conn.goaway) from None
+        call = ClientCall(conn, stream_id)
         conn.calls[stream_id] = call
-        if conn._keepalive_waiter is not None:
+        if conn.keepalive_waiter is not None:
             conn.call_started()
         return call
 
     async def _open_call(
         self, method: str, metadata: Sequence[tuple[str, Any]], timeout: float | None, deadline: float
-    ) -> _ClientCall:
+    ) -> ClientCall:
         """Start a call; while the server's MAX_CONCURRENT_STREAMS is reached, wait for a free stream."""
         while True:
             try:
                 return self._start_call(method, metadata, timeout)
-            except _NoStreamSlot:
+            except NoStreamSlot:
                 pass
             with trio.move_on_at(deadline):
                 await self._conn.wait_stream_slot()
@@ -368,7 +170,7 @@ class Channel:
         data: bytes,
         *,
         headers_only: bool,
-    ) -> tuple[_ClientCall, bool]:
+    ) -> tuple[ClientCall, bool]:
         """Start a call, send the request ``data`` and wait for the response headers (``headers_only``) or
         the call's end; returns the call and whether ``deadline`` passed first.
 
@@ -387,8 +189,11 @@ class Channel:
                 with trio.move_on_at(deadline) as scope:
                     await self._exchange(call, data, headers_only)
                 return call, scope.cancelled_caught
-            except _StreamRefused:
+            except StreamRefused as exc:
                 call.close()
+                if self._conn.goaway is not None:
+                    # Refused by a GOAWAY (or refused, then GOAWAY): no new stream on this connection.
+                    raise StreamNotProcessedError(exc.message) from None
                 if attempt == REFUSED_STREAM_RETRIES:
                     raise
                 timeout = await _pause_before_retry(attempt, deadline, timeout)
@@ -397,7 +202,7 @@ class Channel:
                 call.close()
                 raise
 
-    async def _exchange(self, call: _ClientCall, data: bytes, headers_only: bool) -> None:
+    async def _exchange(self, call: ClientCall, data: bytes, headers_only: bool) -> None:
         await self._conn.send_message(call, frame_message(data), True, flush=True)
         while call.end is None and (not headers_only or call.headers is None):
             if call.error is not None:
@@ -497,7 +302,7 @@ class ResponseStream:
         self._metadata = metadata
         self._timeout = timeout
         self._deadline = math.inf
-        self._call: _ClientCall | None = None
+        self._call: ClientCall | None = None
         self._what = f"a response message of {method}"  # (parse_message's text, built once per call)
         self.initial_metadata: tuple = ()
         self.trailing_metadata: tuple = ()
@@ -592,7 +397,7 @@ class ResponseStream:
         except Exception as exc:  # as from the reader task: only this call fails
             LOGGER.exception("transport: a response listener failed on %s", self._channel._conn.description)
             call.close()  # resets the stream unless the server already ended it
-            raise _listener_failed(exc) from exc
+            raise listener_failed(exc) from exc
         call.listener = listener
         call.listener_flush = flush
         try:
@@ -607,7 +412,7 @@ class ResponseStream:
         finally:
             call.listener = call.listener_flush = None
 
-    def _ended(self, call: _ClientCall) -> bool:
+    def _ended(self, call: ClientCall) -> bool:
         """True once the call ended with OK trailers (``trailing_metadata`` set, the call closed); raises the
         status of a non-OK end, the call's error, or ``RuntimeError`` for a call closed by its owner."""
         if call.end is not None:
@@ -624,7 +429,7 @@ class ResponseStream:
             raise RuntimeError("the response stream is closed")
         return False
 
-    async def _wait(self, call: _ClientCall) -> bool:
+    async def _wait(self, call: ClientCall) -> bool:
         """Park until the reader wakes the call; returns whether the call's deadline has passed."""
         if self._deadline == math.inf:
             await call.wait()
@@ -661,17 +466,18 @@ async def connect_channel(
     port: int,
     *,
     max_message_length: int = DEFAULT_MAX_MESSAGE_LENGTH,
-    keepalive_time: float | None = None,
-    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
+    keepalive: KeepaliveConfig | None = None,
 ) -> Channel:
     """Connect over TCP and exchange the HTTP/2 preface; returns once the server's SETTINGS arrived.
 
     The channel's reader and writer run in ``nursery``; ``await channel.aclose()`` ends them.
 
-    Keepalive (gRPC's client keepalive; off when ``keepalive_time`` is None, as in gRPC): while a call is
-    open and nothing was read for ``keepalive_time`` seconds, a PING is sent; when nothing is read within
-    ``keepalive_timeout`` seconds after it, the connection is lost and every open call fails with
-    ``ConnectionLostError`` (UNAVAILABLE) naming the keepalive.
+    Keepalive (``keepalive``, gRPC's client keepalive; off when None or its ``time`` is None, as in gRPC):
+    while a call is open and nothing was read for ``keepalive.time`` seconds, a PING is sent, never more
+    often than a gRPC-core server permits (``KeepaliveConfig``); when nothing is read within
+    ``keepalive.timeout`` seconds after it, the connection is lost and every open call fails with
+    ``ConnectionLostError`` (UNAVAILABLE) naming the keepalive. After a GOAWAY ``too_many_pings`` from
+    ``host:port``, new connections to it use twice the keepalive time (``_keepalive``).
 
     Raises:
         OSError: the TCP connection failed (refused, unreachable, ...).
@@ -679,9 +485,6 @@ async def connect_channel(
 
     Cancellation: the caller bounds the attempt with a cancel scope; a cancelled attempt closes its socket.
     """
-    if keepalive_time is not None and not (keepalive_time > 0 and keepalive_timeout > 0):
-        raise ValueError("keepalive_time and keepalive_timeout must be positive")
-    keepalive = None if keepalive_time is None else (keepalive_time, keepalive_timeout)
     stream = await trio.open_tcp_stream(host, port)
     try:
         channel = Channel(stream, host, port, max_message_length, keepalive)
@@ -727,8 +530,7 @@ async def open_channel(
     port: int,
     *,
     max_message_length: int = DEFAULT_MAX_MESSAGE_LENGTH,
-    keepalive_time: float | None = None,
-    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
+    keepalive: KeepaliveConfig | None = None,
 ) -> AsyncIterator[Channel]:
     """``connect_channel`` with its own nursery; the channel is closed when the block exits."""
     with collapse_single_exception():
@@ -738,8 +540,7 @@ async def open_channel(
                 host,
                 port,
                 max_message_length=max_message_length,
-                keepalive_time=keepalive_time,
-                keepalive_timeout=keepalive_timeout,
+                keepalive=keepalive,
             )
             try:
                 yield channel

@@ -10,8 +10,6 @@ import base64
 import logging
 import math
 import os
-import select
-import struct
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
@@ -20,12 +18,15 @@ import trio
 from google.protobuf.message import DecodeError
 from trio.lowlevel import Abort, current_task, reschedule, wait_task_rescheduled
 
+from trio_sidecar.config import KeepaliveConfig
 from trio_sidecar.status import StatusCode
 
 from ._errors import ConnectionLostError, RpcError
-from ._protocol import CONNECTION_ERRORS, ErrorCodes, GrpcProtocol, StreamClosed
+from ._events import StreamClosed
+from ._keepalive import run_keepalive
+from ._protocol import CONNECTION_ERRORS, ErrorCodes, GrpcProtocol
 
-LOGGER = logging.getLogger("trio_sidecar.transport")
+LOGGER = logging.getLogger("trio_sidecar.transport.connection")
 
 # Below glibc's 128 KiB mmap threshold: CPython allocates the whole buffer for every recv(), and a
 # 256 KiB buffer made each read ~17 µs slower (an mmap/munmap pair), several times per unary call.
@@ -141,10 +142,12 @@ class Connection:
         self._fileno = stream.socket.fileno()
         self._scope = trio.CancelScope()
         self._done = trio.Event()
-        #: Client keepalive ``(time, timeout)`` in seconds, or None (see ``_keepalive_loop``).
-        self.keepalive: tuple[float, float] | None = None
+        #: Client keepalive (``_keepalive.run_keepalive``), or None; ``keepalive_time`` is its current time
+        #: (doubled when the server sends GOAWAY ``too_many_pings``).
+        self.keepalive: KeepaliveConfig | None = None
+        self.keepalive_time: float | None = None
         self.last_read = -math.inf  # trio.current_time() of the last bytes read from the socket
-        self._keepalive_waiter: trio.lowlevel.Task | None = None  # the keepalive task, waiting for a call
+        self.keepalive_waiter: trio.lowlevel.Task | None = None  # the keepalive task, waiting for a call
 
     # -- writing -------------------------------------------------------------------------------------
 
@@ -430,52 +433,10 @@ class Connection:
 
     def call_started(self) -> None:
         """A call was opened: wakes the keepalive task if it is waiting for one (an idle connection)."""
-        task = self._keepalive_waiter
+        task = self.keepalive_waiter
         if task is not None:
-            self._keepalive_waiter = None
+            self.keepalive_waiter = None
             reschedule(task)
-
-    async def _keepalive_loop(self, interval: float, timeout: float) -> None:
-        """gRPC's client keepalive (``GRPC_ARG_KEEPALIVE_TIME_MS`` / ``GRPC_ARG_KEEPALIVE_TIMEOUT_MS``).
-
-        While at least one call is open and nothing was read for ``interval`` seconds, send a PING; if
-        nothing at all (its ACK or any other frame) is read within ``timeout`` seconds after it, the peer is
-        presumed hung and the connection is lost: every open call fails with ``ConnectionLostError``
-        (UNAVAILABLE) and the socket is closed. A hung peer is detected at most ``interval + timeout``
-        after the last bytes it sent.
-
-        No PING on a connection without calls (gRPC's ``GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS`` off): a
-        server that polices ping rates, as grpc-core's does, counts such pings against the client. Once a
-        call starts on a connection that was idle, ``interval`` counts from the call's start.
-        """
-        count = 0
-        active_since = trio.current_time()
-        while True:
-            if not self.calls:
-                self._keepalive_waiter = current_task()
-
-                def abort(raise_cancel):  # type: ignore[no-untyped-def]
-                    self._keepalive_waiter = None
-                    return Abort.SUCCEEDED
-
-                await wait_task_rescheduled(abort)
-                active_since = trio.current_time()
-                continue
-            due = max(self.last_read, active_since) + interval
-            if trio.current_time() < due:
-                await trio.sleep_until(due)
-                continue  # re-check: a read or the end of every call may have come meanwhile
-            count += 1
-            sent = trio.current_time()
-            if not self.protocol.ping(struct.pack(">Q", count)):
-                return  # the connection is closing (GOAWAY sent): nothing to keep
-            self.flush()  # (or the writer sends it, if it is busy or the kernel did not take it all)
-            await trio.sleep_until(sent + timeout)
-            # Nothing read since the PING (a read at its very instant counts), and nothing waiting to be
-            # read either: bytes that arrived while this process itself was stalled are not the peer's fault.
-            if self.last_read < sent and not _readable(self._fileno):
-                self.lose(f"connection to {self.description} lost: keepalive PING not acknowledged within {timeout:g}s")
-                return
 
     # -- lifetime ------------------------------------------------------------------------------------
 
@@ -504,8 +465,8 @@ class Connection:
                 async with trio.open_nursery() as nursery:
                     self.nursery = nursery
                     nursery.start_soon(self._write_loop)
-                    if self.keepalive is not None:
-                        nursery.start_soon(self._keepalive_loop, *self.keepalive)
+                    if self.keepalive_time is not None:
+                        nursery.start_soon(run_keepalive, self)
                     task_status.started()
                     try:
                         await self._read_loop()
@@ -531,15 +492,8 @@ class Connection:
             await self._done.wait()
 
 
-def _readable(fd: int) -> bool:
-    """Whether bytes (or EOF) are waiting on the socket ``fd``, without blocking."""
-    poller = select.poll()  # (not select.select: no limit on the descriptor's number)
-    poller.register(fd, select.POLLIN)
-    return bool(poller.poll(0))  # POLLIN, POLLHUP, POLLERR or POLLNVAL: the reader has something to report
-
-
 def _copy_error(error: RpcError) -> RpcError:
     """A fresh exception per raise (a shared instance would accumulate tracebacks across tasks)."""
     if isinstance(error, ConnectionLostError):
-        return ConnectionLostError(error.message)
+        return type(error)(error.message)
     return RpcError(error.code, error.message, error.trailing_metadata)

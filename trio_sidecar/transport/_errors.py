@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from trio_sidecar.status import StatusCode
 
-__all__ = ["DEFAULT_MAX_MESSAGE_LENGTH", "ConnectionLostError", "RpcError"]
+__all__ = ["DEFAULT_MAX_MESSAGE_LENGTH", "ConnectionLostError", "RpcError", "StreamNotProcessedError"]
 
 #: Default maximum size of one encoded message, each way (docs/reference/wire.md#transport).
 DEFAULT_MAX_MESSAGE_LENGTH = 64 * 1024 * 1024
@@ -46,3 +46,9 @@ class ConnectionLostError(RpcError):
 
     def __init__(self, message: str) -> None:
         super().__init__(StatusCode.UNAVAILABLE, message)
+
+
+class StreamNotProcessedError(ConnectionLostError):
+    """The server did not process the call: its connection got GOAWAY before the call's stream was opened,
+    or the stream's id is above the GOAWAY's last stream id (RFC 9113 section 6.8). Nothing reached the
+    application, so the call may be sent again on another connection (``ChannelPool`` does)."""

@@ -8,8 +8,8 @@
 * malformed response/request headers or trailers fail only their stream (``StreamFailed``);
 * DATA for a stream without a read buffer no longer raises ``KeyError``;
 * GOAWAY becomes a ``GoAway`` event and the peer's first SETTINGS a ``SettingsReceived`` event;
-* the h2 3.2.0 WINDOW_UPDATE-after-close race is handled inside h2 (``_H2Connection``);
-* HPACK header blocks are encoded/decoded once per dynamic-table state (``_CachingEncoder``/``Decoder``);
+* the h2 3.2.0 WINDOW_UPDATE-after-close race is handled inside h2 (``_h2.H2Connection``);
+* HPACK header blocks are encoded/decoded once per dynamic-table state (``_hpack``);
 * plain DATA frames of open streams skip h2's frame objects and per-frame buffer re-slicing, and whole
   uncompressed messages skip purerpc's read buffer (``receive_data``; same bookkeeping and events, checked
   against h2's path by ``tests/transport/test_transport_fastpath.py``).
@@ -21,11 +21,7 @@ buffered for a stream, so abandoned streams never eat the connection window.
 
 from __future__ import annotations
 
-import math
 import struct
-import urllib.parse
-import zlib
-from collections.abc import Iterable
 
 import h2.config
 import h2.connection
@@ -33,9 +29,6 @@ import h2.events
 import h2.exceptions
 import h2.settings
 import h2.stream
-import h2.utilities
-import hpack
-import hpack.table
 from h2.errors import ErrorCodes
 from h2.settings import SettingCodes
 from h2.stream import STREAM_OPEN
@@ -43,62 +36,40 @@ from hyperframe.frame import HeadersFrame
 from purerpc.grpclib.buffers import MessageReadBuffer
 from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.grpclib.connection import GRPCConnection
-from purerpc.grpclib.events import (
-    MessageReceived,
-    RequestEnded,
-    RequestReceived,
-    ResponseEnded,
-    ResponseReceived,
-    WindowUpdated,
-)
 from purerpc.grpclib.exceptions import MessageTooLargeError
 from purerpc.grpclib.exceptions import ProtocolError as GrpcProtocolError
 from purerpc.grpclib.headers import HeaderDict
 
 from trio_sidecar.status import StatusCode
 
-__all__ = [
-    "CONNECTION_ERRORS",
-    "GoAway",
-    "GrpcProtocol",
-    "MessageReceived",
-    "RequestEnded",
-    "RequestReceived",
-    "ResponseEnded",
-    "ResponseReceived",
-    "SettingsReceived",
-    "StreamClosed",
-    "StreamFailed",
-    "StreamIdsExhausted",
-    "StreamLimitReached",
-    "StreamReset",
-    "WindowUpdated",
-    "decode_grpc_message",
-    "encode_grpc_message",
-    "encode_timeout",
-    "frame_message",
-    "frame_messages",
-    "ErrorCodes",
-]
+from ._decompress import BoundedReadBuffer, MessageDecodeError, buffered_flow_controlled_length
+from ._events import (
+    PING_RECEIVED,
+    SETTINGS_RECEIVED,
+    GoAway,
+    MessageReceived,
+    RequestEnded,
+    RequestReceived,
+    ResponseEnded,
+    ResponseReceived,
+    StreamFailed,
+    StreamIdsExhausted,
+    StreamLimitReached,
+    StreamReset,
+    WindowUpdated,
+)
+from ._h2 import H2Connection, unpack_frame_header
+
+__all__ = ["CONNECTION_ERRORS", "ErrorCodes", "GrpcProtocol"]
 
 _MAX_WINDOW = 2**31 - 1
 
-_unpack_frame_header = struct.Struct(">BHBBL").unpack_from  # length (24 bits), type, flags, stream id
-_frame_header = struct.Struct(">BHBBL").pack  # the same layout, for the frames built here
-_SEND_HEADERS = h2.connection.ConnectionInputs.SEND_HEADERS
-_STREAM_SEND_HEADERS = h2.stream.StreamInputs.SEND_HEADERS
-_SEND_DATA = h2.connection.ConnectionInputs.SEND_DATA
-_STREAM_SEND_DATA = h2.stream.StreamInputs.SEND_DATA
-_STREAM_SEND_END_STREAM = h2.stream.StreamInputs.SEND_END_STREAM
-_CLIENT_STREAM_IDS = h2.connection.AllowedStreamIDs(True)
 # HEADERS flags taken by ``_receive_plain_headers``: END_HEADERS (0x4), with or without END_STREAM (0x1);
 # the frozen sets stand in for hyperframe's ``Flags`` (h2 only tests membership on a received frame).
 _HEADERS_FLAG_SETS = {0x4: frozenset({"END_HEADERS"}), 0x5: frozenset({"END_HEADERS", "END_STREAM"})}
 _PLAIN_HEADERS_FLAGS = frozenset(_HEADERS_FLAG_SETS)
 _new_object = object.__new__
-_MESSAGE_PREFIX = struct.Struct(">BL")  # gRPC's message prefix: compressed flag, big-endian length
-_unpack_message_prefix = _MESSAGE_PREFIX.unpack_from
-_pack_message_prefix = _MESSAGE_PREFIX.pack
+_unpack_message_prefix = struct.Struct(">BL").unpack_from  # gRPC's message prefix: compressed flag, length
 _OPEN_CONNECTION_STATES = frozenset(
     {h2.connection.ConnectionState.CLIENT_OPEN, h2.connection.ConnectionState.SERVER_OPEN}
 )
@@ -110,315 +81,6 @@ _HEADER_ERRORS = (GrpcProtocolError, ValueError, TypeError, KeyError, IndexError
 #: What ``receive_data`` raises for input that breaks the whole connection: h2's ProtocolError (GOAWAY is
 #: queued) and undecodable header bytes (h2 decodes header blocks as UTF-8 after HPACK).
 CONNECTION_ERRORS = (h2.exceptions.ProtocolError, UnicodeDecodeError)
-
-
-#: Raised by ``send_message``/``send_data``/``send_window`` for a stream that is closed (h2's exception).
-StreamClosed = h2.exceptions.StreamClosedError
-
-
-class StreamLimitReached(Exception):
-    """``open_stream``: the peer's MAX_CONCURRENT_STREAMS is reached; a stream must end first."""
-
-
-class StreamIdsExhausted(Exception):
-    """``open_stream``: the connection has used every stream id; a new connection is needed."""
-
-
-class StreamReset:
-    """The peer sent RST_STREAM."""
-
-    __slots__ = ("error_code", "stream_id")
-
-    def __init__(self, stream_id: int, error_code: int) -> None:
-        self.stream_id = stream_id
-        self.error_code = error_code
-
-
-class StreamFailed:
-    """One stream failed locally (oversize message, malformed headers); it has already been reset."""
-
-    __slots__ = ("code", "message", "stream_id")
-
-    def __init__(self, stream_id: int, code: StatusCode, message: str) -> None:
-        self.stream_id = stream_id
-        self.code = code
-        self.message = message
-
-
-class GoAway:
-    """The peer sent GOAWAY: streams above ``last_stream_id`` were not processed."""
-
-    __slots__ = ("error_code", "last_stream_id")
-
-    def __init__(self, last_stream_id: int, error_code: int) -> None:
-        self.last_stream_id = last_stream_id
-        self.error_code = error_code
-
-
-class SettingsReceived:
-    """The peer's SETTINGS arrived (completes the client's handshake; may open every stream's window)."""
-
-    __slots__ = ()
-
-
-_SETTINGS_RECEIVED = SettingsReceived()
-
-
-class _VersionedTable(hpack.table.HeaderTable):
-    """An HPACK header table that counts its mutations (entries added, size changed)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.version = 0
-
-    def add(self, name, value):  # type: ignore[no-untyped-def]
-        self.version += 1
-        super().add(name, value)
-
-    @property
-    def maxsize(self):  # type: ignore[no-untyped-def]
-        return self._maxsize
-
-    @maxsize.setter
-    def maxsize(self, newmax):  # type: ignore[no-untyped-def]
-        self.version += 1
-        hpack.table.HeaderTable.maxsize.fset(self, newmax)
-
-
-_HPACK_CACHE_SIZE = 256
-
-
-class _CachingEncoder(hpack.Encoder):
-    """Reuses the encoding of a header list while the dynamic table has not changed since.
-
-    Encoding a list whose every header is already in the table does not touch the table and always gives
-    the same bytes, and steady-state gRPC header blocks (request line, ``:status 200``, ``grpc-status 0``)
-    are exactly that. About a tenth of a unary call's CPU was spent in pure-Python HPACK encoding.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.header_table = _VersionedTable()
-        self._cache: dict = {}
-
-    def encode(self, headers, huffman=True):  # type: ignore[no-untyped-def]
-        if type(headers) is not list or not huffman:
-            return super().encode(headers, huffman)
-        key = tuple(headers)
-        table = self.header_table
-        hit = self._cache.get(key)
-        if hit is not None and hit[0] == table.version and not table.resized:
-            return hit[1]
-        version, resized = table.version, table.resized
-        block = super().encode(headers, huffman)
-        if table.version == version and not resized:  # (a resize is signalled inside the block)
-            if len(self._cache) >= _HPACK_CACHE_SIZE:
-                self._cache.clear()
-            self._cache[key] = (version, block)
-        return block
-
-
-class _CachingDecoder(hpack.Decoder):
-    """Reuses the decoding of a header block while the dynamic table has not changed since (see above)."""
-
-    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(*args, **kwargs)
-        self.header_table = _VersionedTable()
-        self._cache: dict = {}
-
-    def decode(self, data, raw=False):  # type: ignore[no-untyped-def]
-        key = (bytes(data), raw)
-        table = self.header_table
-        hit = self._cache.get(key)
-        if hit is not None and hit[0] == table.version:
-            return list(hit[1])
-        version = table.version
-        headers = super().decode(data, raw)
-        if table.version == version:
-            if len(self._cache) >= _HPACK_CACHE_SIZE:
-                self._cache.clear()
-            self._cache[key] = (version, tuple(headers))
-        return headers
-
-
-class _H2Connection(h2.connection.H2Connection):
-    """h2 3.2.0 with h2 4.x's tolerance of a WINDOW_UPDATE for an already-closed stream.
-
-    grpcio's C core sends WINDOW_UPDATE for streams that are closing. h2 3.2.0 has already pruned them and
-    raises ``StreamClosedError`` from ``_receive_window_update_frame``; ``receive_data`` then queues GOAWAY,
-    moves the connection to CLOSED and drops the events of the frames before it in the same read
-    (docs/reference/transport.md#the-h2-320-window_update-race). Catching the error here, per frame, turns it into "no events" as h2 4.x
-    does, and the remaining frames of the read are processed normally.
-    """
-
-    #: How many late WINDOW_UPDATE frames were ignored (process-wide; a diagnostic for tests/benchmarks).
-    late_window_updates = 0
-
-    def __init__(self, config: h2.config.H2Configuration) -> None:
-        super().__init__(config)
-        self.encoder = _CachingEncoder()
-        decoder = _CachingDecoder()
-        decoder.max_header_list_size = self.decoder.max_header_list_size  # type: ignore[has-type]  # h2 sets it untyped
-        self.decoder = decoder
-
-    def _receive_goaway_frame(self, frame):  # type: ignore[no-untyped-def]
-        """A graceful GOAWAY (NO_ERROR) leaves the connection usable for the streams already open.
-
-        RFC 9113 section 6.8: streams up to ``last_stream_id`` still complete. h2 3.2.0 instead moves its state
-        machine to CLOSED, so every later frame of those streams (DATA, trailers, the PING grpcio sends
-        right after its GOAWAY) raises a connection-level ProtocolError, and it drops our queued output.
-        The transport refuses new calls itself after a GOAWAY (``GoAway`` event).
-        """
-        if frame.error_code:
-            return super()._receive_goaway_frame(frame)
-        event = h2.events.ConnectionTerminated()
-        event.error_code = h2.connection._error_code_from_int(frame.error_code)
-        event.last_stream_id = frame.last_stream_id
-        event.additional_data = frame.additional_data or None
-        return [], [event]
-
-    def open_request_stream(self, stream_id: int, headers: list) -> None:
-        """``send_headers(stream_id, headers)`` for a client's new stream (no END_STREAM, no priority).
-
-        The same checks, state transitions and bytes as h2's ``send_headers``, without building hyperframe
-        objects and validation flags that ``validate_outbound_headers=False`` then ignores: the header
-        block (usually a cached encoding, ``_CachingEncoder``) is framed here. Every other case goes to
-        ``send_headers``. ``tests/transport/test_open_request_stream.py`` compares the two.
-        """
-        if not self.config.client_side or stream_id in self.streams:
-            self.send_headers(stream_id, headers)
-            return
-        if self.open_outbound_streams + 1 > self.remote_settings.max_concurrent_streams:
-            raise h2.exceptions.TooManyStreamsError(
-                f"Max outbound streams is {self.remote_settings.max_concurrent_streams}, "
-                f"{self.open_outbound_streams} open"
-            )
-        self.state_machine.process_input(_SEND_HEADERS)
-        stream = self._get_or_create_stream(stream_id, _CLIENT_STREAM_IDS)
-        stream.state_machine.process_input(_STREAM_SEND_HEADERS)
-        block = self.encoder.encode(headers)
-        size = self.max_outbound_frame_size
-        if len(block) <= size:
-            self._data_to_send += _frame_header(len(block) >> 16, len(block) & 0xFFFF, 0x1, 0x4, stream_id) + block
-        else:  # HEADERS, then CONTINUATION frames; END_HEADERS on the last
-            chunks = [block[i : i + size] for i in range(0, len(block), size)]
-            out = [_frame_header(len(chunks[0]) >> 16, len(chunks[0]) & 0xFFFF, 0x1, 0, stream_id), chunks[0]]
-            for n, chunk in enumerate(chunks[1:], 2):
-                flags = 0x4 if n == len(chunks) else 0
-                out += [_frame_header(len(chunk) >> 16, len(chunk) & 0xFFFF, 0x9, flags, stream_id), chunk]
-            self._data_to_send += b"".join(out)
-        if stream._authority is None:
-            stream._authority = h2.utilities.authority_from_headers(headers)
-        stream.request_method = h2.utilities.extract_method_header(headers)
-
-    def send_data(self, stream_id, data, end_stream=False, pad_length=None):  # type: ignore[no-untyped-def]
-        """h2's ``send_data``, with the frame built here when it needs no padding and fits both windows and
-        one frame: the same checks, state transitions, window accounting and bytes, without a hyperframe
-        ``DataFrame`` (a request's message, and every message a server streams). Anything else (padding, an
-        unknown stream, a frame h2 would refuse) goes to h2 unchanged, which raises as before.
-        """
-        if pad_length is not None or not self.try_send_data(stream_id, data, end_stream):
-            return super().send_data(stream_id, data, end_stream, pad_length)
-        return None
-
-    def try_send_data(self, stream_id: int, data: bytes, end_stream: bool) -> bool:
-        """``send_data``'s fast path: queue ``data`` as one DATA frame if the stream is known and it fits both
-        windows and one frame; False (nothing done) otherwise. Raises as h2 for a closed stream."""
-        stream = self.streams.get(stream_id)
-        size = len(data)
-        if (
-            stream is None
-            or size > self.outbound_flow_control_window
-            or size > stream.outbound_flow_control_window
-            or size > self.max_outbound_frame_size
-        ):
-            return False
-        self.state_machine.process_input(_SEND_DATA)
-        machine = stream.state_machine
-        machine.process_input(_STREAM_SEND_DATA)
-        if end_stream:
-            machine.process_input(_STREAM_SEND_END_STREAM)
-        stream.outbound_flow_control_window -= size
-        self._data_to_send += _frame_header(size >> 16, size & 0xFFFF, 0x0, 0x1 if end_stream else 0, stream_id) + data
-        self.outbound_flow_control_window -= size
-        return True
-
-    def _receive_window_update_frame(self, frame):  # type: ignore[no-untyped-def]
-        try:
-            return super()._receive_window_update_frame(frame)
-        except h2.exceptions.StreamClosedError:
-            if frame.stream_id:
-                _H2Connection.late_window_updates += 1
-                return [], []
-            raise
-
-
-def _buffered_flow_controlled_length(buffer: MessageReadBuffer) -> int:
-    # purerpc 0.8.0 (pinned) internals: unparsed chunks, a parsed message prefix, parsed messages.
-    total = sum(length for _, length in buffer._buffer._deque)
-    total += buffer._flow_controlled_length or 0
-    total += sum(length for _, length in buffer._messages)
-    return total
-
-
-class MessageDecodeError(Exception):
-    """A compressed message that cannot be accepted; fails only its stream with ``code``."""
-
-    def __init__(self, code: StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-
-
-#: ``grpc-encoding`` values accepted on received messages, with the zlib window bits for each. gRPC's
-#: ``gzip`` is RFC 1952 gzip framing and its ``deflate`` is zlib framing (RFC 1950), as grpcio's C core
-#: compresses them (``deflateInit2`` with 15 | 16 window bits for gzip, 15 for deflate).
-_ZLIB_WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
-# Inflate at most this much per step: a message over the limit is refused with about the limit held, never
-# more (one ``decompress(data, limit + 1)`` peaks at twice that: CPython joins its output blocks at the end).
-_INFLATE_CHUNK = 256 * 1024
-
-
-class BoundedReadBuffer(MessageReadBuffer):
-    """purerpc's message read buffer with bounded, gRPC-conformant decompression.
-
-    purerpc 0.8.0 inflates with an unbounded ``zlib.decompress`` and reads ``gzip`` as zlib framing. Here
-    the output of one message is capped at the message limit: ``zlib.decompressobj`` inflates it in steps
-    of at most 256 KiB (``max_length``) and stops as soon as the total passes the limit, so a small
-    compressed message cannot expand to gigabytes; a message over the limit fails its stream with
-    RESOURCE_EXHAUSTED.
-    """
-
-    def decompress(self, data):  # type: ignore[no-untyped-def]
-        encoding = self._message_encoding
-        if encoding is None or encoding == "identity":
-            raise MessageDecodeError(StatusCode.INTERNAL, "compressed message received without a grpc-encoding")
-        wbits = _ZLIB_WBITS.get(encoding)
-        if wbits is None:
-            raise MessageDecodeError(
-                StatusCode.UNIMPLEMENTED, f"message compressed with unsupported grpc-encoding {encoding!r}"
-            )
-        limit = self._max_message_length
-        inflater = zlib.decompressobj(wbits)
-        parts = []
-        total = 0
-        pending = data
-        try:
-            while not inflater.eof:
-                out = inflater.decompress(pending, _INFLATE_CHUNK)
-                pending = inflater.unconsumed_tail
-                if not out and not pending:
-                    raise MessageDecodeError(StatusCode.INTERNAL, f"truncated {encoding} message")
-                total += len(out)
-                if total > limit:
-                    raise MessageDecodeError(
-                        StatusCode.RESOURCE_EXHAUSTED,
-                        f"received message larger than max after decompression (more than {limit} bytes)",
-                    )
-                parts.append(out)
-        except zlib.error as exc:
-            raise MessageDecodeError(StatusCode.INTERNAL, f"failed to decompress a {encoding} message: {exc}") from None
-        return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 _HTTP_TO_GRPC = {
@@ -443,7 +105,7 @@ class GrpcProtocol(GRPCConnection):
 
     def __init__(self, config: GRPCConfiguration) -> None:
         self.config = config
-        self.h2_connection = _H2Connection(
+        self.h2_connection = H2Connection(
             h2.config.H2Configuration(
                 client_side=config.client_side,
                 header_encoding="utf-8",
@@ -459,6 +121,14 @@ class GrpcProtocol(GRPCConnection):
         self.h2_connection.clear_outbound_data_buffer()
         self._set_h2_connection_local_settings()
         self.message_read_buffers: dict[int, MessageReadBuffer] = {}
+        #: HEADERS, DATA and WINDOW_UPDATE frames received (each one resets gRPC-core's ping policing), and
+        #: their count when the last PING acknowledgement was read (-1: none yet).
+        self.data_frames_received = 0
+        self._data_frames_at_ping_ack = -1
+        #: PING acknowledgements received.
+        self.ping_acks_received = 0
+        #: HEADERS, DATA and WINDOW_UPDATE frames queued (a server's ping policing forgives earlier PINGs).
+        self.data_frames_sent = 0
         self._dispatch = {
             h2.events.RequestReceived: self._request_received,
             h2.events.ResponseReceived: self._response_received,
@@ -469,7 +139,10 @@ class GrpcProtocol(GRPCConnection):
             h2.events.StreamEnded: self._stream_ended,
             h2.events.StreamReset: self._stream_reset,
             h2.events.ConnectionTerminated: self._connection_terminated,
+            h2.events.PingAckReceived: self._ping_ack_received,
         }
+        if not config.client_side:
+            self._dispatch[h2.events.PingReceived] = self._ping_received
 
     def _set_h2_connection_local_settings(self) -> None:
         # The core sets the per-stream window to twice the message limit; clamp to HTTP/2's maximum.
@@ -511,6 +184,7 @@ class GrpcProtocol(GRPCConnection):
     def send_headers(self, stream_id: int, headers: list | tuple) -> None:
         """Queue a server's response headers on ``stream_id`` (raises as h2 for a closed stream)."""
         self.h2_connection.send_headers(stream_id, headers)
+        self.data_frames_sent += 1
 
     def send_trailers(self, stream_id: int, headers: list) -> bool:
         """Queue ``headers`` with END_STREAM (trailers, or a trailers-only response); False when the stream
@@ -519,6 +193,7 @@ class GrpcProtocol(GRPCConnection):
             self.h2_connection.send_headers(stream_id, headers, end_stream=True)
         except h2.exceptions.ProtocolError:
             return False
+        self.data_frames_sent += 1
         return True
 
     def send_message(self, stream_id: int, data: bytes, end_stream: bool) -> bool:
@@ -528,7 +203,10 @@ class GrpcProtocol(GRPCConnection):
         Raises:
             StreamClosed: the stream is closed.
         """
-        return self.h2_connection.try_send_data(stream_id, data, end_stream)
+        if self.h2_connection.try_send_data(stream_id, data, end_stream):
+            self.data_frames_sent += 1
+            return True
+        return False
 
     def send_data(self, stream_id: int, data: bytes, end_stream: bool) -> None:
         """Queue one DATA frame; it must fit ``send_window`` and ``max_outbound_frame_size``.
@@ -537,6 +215,7 @@ class GrpcProtocol(GRPCConnection):
             StreamClosed: the stream is closed.
         """
         self.h2_connection.send_data(stream_id, data, end_stream=end_stream)
+        self.data_frames_sent += 1
 
     def send_window(self, stream_id: int) -> int:
         """How many bytes ``stream_id`` may send now (the smaller of its window and the connection's).
@@ -587,12 +266,25 @@ class GrpcProtocol(GRPCConnection):
                     connection_window._bytes_processed = processed
                     stream_window._bytes_processed += length
                     return bool(h2conn._data_to_send)
+        queued = len(h2conn._data_to_send)
         h2conn.acknowledge_received_data(length, stream_id)
+        if len(h2conn._data_to_send) > queued:
+            self.data_frames_sent += 1  # a WINDOW_UPDATE
         return bool(h2conn._data_to_send)
 
     def output_size(self) -> int:
         """How many bytes are queued for the socket (``data_to_send`` takes them)."""
         return len(self.h2_connection._data_to_send)
+
+    def peer_sent_data_since_ping_ack(self) -> bool:
+        """Whether HEADERS, DATA or WINDOW_UPDATE arrived after the acknowledgement of our last PING (or no
+        PING was acknowledged yet).
+
+        The peer wrote such a frame after it had received that PING (frames arrive in the order written),
+        and gRPC-core's server forgives every earlier PING when it writes one: a PING sent now earns no
+        strike, however soon (``KeepaliveConfig``).
+        """
+        return self.data_frames_received != self._data_frames_at_ping_ack
 
     def ping(self, opaque_data: bytes) -> bool:
         """Queue a PING; False when the connection is closing (GOAWAY sent) and nothing was queued."""
@@ -602,10 +294,10 @@ class GrpcProtocol(GRPCConnection):
             return False
         return True
 
-    def close_connection(self, error_code: int = ErrorCodes.NO_ERROR) -> None:
-        """Queue GOAWAY with ``error_code`` (nothing if the connection is already closed)."""
+    def close_connection(self, error_code: int = ErrorCodes.NO_ERROR, debug_data: bytes = b"") -> None:
+        """Queue GOAWAY with ``error_code`` and ``debug_data`` (nothing if the connection is already closed)."""
         try:
-            self.h2_connection.close_connection(error_code)
+            self.h2_connection.close_connection(error_code, additional_data=debug_data or None)
         except h2.exceptions.ProtocolError:
             pass
 
@@ -638,7 +330,7 @@ class GrpcProtocol(GRPCConnection):
         open_connection = h2conn.state_machine.state in _OPEN_CONNECTION_STATES
         max_frame_size = h2conn.max_inbound_frame_size
         while total - position >= 9:
-            length_high, length_low, frame_type, flags, stream_id = _unpack_frame_header(data, position)
+            length_high, length_low, frame_type, flags, stream_id = unpack_frame_header(data, position)
             length = (length_high << 16) | length_low
             if length > max_frame_size:
                 self._frame_too_large(length)
@@ -666,6 +358,7 @@ class GrpcProtocol(GRPCConnection):
                     connection_window.current_window_size -= length
                     stream._inbound_window_manager.current_window_size -= length
                     stream._actual_content_length += length
+                    self.data_frames_received += 1
                     events.extend(self._data_payload(stream_id, buffer, data[position + 9 : end], length))
                     position = end
                     continue
@@ -747,7 +440,7 @@ class GrpcProtocol(GRPCConnection):
         """Forget a stream's read buffer and hand its buffered bytes back to the connection window."""
         buffer = self.message_read_buffers.pop(stream_id, None)
         if buffer is not None:
-            pending = _buffered_flow_controlled_length(buffer)
+            pending = buffered_flow_controlled_length(buffer)
             if pending:
                 self.h2_connection.acknowledge_received_data(pending, stream_id)
 
@@ -786,6 +479,7 @@ class GrpcProtocol(GRPCConnection):
         return [request]
 
     def _response_received(self, event: h2.events.ResponseReceived) -> list:
+        self.data_frames_received += 1
         stream_id = event.stream_id
         headers = HeaderDict(event.headers)
         try:
@@ -809,6 +503,7 @@ class GrpcProtocol(GRPCConnection):
         return [response]
 
     def _trailers_received(self, event: h2.events.TrailersReceived) -> list:
+        self.data_frames_received += 1
         try:
             return [
                 ResponseEnded.parse_from_stream_id_and_headers_destructive(event.stream_id, HeaderDict(event.headers))
@@ -818,6 +513,7 @@ class GrpcProtocol(GRPCConnection):
             return [StreamFailed(event.stream_id, StatusCode.UNKNOWN, f"malformed trailers: {exc}")]
 
     def _data_received(self, event: h2.events.DataReceived) -> list:
+        self.data_frames_received += 1
         stream_id = event.stream_id
         buffer = self.message_read_buffers.get(stream_id)
         if buffer is None:
@@ -875,10 +571,11 @@ class GrpcProtocol(GRPCConnection):
         return [MessageReceived(stream_id, data, length) for data, length in messages]
 
     def _window_updated(self, event: h2.events.WindowUpdated) -> list:
+        self.data_frames_received += 1
         return [WindowUpdated(event.stream_id, event.delta)]
 
     def _remote_settings_changed(self, event: h2.events.RemoteSettingsChanged) -> list:
-        return [_SETTINGS_RECEIVED]
+        return [SETTINGS_RECEIVED]
 
     def _stream_ended(self, event: h2.events.StreamEnded) -> list:
         if self.message_read_buffers.pop(event.stream_id, None) is not None and not self.config.client_side:
@@ -890,48 +587,12 @@ class GrpcProtocol(GRPCConnection):
         return [StreamReset(event.stream_id, event.error_code)]
 
     def _connection_terminated(self, event: h2.events.ConnectionTerminated) -> list:
-        return [GoAway(event.last_stream_id or 0, event.error_code)]
+        return [GoAway(event.last_stream_id or 0, event.error_code, event.additional_data or b"")]
 
+    def _ping_received(self, event: h2.events.PingReceived) -> list:
+        return [PING_RECEIVED]
 
-# -- message framing ---------------------------------------------------------------------------------
-
-
-def frame_message(data: bytes) -> bytes:
-    """One serialized message with its gRPC length prefix (never compressed)."""
-    return _pack_message_prefix(0, len(data)) + data
-
-
-def frame_messages(messages: Iterable[bytes]) -> bytes:
-    """Serialized messages, each with its gRPC length prefix, back to back (one join)."""
-    parts: list[bytes] = []
-    append = parts.append
-    for data in messages:
-        append(_pack_message_prefix(0, len(data)))
-        append(data)
-    return b"".join(parts)
-
-
-# -- header values -----------------------------------------------------------------------------------
-
-# gRPC percent-encodes grpc-message bytes outside printable ASCII, and '%' itself.
-_GRPC_MESSAGE_SAFE = "".join(chr(c) for c in range(0x20, 0x7F) if c != 0x25)
-
-
-def encode_grpc_message(message: str) -> str:
-    return urllib.parse.quote(message, safe=_GRPC_MESSAGE_SAFE)
-
-
-def decode_grpc_message(value: str) -> str:
-    return urllib.parse.unquote(value, errors="replace")
-
-
-_TIMEOUT_UNITS = (("u", 1_000_000), ("m", 1_000), ("S", 1), ("M", 1 / 60), ("H", 1 / 3600))
-
-
-def encode_timeout(seconds: float) -> str:
-    """Encode a positive timeout as a ``grpc-timeout`` value (at most 8 digits, rounded up)."""
-    for unit, per_second in _TIMEOUT_UNITS:
-        value = math.ceil(seconds * per_second)
-        if value < 100_000_000:
-            return f"{max(value, 1)}{unit}"
-    return "99999999H"
+    def _ping_ack_received(self, event: h2.events.PingAckReceived) -> list:
+        self.ping_acks_received += 1
+        self._data_frames_at_ping_ack = self.data_frames_received
+        return []

@@ -15,26 +15,26 @@ import trio
 from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.rpc import Cardinality
 
+from trio_sidecar.config import KeepaliveConfig
 from trio_sidecar.status import StatusCode
 
 from ._connection import Call, Connection, encode_metadata, parse_message
 from ._errors import DEFAULT_MAX_MESSAGE_LENGTH, RpcError
-from ._protocol import (
-    ErrorCodes,
+from ._events import (
     GoAway,
-    GrpcProtocol,
     MessageReceived,
+    PingReceived,
     RequestEnded,
     RequestReceived,
     SettingsReceived,
     StreamFailed,
     StreamReset,
     WindowUpdated,
-    encode_grpc_message,
-    frame_message,
-    frame_messages,
 )
+from ._keepalive import TOO_MANY_PINGS
+from ._protocol import ErrorCodes, GrpcProtocol
 from ._util import collapse_single_exception
+from ._wire import encode_grpc_message, frame_message, frame_messages
 
 __all__ = ["CallContext", "FramedMessages", "GrpcServer", "ServerLimits", "serve_grpc"]
 
@@ -46,6 +46,9 @@ _OK_TRAILERS = (("grpc-status", "0"),)
 # accept() failures that mean "out of resources right now": wait and retry (as trio.serve_listeners does).
 _ACCEPT_CAPACITY_ERRNOS = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
 
+
+# gRPC-core's interval between PINGs on a connection without streams (keepalive_permit_without_calls off).
+_IDLE_PING_INTERVAL = 7200.0
 
 # While the connection cap turns connections away, one log line per this many seconds (with a count).
 _CAP_LOG_INTERVAL_S = 10.0
@@ -62,11 +65,16 @@ class ServerLimits:
             closed (``None``: never).
         max_connections: connections served at once; past it a new connection is accepted and closed at
             once, and one WARNING line per 10 s says how many were turned away.
+        keepalive: the PING policy (``KeepaliveConfig.server()`` is gRPC-core's: a PING sooner than 5 minutes
+            after the previous one with no HEADERS, DATA or WINDOW_UPDATE sent in between is a strike, 2 hours
+            on a connection without streams; past 2 strikes, GOAWAY ENHANCE_YOUR_CALM ``too_many_pings`` and
+            close). ``None`` (the default, as vLLM's own server): every PING is answered, none policed.
     """
 
     handshake_timeout: float = 10.0
     idle_timeout: float | None = 300.0
     max_connections: int = 1000
+    keepalive: KeepaliveConfig | None = None
 
     def __attrs_post_init__(self) -> None:
         if not self.handshake_timeout > 0:
@@ -280,6 +288,11 @@ class _ServerConnection(Connection):
         self.peer: tuple[str, int] = (peer[0], peer[1])
         self.handshaken = trio.Event()  # the client's SETTINGS arrived
         self.last_active = trio.current_time()  # when the last stream ended (or the connection opened)
+        # PING policing (``ServerLimits.keepalive``): the last PING's time, the strikes, and the count of data
+        # frames sent at that PING (a data frame sent since forgives the earlier PINGs).
+        self._last_ping = -math.inf
+        self._ping_strikes = 0
+        self._sent_at_last_ping = -1
 
     async def supervise(self, limits: ServerLimits) -> None:
         """Close the connection when its handshake or, later, an idle period exceeds ``limits``."""
@@ -347,6 +360,31 @@ class _ServerConnection(Connection):
                 self.wake_window_waiters(0)
             elif kind is GoAway:
                 pass  # the client is going away; its open calls continue until the socket closes
+            elif kind is PingReceived:
+                policy = self.server.limits.keepalive
+                if policy is not None and policy.max_ping_strikes is not None:
+                    self._police_ping(policy.min_ping_interval_without_data, policy.max_ping_strikes)
+
+    def _police_ping(self, min_interval: float, max_strikes: int) -> None:
+        """gRPC-core's ping abuse policy (``ServerLimits.keepalive``), for one PING received."""
+        protocol = self.protocol
+        if protocol.data_frames_sent != self._sent_at_last_ping:  # data sent since the last PING: forgiven
+            self._sent_at_last_ping = protocol.data_frames_sent
+            self._last_ping = -math.inf
+            self._ping_strikes = 0
+        now = trio.current_time()
+        interval = min_interval if self.calls else _IDLE_PING_INTERVAL
+        too_soon = self._last_ping + interval > now
+        self._last_ping = now
+        if not too_soon:
+            return
+        self._ping_strikes += 1
+        if self._ping_strikes <= max_strikes or max_strikes == 0:
+            return
+        LOGGER.debug("transport: %s sent too many PINGs; GOAWAY ENHANCE_YOUR_CALM", self.description)
+        protocol.close_connection(ErrorCodes.ENHANCE_YOUR_CALM, TOO_MANY_PINGS)
+        self._flush_final()
+        self.lose(f"connection from {self.description} closed: too many pings")
 
     def _reject(self, stream_id: int, code: StatusCode, message: str) -> None:
         trailers = [*_RESPONSE_HEADERS, ("grpc-status", str(int(code))), ("grpc-message", encode_grpc_message(message))]
