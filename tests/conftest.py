@@ -3,8 +3,9 @@
 Area fixtures live next to their tests (``tests/<area>/conftest.py``). Every server in a test binds
 127.0.0.1 on port 0 and is started with ``nursery.start`` (or a subprocess killed by PID).
 
-Every test has a deadline (``TEST_TIMEOUT_S``, or ``@pytest.mark.timeout(seconds)``; the environment variable
-``TRIO_SIDECAR_TEST_TIMEOUT`` sets the default, 240 s). A test that hangs fails with its name and what it was
+Every test has a deadline: 60 s (``TRIO_SIDECAR_TEST_TIMEOUT``), 300 s for a test marked ``slow`` or
+``real_vllm`` (``TRIO_SIDECAR_SLOW_TEST_TIMEOUT``), or its own ``@pytest.mark.timeout(seconds)`` for a test
+that legitimately takes longer (docs/contributing.md). A test that hangs fails with its name and what it was
 waiting for, instead of blocking the suite:
 
 - a Trio test runs beside a watchdog task (pytest-trio takes the runner from the ``trio(run=...)`` marker
@@ -32,7 +33,8 @@ from typing import Any
 import pytest
 import trio
 
-TEST_TIMEOUT_S = float(os.environ.get("TRIO_SIDECAR_TEST_TIMEOUT", "240"))
+TEST_TIMEOUT_S = float(os.environ.get("TRIO_SIDECAR_TEST_TIMEOUT", "60"))
+SLOW_TEST_TIMEOUT_S = float(os.environ.get("TRIO_SIDECAR_SLOW_TEST_TIMEOUT", "300"))
 _REPO = str(Path(__file__).resolve().parents[1])
 _WATCHDOG = "test deadline watchdog"
 
@@ -45,13 +47,19 @@ class TestTimedOut(AssertionError):
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", f"timeout(seconds): this test's deadline instead of the default {TEST_TIMEOUT_S:g}s"
+        "markers",
+        f"timeout(seconds): this test's deadline instead of the default {TEST_TIMEOUT_S:g}s "
+        f"({SLOW_TEST_TIMEOUT_S:g}s for a slow test)",
     )
 
 
 def _deadline(item: pytest.Item) -> float:
     marker = item.get_closest_marker("timeout")
-    return float(marker.args[0]) if marker is not None else TEST_TIMEOUT_S
+    if marker is not None:
+        return float(marker.args[0])
+    if item.get_closest_marker("slow") is not None or item.get_closest_marker("real_vllm") is not None:
+        return SLOW_TEST_TIMEOUT_S
+    return TEST_TIMEOUT_S
 
 
 def _is_trio_test(item: pytest.Item) -> bool:

@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -242,3 +242,30 @@ def system_request(port: int, method: str, path: str, payload: dict | None = Non
         return resp.status, json.loads(resp.read())
     finally:
         conn.close()
+
+
+def wait_routes_served(
+    port: int, routes: Sequence[tuple[str, str]], *, watch: Sequence[local.Process] = (), timeout: float = 120.0
+) -> None:
+    """Poll a worker's system server until each ``(method, path)`` route is registered, the process alive.
+
+    ``/health`` is no readiness signal for this: the native sidecar answers ``{"status": "ready"}`` before it has
+    reached the engine and registered its engine routes (the port answers "Route not found" for a moment), so a
+    test that then stops the engine or calls a route raced the start-up. Any answer but the system server's own
+    "Route not found" 404 (a route's own 404 included) means the route is there.
+    """
+    deadline = time.monotonic() + timeout
+    pending = list(routes)
+    while pending:
+        method, path = pending[0]
+        try:
+            status, body = system_request(port, method, path, {} if method == "POST" else None)
+        except (OSError, http.client.HTTPException, ValueError):
+            status, body = 0, None
+        if not (status == 404 and isinstance(body, dict) and body.get("error") == "Route not found") and status:
+            pending.pop(0)
+            continue
+        for proc in watch:
+            assert proc.alive(), f"{proc.name} exited before serving {method} {path}:\n{proc.log()[-2000:]}"
+        assert time.monotonic() < deadline, f"{method} {path} not served on port {port} within {timeout:g}s"
+        time.sleep(0.05)

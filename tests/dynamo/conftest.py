@@ -1,4 +1,4 @@
-"""Fixtures for the Dynamo end-to-end tests (issue 6).
+"""Fixtures for the Dynamo end-to-end tests.
 
 Real processes on 127.0.0.1: ``python -m dynamo.frontend`` and ``trio-sidecar run`` (or the native
 ``python -m dynamo.vllm.sidecar``) as subprocesses with file discovery in a per-module temporary directory

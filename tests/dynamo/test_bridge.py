@@ -245,9 +245,10 @@ async def test_cancel_before_the_trio_task_starts_is_not_lost(loop_thread):
             result.extend(await loop_thread.run(consume, bridge, {"token_ids": [7]}, ctx))
 
         nursery.start_soon(drive)
-        # Let the spawn and the stop request both arrive before the dispatcher exists.
-        for _ in range(50):
-            await trio.sleep(0.01)
+        # The spawn and the stop request both arrive before the dispatcher exists.
+        with trio.fail_after(10):
+            while not (bridge._pending and bridge._pending[0].handle.stop_requested):
+                await trio.sleep(0.01)
         nursery.start_soon(bridge.run_dispatcher, submitter(sidecar.generate, nursery))
         with trio.fail_after(10):
             while not result:

@@ -1,4 +1,4 @@
-"""The README's first command: ``examples/demo.py`` runs end to end and exits 0 (issue 6, "Demo")."""
+"""The README's first command: ``examples/demo.py`` runs end to end and exits 0."""
 
 from __future__ import annotations
 

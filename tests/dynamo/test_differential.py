@@ -1,4 +1,4 @@
-"""Issue 6 test 5: differential test against Dynamo's native sidecar (``python -m dynamo.vllm.sidecar``).
+"""Differential test against Dynamo's native sidecar (``python -m dynamo.vllm.sidecar``).
 
 Both sidecars serve the *same* mock (engine argument ``token_seed_source: "prompt"``, docs/reference/mock.md#token-seed-and-request-uuid, so
 the same prompt yields the same tokens whatever the frontend's request id), each behind its own frontend
@@ -10,7 +10,7 @@ the same prompt yields the same tokens whatever the frontend's request id), each
   request id;
 * the model-card records both wrote under ``v1/mdc``.
 
-Prefill/decode pairs are compared the same way in a second deployment, which also hosts issue 6 test 3
+Prefill/decode pairs are compared the same way in a second deployment, which also checks that
 (trio-sidecar prefill + decode workers with two mocks behind one frontend complete a request).
 """
 
@@ -263,7 +263,7 @@ def test_prefill_decode_same_responses_and_requests_as_the_native_sidecar(pd_pai
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_a_request_is_prefilled_on_one_worker_and_decoded_on_the_other(pd_pair, path):
-    """Issue 6 test 3, on the trio-sidecar side of the P/D deployment."""
+    """trio-sidecar prefill and decode workers, each on its own mock, complete a request behind one frontend."""
     prefill, decode = pd_pair.mocks
     before_p, before_d = len(prefill.recorded()), len(decode.recorded())
     payload = {"model": "tiny", "max_tokens": 5, "ignore_eos": True, "nvext": {"extra_fields": ["worker_id"]}}

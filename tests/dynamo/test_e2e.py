@@ -1,4 +1,4 @@
-"""Issue 6 tests 1–2: frontend + mock + ``trio-sidecar run`` as real processes on 127.0.0.1.
+"""Frontend + mock + ``trio-sidecar run`` as real processes on 127.0.0.1.
 
 The frontend gives every request a fresh id, returned as the OpenAI response id (``cmpl-{id}`` /
 ``chatcmpl-{id}``); the sidecar forwards it as the vLLM ``request_id`` and the mock seeds its tokens with it,

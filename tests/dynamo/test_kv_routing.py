@@ -1,4 +1,4 @@
-"""Issue 6 test 4: KV events from the mock reach Dynamo's KV router (docs/reference/worker.md#kv-events: by behaviour).
+"""KV events from the mock reach Dynamo's KV router (docs/reference/worker.md#kv-events: by behaviour).
 
 Two aggregated workers (two mocks, two ``trio-sidecar run``) behind a frontend with ``--router-mode kv``.
 Each long prompt is first *pinned* to a chosen worker (``nvext.backend_instance_id``), so that worker's mock

@@ -1,4 +1,4 @@
-"""Issue 24, LoRA: ``trio-sidecar run`` against the native 1.6.1 sidecar, route by route (docs/lora.md).
+"""LoRA: ``trio-sidecar run`` against the native 1.6.1 sidecar, route by route (docs/lora.md).
 
 Each side has its own mock (``max_loras`` 2, so the adapter tables do not mix), its own frontend
 (``--namespace``) and its own system port, with ``DYN_LORA_ENABLED=true``. Every step sends the same request
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from dynamo_harness import FAST_ENGINE_ARGS, free_system_port
+from dynamo_harness import FAST_ENGINE_ARGS, free_system_port, wait_routes_served
 from fake_adapter_hub import ADAPTER_FILES, SHA, FakeAdapterHub
 
 from trio_sidecar._devtools import local
@@ -348,16 +348,10 @@ def test_hot_swap_no_lora_support_and_lora_off_answer_like_native(deployment_fac
                 env["DYN_LORA_ENABLED"] = "true"
             start(mock, namespace=f"{dep.namespace}-{side}-{kind}", name=f"{side}-{kind}", env=env)
             ports[side, kind] = port
-    deadline = time.monotonic() + 120
-    for port in ports.values():
-        while True:
-            try:
-                if local.get_json(port, "/health")[1].get("status") == "ready":
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, f"system port {port} never ready"
-            time.sleep(0.2)
+    # /health is no readiness signal (native says "ready" before its routes exist): wait for the routes
+    for (_side, kind), port in ports.items():
+        routes = [("POST", "/engine/control/is_paused")] + ([("GET", "/v1/loras")] if kind == "lora" else [])
+        wait_routes_served(port, routes, watch=dep.processes)
     uri = f"file://{adapter}"
     got: dict[str, list] = {side: [] for side in SIDES}
     for side in SIDES:

@@ -1,4 +1,4 @@
-"""Native 1.6.1's LoRA lifecycle through Dynamo, pinned as the reference for issue 24 (docs/dynamo.md#lora-and-rl-controls-in-the-native-161-sidecar-as-observed).
+"""Native 1.6.1's LoRA lifecycle through Dynamo, pinned as the reference trio-sidecar follows (docs/dynamo.md#lora-and-rl-controls-in-the-native-161-sidecar-as-observed).
 
 ``python -m dynamo.vllm.sidecar`` with ``DYN_LORA_ENABLED=true`` in front of the mock with ``max_loras`` 2:
 adapters are loaded and unloaded on the sidecar's system port (``/v1/loras``), a loaded adapter is served by

@@ -1,4 +1,4 @@
-"""Native 1.6.1's RL controls through Dynamo, pinned as the reference for issue 24 (docs/dynamo.md#rl-controls).
+"""Native 1.6.1's RL controls through Dynamo, pinned as the reference trio-sidecar follows (docs/dynamo.md#rl-controls).
 
 ``python -m dynamo.vllm.sidecar --enable-rl`` in front of the mock with sleep mode, a weight-transfer backend
 and draft weight updates enabled; a frontend with ``DYN_ENABLE_RL=true`` lists the worker on its RL discovery

@@ -100,6 +100,7 @@ async def _streams(port: int, n: int) -> list[int]:
     return await asyncio.gather(*(one() for _ in range(n)))
 
 
+@pytest.mark.timeout(180)  # the mock paces a long stalled stream (~30 s on 2 cores)
 def test_a_client_that_stops_reading_does_not_stall_other_requests(push):
     dep, mock, _ = push
     sock = _stalled_client(dep.http_port)

@@ -1,4 +1,4 @@
-"""Issue 7 (CLI parts): the prober drives Dynamo registration (docs/reference/worker.md#out-of-rotation-while-vllm-is-not-serving, docs/reference/sidecar.md#recovery).
+"""The prober drives Dynamo registration (docs/reference/worker.md#out-of-rotation-while-vllm-is-not-serving, docs/reference/sidecar.md#recovery).
 
 * vLLM not serving for ``--unserving-grace-secs`` → ``unregister_endpoint_instance()`` (the model leaves
   ``/v1/models``); SERVING again → ``register_endpoint_instance()`` and requests flow again.

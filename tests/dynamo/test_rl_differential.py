@@ -14,7 +14,7 @@ import sys
 import textwrap
 
 import pytest
-from dynamo_harness import FAST_ENGINE_ARGS, free_system_port
+from dynamo_harness import FAST_ENGINE_ARGS, free_system_port, wait_routes_served
 
 from trio_sidecar._devtools import local
 
@@ -22,6 +22,7 @@ pytestmark = pytest.mark.dynamo
 
 RL_ARGS = {"enable_sleep_mode": True, "weight_transfer_backend": "nccl", "enable_draft_weight_updates": True}
 SIDES = ("native", "trio")
+IS_PAUSED = ("POST", "/engine/control/is_paused")  # registered by every worker, with or without --enable-rl
 
 
 @pytest.fixture(scope="module")
@@ -105,8 +106,8 @@ def test_rl_workers_are_described_alike(sides):
         status, body = local.get_json(by_side[side]["rl_port"], "/v1/rl/workers")
         assert status == 200
         [worker] = body["workers"]
-        assert worker["system_url"] == f"http://{local.LOOPBACK}:{by_side[side]['system_port']}"
-        assert worker["request_plane_url"] == f"dyn://{by_side[side]['namespace']}.backend.rl"
+        assert worker.get("system_url") == f"http://{local.LOOPBACK}:{by_side[side]['system_port']}", (side, worker)
+        assert worker.get("request_plane_url") == f"dyn://{by_side[side]['namespace']}.backend.rl", (side, worker)
         workers[side] = {
             k: worker[k] for k in ("component", "endpoint", "admin_base_url", "model", "routes", "world_size")
         }
@@ -176,7 +177,10 @@ def test_pause_resume_and_discovery_alike(sides):
         {"status": "paused"},
         [("PauseGeneration", "mode: PAUSE_MODE_KEEP clear_cache: true")],
     )
-    assert _models(sides) == {"native": [], "trio": []}  # withdrawn from discovery first
+    # withdrawn from discovery first; each frontend sees that through its discovery watch, a moment later
+    for side in SIDES:
+        assert local.wait_for_no_model(sides[1][side]["http_port"], "tiny", timeout=30) is not None, side
+    assert _models(sides) == {"native": [], "trio": []}
     failed = _both(sides, "control/pause_generation", {"mode": "wait"})  # file discovery: already withdrawn
     assert failed[1]["message"].startswith("failed to unregister endpoint before /engine/control/pause_generation: ")
     assert failed[2] == []
@@ -261,20 +265,6 @@ def test_non_object_bodies_alike(sides):
         assert _both(sides, route, [1])[0] == 200
 
 
-def _wait_healthy(port: int, proc) -> None:
-    import time
-
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if local.get_json(port, "/health")[0] == 200:
-                return
-        except OSError:
-            pass
-        assert proc.alive() and time.monotonic() < deadline, proc.log()[-2000:]
-        time.sleep(0.2)
-
-
 def test_without_enable_rl_the_control_routes_are_served_alike_on_a_server_without_capabilities(deployment_factory):
     dep = deployment_factory()
     by_side = {}
@@ -285,7 +275,7 @@ def test_without_enable_rl_the_control_routes_are_served_alike_on_a_server_witho
         proc = start(mock, name=f"{side}-plain", env={"DYN_SYSTEM_PORT": str(system_port)})
         by_side[side] = {"mock": mock, "system_port": system_port, "proc": proc}
     for side in SIDES:
-        _wait_healthy(by_side[side]["system_port"], by_side[side]["proc"])
+        wait_routes_served(by_side[side]["system_port"], [IS_PAUSED], watch=[by_side[side]["proc"]])
     steps = [
         ("control/is_paused", {}),
         ("control/pause_generation", {"mode": "wait"}),
@@ -340,7 +330,8 @@ def test_an_unreachable_vllm_is_a_500_of_kind_unavailable_on_control_routes_too(
         proc = start(mock, name=f"{side}-down", env={"DYN_SYSTEM_PORT": str(system_port)})
         by_side[side] = {"mock": mock, "system_port": system_port, "proc": proc}
     for side in SIDES:
-        _wait_healthy(by_side[side]["system_port"], by_side[side]["proc"])
+        # the engine goes away only once the worker reached it and registered its routes
+        wait_routes_served(by_side[side]["system_port"], [IS_PAUSED], watch=[by_side[side]["proc"]])
         by_side[side]["mock"].stop()
     for route, rpc in (("control/is_paused", "IsPaused"), ("control/get_weight_version", "GetWeightVersion")):
         answers = {

@@ -172,6 +172,7 @@ def test_sigint_during_imports_prints_one_line_and_exits_130(workdir):
         assert sum("SIGINT" in line for line in err.splitlines()) == 1, err[-2000:]
 
 
+@pytest.mark.timeout(120)  # a real 25 s start-up deadline with a line every 10 s
 def test_while_waiting_for_vllm_a_line_every_10s_reports_attempts_elapsed_and_the_cause(workdir):
     port = _closed_port()
     env = local.dynamo_env(workdir / "kv", TZ="America/New_York")

@@ -1,4 +1,4 @@
-"""Issue 9: the Kubernetes manifests (``deploy/*.yaml``) and the image (``deploy/Dockerfile``).
+"""The Kubernetes manifests (``deploy/*.yaml``) and the image (``deploy/Dockerfile``).
 
 Every manifest is parsed (PyYAML); each worker pod must run vLLM as a native sidecar (an init container with
 ``restartPolicy: Always``) whose listeners are all on 127.0.0.1, with TCP startup/readiness probes that can

@@ -1,4 +1,4 @@
-"""Issue 9: the ``--mock`` variants of ``launch/*.sh`` as real processes on 127.0.0.1.
+"""The ``--mock`` variants of ``launch/*.sh`` as real processes on 127.0.0.1.
 
 Each script runs as a subprocess in its own session (so the test can clean up by process group if the
 script itself fails), with free ports, ``TMPDIR`` in the test's temporary directory and the Python of this

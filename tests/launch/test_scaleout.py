@@ -1,4 +1,4 @@
-"""Issue 9 scale-out: three workers (three mocks, three ``trio-sidecar run``) behind Dynamo's router.
+"""Scale-out: three workers (three mocks, three ``trio-sidecar run``) behind Dynamo's router.
 
 One deployment per module, all on 127.0.0.1 with file discovery in a private directory and a unique
 namespace: three mocks on background threads of this process (their ``recorded_requests`` are the

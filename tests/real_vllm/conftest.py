@@ -1,4 +1,4 @@
-"""Fixtures for the conformance suite against the real vLLM 0.32 gRPC server on CPU (issue 8).
+"""Fixtures for the conformance suite against the real vLLM 0.32 gRPC server on CPU.
 
 Every test in this folder is marked ``real_vllm`` and skipped unless ``scripts/real-vllm.sh`` has been run
 and its two variables are exported (``TRIO_SIDECAR_REAL_VLLM_PYTHON``, ``TRIO_SIDECAR_REAL_VLLM_MODEL``).

@@ -1,4 +1,4 @@
-"""Mock vs real vLLM 0.32: the same request matrix against both (issue 8 item 6).
+"""Mock vs real vLLM 0.32: the same request matrix against both.
 
 Compared: the stream shape (prompt_info first and alone, one token per message, finish_info only on the
 last), the presence and length of every per-token field, the terminal's fields, the Control and health

@@ -1,4 +1,4 @@
-"""Health when the real server goes away (issue 8 item 5; docs/reference/real-vllm.md#shutdown-and-engine-death).
+"""Health when the real server goes away (docs/reference/real-vllm.md#shutdown-and-engine-death).
 
 SIGTERM goes to the shared Python-supervised ``vllm serve`` (graceful shutdown; this test runs last; the
 engine-death case is in ``test_real_variant_server.py``). Watch streams may end OK after NOT_SERVING *or* with an

@@ -1,4 +1,4 @@
-"""The sidecar end to end against the real vLLM 0.32 server (issue 8 items 1-4).
+"""The sidecar end to end against the real vLLM 0.32 server: discovery and registration, generation, cancellation, error mapping.
 
 Discovery and registration data, generation compared with a direct gRPC call of the same request,
 cancellation (proved by the server's auto-abort log line or an ABORTED terminal, docs/reference/real-vllm.md#abort-and-cancellation), and
@@ -103,7 +103,7 @@ def direct_request(
     )
 
 
-# -- item 1: discovery and registration ------------------------------------------------------------------
+# -- discovery and registration ------------------------------------------------------------------------------
 
 
 async def test_discovery_reports_the_real_identity_limits_and_parallelism(real_server):
@@ -191,7 +191,7 @@ async def test_discovery_reports_the_real_identity_limits_and_parallelism(real_s
     assert "kv_event_publishing_enabled" not in runtime  # as native
 
 
-# -- item 2: generation matches a direct call --------------------------------------------------------------
+# -- generation matches a direct call ------------------------------------------------------------------------
 
 
 def expected_top_logprobs(o) -> list[list[dict]]:
@@ -370,7 +370,7 @@ async def test_skip_special_tokens_is_forwarded(sidecar, direct):
         assert "".join(c.text or "" for c in chunks) == expected, options
 
 
-# -- item 3: cancellation ------------------------------------------------------------------------------------
+# -- cancellation --------------------------------------------------------------------------------------------
 #
 # On a loaded 2-core machine the server can produce a whole 252-token stream before a cancellation lands
 # (docs/reference/real-vllm.md#abort-and-cancellation), so each test retries with a fresh request id when the server logged a normal completion
@@ -510,7 +510,7 @@ async def test_control_abort_ends_a_sidecar_stream_with_a_cancelled_chunk(sideca
     }
 
 
-# -- item 4: error mapping --------------------------------------------------------------------------------------
+# -- error mapping -------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(

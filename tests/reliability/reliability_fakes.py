@@ -2,7 +2,7 @@
 
 * ``ScriptedInference``: a fake vLLM (Health + Control + Inference on the project's ``serve_grpc``, bound to
   127.0.0.1:0) whose ``GenerateStream`` answer is chosen by the request id's prefix. Used for the malformed
-  response scenarios (issue 7 item 4).
+  response scenarios (test_malformed_responses.py).
 * ``Outcome`` / ``drive``: run one request through a sidecar and record exactly what came out, so every
   scenario can assert the suite's invariant: each accepted request ends with exactly one terminal chunk or
   exactly one typed error.

@@ -1,4 +1,4 @@
-"""Issue 7 item 7: bad input at every boundary gives a clear error, and a serving process keeps serving.
+"""Bad input at every boundary gives a clear error, and a serving process keeps serving.
 
 * CLI values (``trio-sidecar run`` / ``trio-sidecar mock`` as subprocesses): usage errors exit 2 with the
   offending flag or key named on stderr, before any socket is opened (docs/reference/sidecar.md#exit-codes).

@@ -1,4 +1,4 @@
-"""Issue 7 item 2: vLLM's health flaps SERVING ↔ NOT_SERVING every 100 ms for 5 s under load.
+"""vLLM's health flaps SERVING ↔ NOT_SERVING every 100 ms for 5 s under load.
 
 While not serving, new requests fail fast with the typed `vLLM is not serving` error; admitted requests are
 never cancelled by the prober (the mock keeps generating), so each of them ends with exactly one terminal.

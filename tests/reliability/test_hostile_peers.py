@@ -1,4 +1,4 @@
-"""Issue 19, hostile peers: a peer cannot exhaust ``trio-sidecar mock`` (or anything ``serve_grpc`` serves).
+"""Hostile peers: a peer cannot exhaust ``trio-sidecar mock`` (or anything ``serve_grpc`` serves).
 
 The server is a real ``trio-sidecar mock`` process on 127.0.0.1 (killed by PID); the peers are raw sockets
 speaking HTTP/2 through h2. Memory is the server process's, read from /proc and psutil. Each scenario and

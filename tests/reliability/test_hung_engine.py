@@ -157,7 +157,7 @@ async def test_default_keepalive_detects_a_sigstopped_engine_within_15_seconds(t
 
     defaults = SidecarConfig(grpc_endpoint="127.0.0.1:1")
     bound = defaults.keepalive_time + defaults.keepalive_timeout
-    assert bound <= 15.0  # the requirement for the defaults
+    assert bound <= 15.0  # a hung engine is noticed within 15 s with the defaults
     concurrent = 20
     mock = MockProcess(mock_args(), tmp_path / "mock.log")
     try:

@@ -1,4 +1,4 @@
-"""Issue 7 item 4: malformed vLLM responses fail only their own request, with the typed protocol error.
+"""Malformed vLLM responses fail only their own request, with the typed protocol error.
 
 A scripted fake vLLM answers each request id with one docs/reference/sidecar.md#per-message-checks and docs/reference/sidecar.md#stream-level-rules violation (plus NaN in a Struct and an
 unknown finish reason) while well-formed streams share the same pooled connections. Invariant: every request

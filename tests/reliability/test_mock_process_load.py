@@ -1,4 +1,4 @@
-"""Issue 19 regressions that already held: a ``trio-sidecar mock`` process under load, with the project's
+"""A ``trio-sidecar mock`` process under load, with the project's
 transport client as the peer (docs/reliability.md).
 
 * 2,000 concurrent GenerateStream calls over 8 connections all complete with every token.

@@ -1,4 +1,4 @@
-"""Issue 7 item 1: vLLM (the mock, as a process) is killed mid-stream under 200 concurrent requests and
+"""vLLM (the mock, as a process) is killed mid-stream under 200 concurrent requests and
 restarted on the same port; the sidecar recovers without a restart of its own.
 
 Invariant: every one of the 200 requests ends with exactly one typed error (none hangs, none gets a terminal

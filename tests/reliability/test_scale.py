@@ -1,4 +1,4 @@
-"""Issue 7 item 5: 1,000 concurrent streams through one sidecar against the mock (speedup 0).
+"""1,000 concurrent streams through one sidecar against the mock (speedup 0).
 
 All complete with exactly the tokens the mock plans for their request ids; live counters return to zero;
 peak RSS of this process (sidecar + in-process mock) is reported and must stay bounded.

@@ -1,4 +1,4 @@
-"""Issue 7 security: every listener binds 127.0.0.1 unless told otherwise.
+"""Every listener binds 127.0.0.1 unless told otherwise.
 
 * ``serve_grpc`` without a host binds the loopback address only.
 * The mock's default listen address is loopback, and the mock process binds *all* of its listeners (gRPC and

@@ -1,4 +1,4 @@
-"""Issue 7 item 3: a slow consumer does not stall other streams.
+"""A slow consumer does not stall other streams.
 
 All streams share ONE pooled connection. One reader stalls (at least 1 s) with a response far larger than an
 HTTP/2 stream window still to come; every other stream on that connection must complete while it is stalled,

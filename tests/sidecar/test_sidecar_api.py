@@ -117,7 +117,7 @@ async def test_abort_failures_are_logged_never_raised(fake, caplog_sidecar):
     assert (stats.aborts_queued, stats.aborts_sent, stats.aborts_failed, stats.aborts_timed_out) == (1, 0, 1, 0)
 
 
-async def test_cleanup_flushes_aborts_within_the_shielded_grace(fake, monkeypatch):
+async def test_cleanup_flushes_aborts_within_the_shielded_grace(fake, monkeypatch, autojump_clock):
     monkeypatch.setattr(abort_module, "ABORT_FLUSH_GRACE", 0.3)
     fake.hang = True
     fake.abort_hang = True

@@ -1,4 +1,4 @@
-"""The examples run as subprocesses and exit 0 (issue 4 item 10, issue 5)."""
+"""The examples run as subprocesses and exit 0."""
 
 from __future__ import annotations
 

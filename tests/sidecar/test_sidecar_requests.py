@@ -537,7 +537,7 @@ async def test_an_unparsable_message_mid_stream_ends_with_the_transport_error_dr
     assert after.final().finish_reason == "stop"
 
 
-async def test_abort_timeout_is_logged_with_the_configured_value(fake, face, caplog_sidecar):
+async def test_abort_timeout_is_logged_with_the_configured_value(fake, face, caplog_sidecar, autojump_clock):
     fake.hang = True
     fake.abort_hang = True
     async with open_sidecar(sidecar_config(fake.endpoint, abort_timeout=0.2)) as sidecar:
@@ -773,7 +773,9 @@ async def test_drain_waits_for_requests_that_end_in_time_and_stops_the_rest(fake
     assert fake.abort_calls == [["slow"]]
 
 
-async def test_drain_honours_the_decode_deferral_within_its_grace_and_leaves_the_rest_to_cleanup(fake, face):
+async def test_drain_honours_the_decode_deferral_within_its_grace_and_leaves_the_rest_to_cleanup(
+    fake, face, autojump_clock
+):
     fake.hang = True
     fake.hold_first = trio.Event()  # the KV transfer never completes
     config = sidecar_config(fake.endpoint, disaggregation_mode="decode")
@@ -1088,7 +1090,7 @@ async def test_open_rejection_is_raised_by_generate_and_reaches_the_server_once(
     assert len(fake.requests) == 1
 
 
-async def test_generate_reads_at_most_one_run_ahead_of_a_caller_that_does_not_read(fake):
+async def test_generate_reads_at_most_one_run_ahead_of_a_caller_that_does_not_read(fake, autojump_clock):
     # Back-pressure: while the caller sleeps, the request pauses once it holds a run the caller has not
     # started on; the messages that arrive meanwhile stay in the transport (HTTP/2 flow control) and are
     # not converted, so usage never counts them.
@@ -1117,7 +1119,7 @@ async def test_generate_reads_at_most_one_run_ahead_of_a_caller_that_does_not_re
 
 
 @pytest.mark.parametrize("task_ends_first", [False, True])
-async def test_cancel_with_a_run_half_returned_counts_only_the_returned_chunks(fake, task_ends_first):
+async def test_cancel_with_a_run_half_returned_counts_only_the_returned_chunks(fake, task_ends_first, autojump_clock):
     # While the caller sleeps, several messages are received; the request task hands them over as one
     # run. Stopping with chunks handed over but not taken drops them: the cancelled chunk comes next and
     # its usage counts exactly the chunks the caller got.
@@ -1161,7 +1163,7 @@ async def test_scope_cancellation_drops_the_stream_and_queues_an_abort(fake):
     assert fake.abort_calls == [["scoped"]]
 
 
-async def test_decode_scope_cancellation_propagates_at_once_but_keeps_the_stream(fake):
+async def test_decode_scope_cancellation_propagates_at_once_but_keeps_the_stream(fake, autojump_clock):
     fake.hang = True
     fake.hold_first = trio.Event()
     config = sidecar_config(fake.endpoint, disaggregation_mode="decode")

@@ -29,7 +29,7 @@ def closed_port() -> int:
         return sock.getsockname()[1]
 
 
-async def test_closed_port_fails_with_cannot_connect_within_the_deadline():
+async def test_closed_port_fails_with_cannot_connect_within_the_deadline(autojump_clock):
     config = sidecar_config(
         f"127.0.0.1:{closed_port()}",
         grpc_connections=2,
@@ -52,7 +52,7 @@ async def test_closed_port_fails_with_cannot_connect_within_the_deadline():
     assert " attempts over " in message
 
 
-async def test_connection_failures_are_logged_at_debug_and_rate_limited(caplog_sidecar):
+async def test_connection_failures_are_logged_at_debug_and_rate_limited(caplog_sidecar, autojump_clock):
     config = sidecar_config(
         f"127.0.0.1:{closed_port()}", connect_attempt_timeout=0.05, retry_interval=0.01, startup_deadline=0.15
     )
@@ -91,7 +91,7 @@ async def test_pool_is_round_robin_and_replaces_a_broken_slot(fake):
     assert pool.closed
 
 
-async def test_broken_slot_reconnect_failure_is_cannot_connect_unavailable(fake):
+async def test_broken_slot_reconnect_failure_is_cannot_connect_unavailable(fake, autojump_clock):
     config = sidecar_config(fake.endpoint, grpc_connections=1, connect_attempt_timeout=0.2)
     endpoint = parse_grpc_endpoint(fake.endpoint)
     async with open_channel_pool(endpoint, config, deadline=trio.current_time() + 5) as pool:
@@ -119,14 +119,14 @@ async def test_engine_survives_a_lost_connection(fake):
 # ---------------------------------------------------------------------------- readiness (docs/reference/sidecar.md#readiness-wait)
 
 
-async def test_readiness_not_serving_then_serving_proceeds(fake):
+async def test_readiness_not_serving_then_serving_proceeds(fake, autojump_clock):
     fake.health_script = {"vllm.Control": [NOT_SERVING, NOT_SERVING, SERVING]}
     model = await discover(sidecar_config(fake.endpoint))
     assert model.served_model_name == "served-model"
     assert fake.health_checks.count("vllm.Control") == 3
 
 
-async def test_readiness_stuck_not_serving_fails_with_the_last_status(fake):
+async def test_readiness_stuck_not_serving_fails_with_the_last_status(fake, autojump_clock):
     fake.health_script = {"vllm.Inference": [NOT_SERVING]}
     with pytest.raises(CannotConnect) as info:
         async with open_sidecar(sidecar_config(fake.endpoint, startup_deadline=0.3)):
@@ -148,13 +148,13 @@ async def test_readiness_not_found_or_unimplemented_fails_at_once(fake, code):
     assert fake.health_checks == ["vllm.Control"]
 
 
-async def test_readiness_other_errors_are_retried_and_reported(fake):
+async def test_readiness_other_errors_are_retried_and_reported(fake, autojump_clock):
     fake.health_script = {"vllm.Control": [StatusCode.INTERNAL]}
     with pytest.raises(CannotConnect, match=r"health check failed: scripted INTERNAL \(Internal\)$"):
         await discover(sidecar_config(fake.endpoint, startup_deadline=0.3))
 
 
-async def test_readiness_check_that_hangs_reports_the_deadline(fake):
+async def test_readiness_check_that_hangs_reports_the_deadline(fake, autojump_clock):
     fake.health_script = {"vllm.Control": ["hang"]}
     with pytest.raises(CannotConnect, match="health check exceeded the startup deadline$"):
         await discover(sidecar_config(fake.endpoint, startup_deadline=0.3))
@@ -204,7 +204,7 @@ async def test_discovery_validation_errors_abort_startup(fake):
 
 
 @pytest.mark.parametrize("rpc", ["GetModelInfo", "GetServerInfo"])
-async def test_discovery_rpc_past_the_deadline_is_a_connection_timeout(fake, rpc):
+async def test_discovery_rpc_past_the_deadline_is_a_connection_timeout(fake, rpc, autojump_clock):
     fake.hang_rpcs = {rpc}
     with pytest.raises(ConnectionTimeout, match=f"^{rpc} exceeded the total vLLM startup deadline$"):
         await discover(sidecar_config(fake.endpoint, startup_deadline=0.3))
@@ -287,7 +287,7 @@ async def test_admission_closes_while_vllm_is_not_serving(fake):
     assert chunks[-1].finish_reason == "stop"
 
 
-async def test_each_attempt_is_bounded_by_the_attempt_timeout(nursery):
+async def test_each_attempt_is_bounded_by_the_attempt_timeout(nursery, autojump_clock):
     """A peer that accepts TCP but never speaks HTTP/2: attempts time out and are retried on the interval."""
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
     port = listeners[0].socket.getsockname()[1]
@@ -316,7 +316,7 @@ async def test_each_attempt_is_bounded_by_the_attempt_timeout(nursery):
     assert attempts - 1 <= len(held) <= attempts  # the last one may be cut before the accept
 
 
-async def test_pool_construction_safety_net_is_a_connection_timeout(nursery, monkeypatch):
+async def test_pool_construction_safety_net_is_a_connection_timeout(nursery, monkeypatch, autojump_clock):
     from trio_sidecar import pool as pool_module
 
     monkeypatch.setattr(pool_module, "PHASE_GRACE", -0.2)  # make the whole-construction scope fire first

@@ -63,7 +63,7 @@ async def test_the_wait_returns_once_a_listener_accepts():
         await listener.aclose()
 
 
-async def test_the_wait_fails_after_the_timeout_with_the_cause_and_records_attempts():
+async def test_the_wait_fails_after_the_timeout_with_the_cause_and_records_attempts(autojump_clock):
     with trio.socket.socket() as sock:
         await sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]  # bound, never listening

@@ -122,6 +122,7 @@ def test_a_finish_reason_not_known_in_advance_is_counted_too():
 # --- the Prometheus mapping ---------------------------------------------------------------------------------
 
 
+@pytest.mark.dynamo  # prometheus_client comes with Dynamo
 def test_the_text_is_valid_prometheus_exposition_with_every_family_and_the_common_labels():
     parser = pytest.importorskip("prometheus_client.parser")
     text = render_text(busy_stats().snapshot(health_state="serving", pool_connections=2), LABELS)
@@ -204,6 +205,7 @@ def test_the_lifecycle_gauges_carry_natives_labels_and_values():
     assert typed[-1][4][0][2] == 0.0  # cleanup: 0 until set
 
 
+@pytest.mark.dynamo  # dynamo.prometheus_names
 def test_names_and_labels_follow_dynamos_prometheus_names():
     names = pytest.importorskip("dynamo.prometheus_names")
     assert PREFIX.startswith(names.name_prefix.COMPONENT + "_")

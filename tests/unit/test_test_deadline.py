@@ -1,7 +1,7 @@
 """The suite's per-test deadline (tests/conftest.py): a hanging test fails with its name and where it waits.
 
-Each case runs a small test file in a child pytest with this repository's conftest and a 1 s default
-deadline, so a regression here shows up as a failed assertion, not as a hung suite.
+Each case runs a small test file in a child pytest with this repository's conftest, a 1 s default deadline and
+a 4 s one for slow tests, so a regression here shows up as a failed assertion, not as a hung suite.
 """
 
 from __future__ import annotations
@@ -45,6 +45,16 @@ HANGING_TESTS = textwrap.dedent(
 
     async def test_quick_test_passes():
         await trio.sleep(0)
+
+
+    @pytest.mark.slow
+    def test_slow_test_gets_the_slow_deadline():
+        time.sleep(1.5)
+
+
+    @pytest.mark.slow
+    async def test_slow_test_still_has_a_deadline():
+        await trio.Event().wait()
     """
 )
 
@@ -57,7 +67,7 @@ def child_run(tmp_path_factory: pytest.TempPathFactory) -> str:
     completed = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "trio_mode=true", str(directory)],
         cwd=directory,
-        env={"PATH": "/usr/bin:/bin", "TRIO_SIDECAR_TEST_TIMEOUT": "1"},
+        env={"PATH": "/usr/bin:/bin", "TRIO_SIDECAR_TEST_TIMEOUT": "1", "TRIO_SIDECAR_SLOW_TEST_TIMEOUT": "4"},
         capture_output=True,
         text=True,
         timeout=120,
@@ -81,5 +91,10 @@ def test_a_hanging_synchronous_test_fails_with_its_stack(child_run: str) -> None
     assert "time.sleep(60)" in child_run
 
 
+def test_a_slow_test_gets_the_longer_slow_deadline_and_still_fails_when_it_hangs(child_run: str) -> None:
+    assert "test_slow_test_gets_the_slow_deadline" not in child_run  # 1.5 s: within 4 s
+    assert "test_slow_test_still_has_a_deadline did not finish within 4s" in child_run
+
+
 def test_the_timeout_marker_overrides_the_default_and_quick_tests_pass(child_run: str) -> None:
-    assert "3 failed, 2 passed" in child_run, child_run
+    assert "4 failed, 3 passed" in child_run, child_run
