@@ -228,12 +228,12 @@ def convert_requests(n: int) -> None:
 
 def mock_token_requests(n: int) -> None:
     """The mock's framed per-token messages of ``n`` requests (a token encoder per request, 32 tokens)."""
-    from trio_sidecar.mock import server
+    from trio_sidecar.mock.fast import framed_token_encoder
     from trio_sidecar.mock.generation import TOKEN_BASE, OutputOptions
 
     options = OutputOptions(text=True, token_ids=True)
     for r in range(n):
-        framed = server.framed_token_encoder(options)
+        framed = framed_token_encoder(options)
         for i in range(TOKENS):
             framed(TOKEN_BASE + (r * 7 + i * 13) % 30_000)
 
