@@ -17,7 +17,7 @@ from sidecar_fakes import FAST_ENGINE_ARGS, sidecar_config
 
 from trio_sidecar import Completion, Delta, InvalidArgument, SamplingParams, StructuredOutputs, open_sidecar
 from trio_sidecar.mock import MockConfig, open_mock_server
-from trio_sidecar.mock import config as mock_config
+from trio_sidecar.mock import config as mock_config_module
 from trio_sidecar.mock.tiny_model import make_tiny_model
 from trio_sidecar.tokenizer import local_tokenizer
 
@@ -110,7 +110,7 @@ async def test_stop_ends_the_stream_with_abort_and_the_usage_taken(tiny_model):
 
 
 async def test_a_text_prompt_is_tokenized_locally_when_the_server_does_not_take_text(tiny_model, monkeypatch):
-    monkeypatch.setattr(mock_config, "_text_tokenizer", lambda model: None)  # a server without text input
+    monkeypatch.setattr(mock_config_module, "_text_tokenizer", lambda model: None)  # a server without text input
     ids = local_tokenizer(tiny_model).encode(PROMPT)
     async with open_mock_server(mock_config(tiny_model)) as mock:
         async with open_sidecar(sidecar_config(mock.address)) as sidecar:
@@ -135,7 +135,7 @@ async def test_without_text_input_or_tokenizers_a_text_prompt_fails_naming_the_e
 
 
 async def test_a_model_without_a_local_tokenizer_fails_with_the_loaders_reason(monkeypatch):
-    monkeypatch.setattr(mock_config, "_text_tokenizer", lambda model: None)
+    monkeypatch.setattr(mock_config_module, "_text_tokenizer", lambda model: None)
     config = MockConfig(listen="127.0.0.1:0", model="/nonexistent/model-dir", engine_args=FAST_ENGINE_ARGS)
     async with open_mock_server(config) as mock:
         async with open_sidecar(sidecar_config(mock.address)) as sidecar:
