@@ -2,7 +2,8 @@
 """End-to-end benchmark: trio-sidecar vs Dynamo's native (Rust) vLLM sidecar.
 
 Usage: python bench/e2e.py [--requests N] [--concurrency C] [--max-tokens T] [--rounds R] [--ceiling]
-                           [--reference] [--candidate DIR] [--speedup-ratio S] [--pin] [--json PATH]
+                           [--reference] [--candidate DIR] [--candidate-python PATH] [--candidate-env NAME=VALUE]
+                           [--speedup-ratio S] [--pin] [--json PATH]
 
 One invocation, one mock vLLM server and one ``python -m dynamo.frontend``, all on 127.0.0.1. Each sidecar
 is started in turn (the native ``python -m dynamo.vllm.sidecar``, then ``trio-sidecar run``, alternating
@@ -41,6 +42,10 @@ With ``--candidate DIR`` a second trio-sidecar is measured in the same rounds, i
 directory holding a changed copy of the ``trio_sidecar`` package, e.g. another worktree), and its values are
 printed as ratios to this checkout's: an A/B whose pairs share the machine's state of the moment. (Six
 invocations of such pairs resolve a 1% difference in tokens/s; separate invocations drift by ±4–20%.)
+With ``--candidate-python PATH`` the candidate runs on another interpreter, with ``--candidate-env NAME=VALUE``
+in another environment (without ``--candidate``: this checkout's code, so the A/B measures the interpreter
+or the setting alone). Each round starts with the next worker in
+turn (native, trio, candidate; then trio, candidate, native; ...), so no worker always runs first.
 
 With ``--pin`` the worker being measured runs on a CPU of its own and the mock, the frontend and the load
 client on the others (as on a GPU node, where the sidecar does not compete with them for CPU).
@@ -327,7 +332,7 @@ def _measure_pinned(kind: str, workdir: Path, env: dict, address: str, port: int
         proc = local.Process(
             f"{kind}-sidecar",
             [
-                sys.executable,
+                str(args.candidate_python or sys.executable),
                 "-c",
                 code,
                 "run",
@@ -342,7 +347,7 @@ def _measure_pinned(kind: str, workdir: Path, env: dict, address: str, port: int
                 "--log-level",
                 "warning",
             ],
-            env=env,
+            env={**env, **args.candidate_env},
             log_path=workdir / f"{kind}-sidecar.log",
         )
     elif kind in CEILINGS:
@@ -580,6 +585,22 @@ def main(argv: list[str] | None = None) -> int:
         "package) in the same rounds, and print its ratios to this checkout's",
     )
     parser.add_argument(
+        "--candidate-python",
+        type=Path,
+        metavar="PATH",
+        help="run the candidate with this Python interpreter (which must have trio-sidecar's "
+        "dependencies and Dynamo's runtime installed); without --candidate, the candidate is this "
+        "checkout's own code: an A/B of the interpreter alone",
+    )
+    parser.add_argument(
+        "--candidate-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set this environment variable for the candidate only (repeatable; e.g. "
+        "DYN_SIDECAR_GRPC_CONNECTIONS=2); without --candidate, the candidate is this checkout's code",
+    )
+    parser.add_argument(
         "--ceiling",
         action="store_true",
         help="also measure Python workers that do no work (pull/push egress, one item per "
@@ -594,6 +615,12 @@ def main(argv: list[str] | None = None) -> int:
         args.worker_cpus = {cpus[-1]}
         args.other_cpus = set(cpus[:-1])
         os.sched_setaffinity(0, args.other_cpus)  # the mock and the frontend inherit it
+    try:
+        args.candidate_env = dict(item.split("=", 1) for item in args.candidate_env)
+    except ValueError:
+        parser.error("--candidate-env takes NAME=VALUE")
+    if args.candidate is None and (args.candidate_python is not None or args.candidate_env):
+        args.candidate = REPO
     if args.candidate is not None:
         args.candidate = args.candidate.resolve()
         if not (args.candidate / "trio_sidecar" / "__init__.py").is_file():
@@ -628,7 +655,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         results: dict[str, list[dict]] = {kind: [] for kind in kinds}
         for round_ in range(args.rounds):
-            for kind in kinds:
+            shift = round_ % len(kinds)  # each round starts with the next kind: no kind always runs first
+            for kind in kinds[shift:] + kinds[:shift]:
                 print(f"round {round_ + 1}/{args.rounds}: {kind} ...", flush=True)
                 results[kind].append(_measure(kind, workdir, env, address, port, args))
         summary = _report(results, args)

@@ -43,7 +43,7 @@ from trio_sidecar.mock.tiny_model import make_tiny_model  # noqa: E402
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # py-spy takes a thread blocked in epoll_wait for on-CPU at times; such samples are waits, not work
     (IDLE := "waiting in epoll", ("EpollIOManager.get_events (", "Runner.run (asyncio/runners.py")),
-    ("cross-thread hop", ("_Waker.", "RequestBridge._wake_loop", "RequestBridge._poke", "dynamo/thread.py")),
+    ("cross-thread hop", ("Waker.", "RequestBridge._wake_loop", "RequestBridge._poke", "dynamo/thread.py")),
     ("sink and merge", ("dynamo/coalesce.py", "_Sink.", "MergingSink", "deliver_items", "token_chunk_dict")),
     ("Dynamo send (asyncio side)", ("RequestBridge._push", "RequestBridge._pull", "_Stream.", "dynamo/egress.py")),
     ("protobuf", ("google/protobuf", "_pb2")),

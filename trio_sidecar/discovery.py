@@ -216,7 +216,7 @@ async def fetch_kv_event_sources(
         deadline,
         timeout,
     )
-    sources, warnings = validate_kv_event_sources(list(response.sources), model.data_parallel_size(), endpoint.host)
+    sources, warnings = validate_kv_event_sources(list(response.sources), model.local_ranks, endpoint.host)
     for text in warnings:
         LOGGER.warning(text)
     return tuple(sources)

@@ -6,12 +6,16 @@ rest of the sidecar only reads the validated object.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import attrs
+from google.protobuf import text_format
 
 from ._proto.vllm import control_pb2
 from .errors import ProtocolError
+
+LOGGER = logging.getLogger("trio_sidecar.model")
 
 __all__ = [
     "ModelIdentity",
@@ -20,6 +24,7 @@ __all__ = [
     "ensure_startup_compatible",
     "engine_config",
     "nz",
+    "local_data_parallel_range",
 ]
 
 
@@ -32,6 +37,9 @@ class ModelIdentity:
     served_model_aliases: tuple[str, ...]
     reasoning_parser: str | None
     tool_call_parser: str | None
+    supports_lora: bool = False
+    max_loras: int = 0
+    supports_multimodal: bool = False
 
 
 def _blank_to_none(value: str) -> str | None:
@@ -51,6 +59,8 @@ class DiscoveredModel:
     identity: ModelIdentity
     model_info: control_pb2.ModelInfo = attrs.field(eq=False, repr=False)
     server_info: control_pb2.ServerInfo = attrs.field(eq=False, repr=False)
+    #: The data-parallel ranks this vLLM hosts (all of them unless it is one node of a hybrid DP group).
+    local_ranks: range = range(0, 1)
 
     @classmethod
     def from_proto(cls, model_info: control_pb2.ModelInfo, server_info: control_pb2.ServerInfo) -> DiscoveredModel:
@@ -69,26 +79,22 @@ class DiscoveredModel:
             raise ProtocolError("the discovered model does not support token-ID input")
         if server_info.HasField("parallelism"):
             par = server_info.parallelism
-            if par.data_parallel_size == 0:
-                raise ProtocolError("vLLM reports a data-parallel size of zero")
-            if par.data_parallel_rank != 0:
-                raise ProtocolError(
-                    f"vLLM reports data_parallel_rank {par.data_parallel_rank}; the sidecar currently requires "
-                    "one frontend hosting the complete data-parallel group starting at rank 0"
-                )
-            if par.data_parallel_size_local not in (0, par.data_parallel_size):
-                raise ProtocolError(
-                    f"vLLM reports data_parallel_size_local {par.data_parallel_size_local} for data_parallel_size "
-                    f"{par.data_parallel_size}; hybrid data-parallel load balancing is not supported yet"
-                )
+            ranks = local_data_parallel_range(
+                par.data_parallel_size, par.data_parallel_rank, par.data_parallel_size_local
+            )
+        else:
+            ranks = range(0, 1)
         identity = ModelIdentity(
             model_id=model_info.model_id,
             served_model_name=model_info.served_model_name,
             served_model_aliases=tuple(model_info.served_model_aliases),
             reasoning_parser=_blank_to_none(model_info.reasoning_parser),
             tool_call_parser=_blank_to_none(model_info.tool_call_parser),
+            supports_lora=model_info.supports_lora,
+            max_loras=server_info.max_loras,
+            supports_multimodal=model_info.supports_multimodal,
         )
-        return cls(identity=identity, model_info=_copy(model_info), server_info=_copy(server_info))
+        return cls(identity=identity, model_info=_copy(model_info), server_info=_copy(server_info), local_ranks=ranks)
 
     # Convenience accessors (the identity holds the original, untrimmed strings).
     @property
@@ -121,28 +127,71 @@ class DiscoveredModel:
         return self.server_info.kv_block_size
 
     def data_parallel_size(self) -> int:
-        """``parallelism.data_parallel_size`` when ``parallelism`` is present, else 1."""
-        if self.server_info.HasField("parallelism"):
-            return self.server_info.parallelism.data_parallel_size
-        return 1
+        """The number of data-parallel ranks this vLLM hosts (``local_ranks``), 1 without ``parallelism``."""
+        return len(self.local_ranks)
+
+
+def local_data_parallel_range(global_size: int, start: int, local_size: int) -> range:
+    """The DP ranks one vLLM hosts, from ``ParallelismInfo`` (docs/reference/sidecar.md#data-parallel-rank).
+
+    ``data_parallel_rank`` is the first hosted rank and ``data_parallel_size_local`` their number; a local
+    size of 0 means "not reported" (older vLLM) and is only accepted from rank 0, as the whole group. Same
+    rules and texts as Dynamo 1.6.1's native sidecar.
+
+    Raises:
+        ProtocolError: a zero DP size, a missing local size off rank 0, or a range outside the group.
+    """
+    if global_size == 0:
+        raise ProtocolError("vLLM reports a data-parallel size of zero")
+    if local_size == 0:
+        if start != 0:
+            raise ProtocolError(
+                f"vLLM reports data_parallel_rank {start} without data_parallel_size_local; hybrid rank "
+                "ownership requires the local-size Control field"
+            )
+        if global_size > 1:
+            LOGGER.warning(
+                "vLLM omits data_parallel_size_local; assuming this frontend hosts the entire DP group. Hybrid "
+                "deployments require a vLLM build that reports local DP size to avoid registering unhosted "
+                "ranks and underestimating per-rank KV capacity"
+            )
+        local_size = global_size
+    if start + local_size > global_size:
+        raise ProtocolError(
+            f"vLLM reports an invalid local data-parallel range: start {start}, local size {local_size}, "
+            f"global size {global_size}"
+        )
+    return range(start, start + local_size)
 
 
 def ensure_startup_compatible(bootstrap: DiscoveredModel, observed: DiscoveredModel) -> None:
-    """docs/reference/sidecar.md#identity-check: the start-phase model must have the bootstrap identity and DP size.
+    """docs/reference/sidecar.md#identity-check: the start-phase model must have the bootstrap identity (with
+    LoRA and multimodal support), parallelism and RL capabilities, in that order, with native 1.6.1's texts.
 
     Raises:
-        ProtocolError: identity or DP size changed.
+        ProtocolError: what changed.
     """
     if bootstrap.identity != observed.identity:
         raise ProtocolError(
             "model identity changed between bootstrap and startup: "
             f"expected {bootstrap.identity!r}, observed {observed.identity!r}"
         )
-    if bootstrap.data_parallel_size() != observed.data_parallel_size():
-        raise ProtocolError(
-            "data-parallel size changed between bootstrap and startup: "
-            f"expected {bootstrap.data_parallel_size()}, observed {observed.data_parallel_size()}"
-        )
+    for field, what in (("parallelism", "parallelism"), ("rl_capabilities", "RL capabilities")):
+        expected, seen = _optional(bootstrap.server_info, field), _optional(observed.server_info, field)
+        if expected != seen:
+            raise ProtocolError(
+                f"{what} changed between bootstrap and startup: expected {_show(expected)}, observed {_show(seen)}"
+            )
+
+
+def _optional(message: Any, field: str) -> Any:
+    return getattr(message, field) if message.HasField(field) else None
+
+
+def _show(message: Any) -> str:
+    if message is None:
+        return "None"
+    return f"{type(message).__name__}({text_format.MessageToString(message, as_one_line=True)})"
 
 
 def nz(value: int) -> int | None:
@@ -168,16 +217,25 @@ class EngineConfig:
     max_num_batched_tokens: int | None
     data_parallel_size: int | None
     data_parallel_start_rank: int | None
+    max_gpu_lora_count: int | None = None  # ``max_loras`` when the server supports LoRA
     tool_call_parser: None = None
     reasoning_parser: None = None
 
 
 def engine_config(model: DiscoveredModel) -> EngineConfig:
-    """Build the registration fields of docs/reference/sidecar.md#registration-data (``nz()`` turns unknown zero limits into ``None``)."""
+    """Build the registration fields of docs/reference/sidecar.md#registration-data (``nz()`` turns unknown zero limits into ``None``).
+
+    Like Dynamo 1.6.1's native sidecar: the block size is vLLM's effective attention block size when it
+    reports one (hybrid-attention models), the DP size and start rank are the hosted ranks, and the KV
+    capacity is per hosted rank (vLLM sums its ranks' blocks).
+
+    Raises:
+        ProtocolError: an ``effective_attention_block_size`` of 0 or beyond u32.
+    """
     info = model.server_info
     if info.HasField("parallelism"):
-        dp_size: int | None = nz(info.parallelism.data_parallel_size)
-        dp_start: int | None = 0
+        dp_size: int | None = len(model.local_ranks)
+        dp_start: int | None = model.local_ranks.start
     else:
         dp_size = dp_start = None
     return EngineConfig(
@@ -185,10 +243,40 @@ def engine_config(model: DiscoveredModel) -> EngineConfig:
         served_model_name=model.served_model_name,
         aliases=model.served_model_aliases,
         context_length=nz(info.max_model_len),
-        kv_cache_block_size=nz(info.kv_block_size),
-        total_kv_blocks=nz(info.total_kv_blocks),
+        kv_cache_block_size=_kv_cache_block_size(info),
+        total_kv_blocks=_total_kv_blocks_per_rank(info.total_kv_blocks, len(model.local_ranks)),
         max_num_seqs=nz(info.max_running_requests),
         max_num_batched_tokens=nz(info.max_batched_tokens),
         data_parallel_size=dp_size,
         data_parallel_start_rank=dp_start,
+        max_gpu_lora_count=info.max_loras if model.supports_lora else None,
     )
+
+
+def _kv_cache_block_size(info: control_pb2.ServerInfo) -> int | None:
+    if not info.HasField("effective_attention_block_size"):
+        return nz(info.kv_block_size)
+    size = info.effective_attention_block_size
+    if not 0 < size < 2**32:
+        raise ProtocolError(
+            f"invalid effective_attention_block_size {size}; KV routing requires a nonzero size that fits u32"
+        )
+    return size
+
+
+def _total_kv_blocks_per_rank(total: int, ranks: int) -> int | None:
+    if total == 0:
+        return None
+    per_rank = total // ranks
+    if per_rank == 0:
+        LOGGER.warning("vLLM reported fewer total KV blocks than DP ranks; publishing one block per rank")
+        return 1
+    if total % ranks:
+        LOGGER.warning(
+            "vLLM aggregate KV blocks are not divisible by DP ranks; publishing floor per-rank capacity "
+            "(total_kv_blocks=%d data_parallel_size=%d per_rank=%d)",
+            total,
+            ranks,
+            per_rank,
+        )
+    return per_rank

@@ -8,7 +8,6 @@ being coerced (cattrs' default would turn ``"3"`` or ``3.7`` into ``3``).
 
 from __future__ import annotations
 
-import sys
 import types
 from collections.abc import Callable
 from typing import Any, Union
@@ -268,10 +267,6 @@ def structure_request(obj: dict[str, Any] | PreprocessedRequest) -> Preprocessed
         # Embedded callers build the attrs object directly: re-check it with the same strict rules, so a
         # wrong-typed attribute is an InvalidArgument here rather than a TypeError deep in the mapping.
         obj = attrs.asdict(obj, recurse=True)
-    elif type(obj) is dict:
-        fast = _structure_fast(obj)
-        if fast is not None:
-            return fast
     if not isinstance(obj, dict):
         raise InvalidArgument(f"invalid PreprocessedRequest: expected an object, got {type(obj).__name__}")
     if _is_embedding_request(obj):
@@ -291,146 +286,6 @@ def _is_embedding_request(obj: dict[str, Any]) -> bool:
     """Dynamo's ``PreprocessedEmbeddingRequest`` (``--endpoint-types embeddings``): one token list per input."""
     token_ids = obj.get("token_ids")
     return isinstance(token_ids, list) and bool(token_ids) and all(isinstance(t, list) for t in token_ids)
-
-
-# The common request, structured without cattrs (it costs ~10 µs a request; this ~3 µs). Only plain values
-# of exactly the expected types are taken here; anything else (a value of another type, a number out of
-# range, a nested object such as guided_decoding or prefill_result, a subclass) makes ``_structure_fast``
-# return None and the request goes through the converter above, which gives the result or the exact error.
-# ``tests/unit/test_protocol_fast.py`` compares the two paths.
-
-_U32_MAX = 2**32 - 1
-_I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
-_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
-_NOT_FAST = object()
-
-
-def _fast_u32(value: Any) -> Any:
-    return value if type(value) is int and 0 <= value <= _U32_MAX else _NOT_FAST
-
-
-def _fast_i32(value: Any) -> Any:
-    return value if type(value) is int and _I32_MIN <= value <= _I32_MAX else _NOT_FAST
-
-
-def _fast_i64(value: Any) -> Any:
-    return value if type(value) is int and _I64_MIN <= value <= _I64_MAX else _NOT_FAST
-
-
-_F64_INT_MAX = int(sys.float_info.max)
-
-
-def _fast_float(value: Any) -> Any:
-    kind = type(value)
-    if kind is float:
-        return value
-    # An int beyond the f64 range goes to the converter, which rejects it with the typed error.
-    return float(value) if kind is int and -_F64_INT_MAX <= value <= _F64_INT_MAX else _NOT_FAST
-
-
-def _fast_bool(value: Any) -> Any:
-    return value if type(value) is bool else _NOT_FAST
-
-
-def _fast_str(value: Any) -> Any:
-    return value if type(value) is str else _NOT_FAST
-
-
-def _fast_any(value: Any) -> Any:
-    return value
-
-
-def _fast_str_list(value: Any) -> Any:
-    if type(value) is not list:
-        return _NOT_FAST
-    for item in value:
-        if type(item) is not str:
-            return _NOT_FAST
-    return list(value)
-
-
-def _fast_u32_list(value: Any) -> Any:
-    if type(value) is not list:
-        return _NOT_FAST
-    for item in value:
-        if type(item) is not int or not 0 <= item <= _U32_MAX:
-            return _NOT_FAST
-    return list(value)
-
-
-def _fast_never(value: Any) -> Any:
-    return _NOT_FAST
-
-
-_FAST_KINDS: dict[Any, Any] = {
-    U32 | None: _fast_u32,
-    I32 | None: _fast_i32,
-    I64 | None: _fast_i64,
-    float | None: _fast_float,
-    bool | None: _fast_bool,
-    str | None: _fast_str,
-    Any: _fast_any,
-    list[str] | None: _fast_str_list,
-    list[U32] | None: _fast_u32_list,
-}
-
-
-def _fast_fields(cls: type) -> dict[str, Any]:
-    """Field name → checker, from the annotations; a field of any other type is never fast."""
-    return {field.name: _FAST_KINDS.get(field.type, _fast_never) for field in attrs.fields(attrs.resolve_types(cls))}
-
-
-_FAST_OPTIONS = {
-    name: (cls, _fast_fields(cls))
-    for name, cls in (
-        ("stop_conditions", StopConditions),
-        ("sampling_options", SamplingOptions),
-        ("output_options", OutputOptions),
-        ("routing", RoutingHints),
-    )
-}
-_FAST_TOP = tuple(field.name for field in attrs.fields(attrs.resolve_types(PreprocessedRequest)) if field.type is Any)
-
-
-def _structure_options(cls: type, checks: dict[str, Any], value: Any) -> Any:
-    if value is None:
-        return cls()
-    if type(value) is not dict:
-        return _NOT_FAST
-    kwargs = {}
-    for name, check in checks.items():
-        item = value.get(name)
-        if item is not None:
-            item = check(item)
-            if item is _NOT_FAST:
-                return _NOT_FAST
-            kwargs[name] = item
-    return cls(**kwargs)
-
-
-def _structure_fast(obj: dict[str, Any]) -> PreprocessedRequest | None:
-    """``structure_request(obj)`` for a request made only of plain values of the expected types, else None."""
-    if obj.get("prefill_result") is not None:
-        return None
-    token_ids = obj.get("token_ids")
-    kwargs: dict[str, Any] = {}
-    if token_ids is not None:
-        token_ids = _fast_u32_list(token_ids)
-        if token_ids is _NOT_FAST:
-            return None
-        kwargs["token_ids"] = token_ids
-    for name, (cls, checks) in _FAST_OPTIONS.items():
-        value = obj.get(name)
-        if value is not None:
-            value = _structure_options(cls, checks, value)
-            if value is _NOT_FAST:
-                return None
-            kwargs[name] = value
-    for name in _FAST_TOP:  # (opaque JSON, taken as it is)
-        value = obj.get(name)
-        if value is not None:
-            kwargs[name] = value
-    return PreprocessedRequest(**kwargs)
 
 
 # ---------------------------------------------------------------------------------------------- outputs
@@ -550,7 +405,7 @@ def token_chunk(token_ids: list[int], text: str) -> LLMEngineOutput:
 def token_chunk_dict(token_ids: list[int], text: str) -> dict[str, Any]:
     """``token_chunk(token_ids, text).to_dict()`` without building the chunk (the Dynamo bridge's hot path,
     for ``ChunkSink.tokens``): ``text`` is always present, ``""`` included (see :class:`LLMEngineOutput`);
-    ``token_ids`` is taken as it is, not copied. ``tests/unit/test_protocol_fast.py`` checks the two agree."""
+    ``token_ids`` is taken as it is, not copied. ``tests/unit/test_batch.py`` checks the two agree."""
     return {"token_ids": token_ids, "index": 0, "text": text}
 
 

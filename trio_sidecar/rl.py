@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 import attrs
 
-from .errors import InvalidArgument
+from .errors import InvalidArgument, ProtocolError
 
 __all__ = [
     "CONTROL_BODY_NOT_OBJECT",
@@ -299,11 +299,34 @@ def rl_endpoint_name(environ: Mapping[str, str]) -> str:
     return name
 
 
-def rl_world_size(server_info: Any, flag: int | None) -> int | None:
-    """The RL worker's ``world_size``: vLLM's ``ServerInfo.parallelism.world_size`` when it reports one, else
-    ``--vllm-rl-world-size`` (for vLLM versions that omit it), else unknown."""
-    if server_info.HasField("parallelism") and server_info.parallelism.world_size:
-        return int(server_info.parallelism.world_size)
+def rl_world_size(server_info: Any, flag: int | None) -> int:
+    """The RL worker's ``world_size``, as Dynamo 1.6.1's native sidecar derives it at bootstrap: vLLM's engine
+    world size (``ServerInfo.parallelism.world_size``, a multiple of TP × PP) times the DP size; when vLLM
+    reports 0, ``--vllm-rl-world-size`` (a multiple of TP × PP × DP), which is then required.
+
+    Raises:
+        ProtocolError: missing parallelism or a zero/inconsistent size (native's texts).
+        InvalidArgument: the flag is missing or not a multiple of TP × PP × DP.
+    """
+    if not server_info.HasField("parallelism"):
+        raise ProtocolError("RL discovery requires vLLM parallelism metadata")
+    par = server_info.parallelism
+    for value, name in ((par.tensor_parallel_size, "tensor"), (par.pipeline_parallel_size, "pipeline")):
+        if value == 0:
+            raise ProtocolError(f"vLLM reports a {name}-parallel size of zero")
+    if par.data_parallel_size == 0:
+        raise ProtocolError("vLLM reports a data-parallel size of zero")
+    minimum = par.tensor_parallel_size * par.pipeline_parallel_size
+    if par.world_size >= 2**32:
+        raise ProtocolError("vLLM reports an invalid engine world size")
+    if par.world_size:
+        if par.world_size % minimum:
+            raise ProtocolError("vLLM reports an engine world size that is not divisible by TP * PP")
+        return int(par.world_size) * par.data_parallel_size
+    if flag is None:
+        raise InvalidArgument("--vllm-rl-world-size is required when vLLM omits engine world size from gRPC metadata")
+    if flag % (minimum * par.data_parallel_size):
+        raise InvalidArgument("--vllm-rl-world-size must be divisible by TP * PP * DP")
     return flag
 
 

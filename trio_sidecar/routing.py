@@ -69,13 +69,13 @@ def rewrite_wildcard_endpoint(endpoint: str, grpc_host: str) -> str:
 
 
 def validate_kv_event_sources(
-    sources: Iterable[Any], dp_size: int, grpc_host: str
+    sources: Iterable[Any], ranks: range | int, grpc_host: str
 ) -> tuple[tuple[KvEventSource, ...], list[str]]:
     """Validate ``GetKvEventSources`` entries (docs/reference/sidecar.md#kv-event-sources) and rewrite wildcard hosts.
 
     Args:
         sources: ``vllm.KvEventSource`` messages, in the server's order.
-        dp_size: the discovered data-parallel size.
+        ranks: the DP ranks this vLLM hosts (an int ``n`` means ``range(n)``).
         grpc_host: the host of ``--grpc-endpoint`` (brackets optional for IPv6).
 
     Returns:
@@ -85,6 +85,8 @@ def validate_kv_event_sources(
         ProtocolError: with the texts (docs/reference/sidecar.md#kv-event-sources).
     """
     sources = list(sources)
+    if isinstance(ranks, int):
+        ranks = range(ranks)
     accepted: list[KvEventSource] = []
     warnings: list[str] = []
     seen: set[int] = set()
@@ -95,8 +97,10 @@ def validate_kv_event_sources(
         if not source.HasField("data_parallel_rank"):
             raise ProtocolError("GetKvEventSources returned a ZMQ source without data_parallel_rank")
         rank = source.data_parallel_rank
-        if rank >= dp_size:
-            raise ProtocolError(f"GetKvEventSources returned rank {rank}, outside the expected range 0..{dp_size}")
+        if rank not in ranks:
+            raise ProtocolError(
+                f"GetKvEventSources returned rank {rank}, outside the expected local range {ranks.start}..{ranks.stop}"
+            )
         if rank in seen:
             raise ProtocolError(f"GetKvEventSources returned duplicate rank {rank}")
         if not source.endpoint.strip():
@@ -109,9 +113,9 @@ def validate_kv_event_sources(
                 dp_rank=rank,
             )
         )
-    if sources and len(seen) != dp_size:
+    if sources and len(seen) != len(ranks):
         raise ProtocolError(
-            f"GetKvEventSources returned ZMQ sources for {len(seen)} of {dp_size} data-parallel ranks; "
-            "KV routing requires one source for every rank"
+            f"GetKvEventSources returned ZMQ sources for {len(seen)} of {len(ranks)} local data-parallel ranks; "
+            "KV routing requires one source for every local rank"
         )
     return tuple(accepted), warnings

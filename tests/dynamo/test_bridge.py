@@ -20,13 +20,13 @@ from trio_sidecar.dynamo.bridge import (
     QUEUE_WARN_THRESHOLD,
     SHUTTING_DOWN,
     CancelHandle,
-    Outbox,
     RequestBridge,
     RequestItem,
 )
 from trio_sidecar.dynamo.egress import Egress as _Egress
 from trio_sidecar.dynamo.error_map import dynamo_exception
 from trio_sidecar.dynamo.thread import AsyncioThread
+from trio_sidecar.dynamo.wakeup import Outbox
 from trio_sidecar.errors import (
     CannotConnect,
     ConnectionTimeout,
@@ -371,16 +371,16 @@ async def test_stopping_the_dispatcher_ends_in_flight_requests_with_engine_shutd
 async def test_chunks_emitted_in_one_trio_batch_wake_the_loop_once(loop_thread, monkeypatch):
     # vLLM answers all its streams at once and the connections' reads complete in one Trio batch: their
     # chunks must cost one call_soon_threadsafe (an eventfd write and a loop wake-up), not one per request.
-    from trio_sidecar.dynamo import bridge as bridge_module
+    from trio_sidecar.dynamo import wakeup as wakeup_module
 
     wakes: list[int] = []
-    original = bridge_module._Waker.wake_loop
+    original = wakeup_module.Waker.wake_loop
 
     def counting_wake_loop(self):
         wakes.append(1)
         original(self)
 
-    monkeypatch.setattr(bridge_module._Waker, "wake_loop", counting_wake_loop)
+    monkeypatch.setattr(wakeup_module.Waker, "wake_loop", counting_wake_loop)
     sinks: dict[str, object] = {}
 
     def submit(request, ctx, sink):
@@ -883,7 +883,8 @@ def test_a_waiter_abandoned_in_the_publish_race_is_never_drained_or_republished(
     waiter for a flush, although the handler returns without awaiting it and parks on a new one. The flush
     must skip the abandoned waiter: draining for it would re-publish it over the new one, and the end would
     then wake a future nobody awaits (the request would never finish)."""
-    from trio_sidecar.dynamo.bridge import END, _Stream, _Waker
+    from trio_sidecar.dynamo.bridge import END, _Stream
+    from trio_sidecar.dynamo.wakeup import Waker
 
     class RacyOutbox(Outbox):
         """Trio's emit happens right after the first waiter is published (the race window)."""
@@ -908,7 +909,7 @@ def test_a_waiter_abandoned_in_the_publish_race_is_never_drained_or_republished(
 
     async def scenario():
         loop = asyncio.get_running_loop()
-        waker = _Waker(loop, lambda: None)  # flushes are run by hand below
+        waker = Waker(loop, lambda: None)  # flushes are run by hand below
         outbox = RacyOutbox()
         stream = _Stream(loop, outbox, "race", lambda: None, None)
         sent: list = []

@@ -8,7 +8,7 @@ the same prompt yields the same tokens whatever the frontend's request id), each
 * the OpenAI responses (tokens, finish reasons, usage, logprobs), minus ids and timestamps;
 * the ``GenerateRequest`` each sidecar sent (the mock's recorded requests) and its metadata, minus the
   request id;
-* the model-card records both wrote under ``v1/mdc`` (docs/dynamo.md lists the two deliberate differences).
+* the model-card records both wrote under ``v1/mdc``.
 
 Prefill/decode pairs are compared the same way in a second deployment, which also hosts issue 6 test 3
 (trio-sidecar prefill + decode workers with two mocks behind one frontend complete a request).
@@ -27,10 +27,6 @@ from trio_sidecar._devtools import local
 pytestmark = pytest.mark.dynamo
 
 ENGINE_ARGS = {**FAST_ENGINE_ARGS, "token_seed_source": "prompt"}
-# Known, deliberate differences of the model card (docs/dynamo.md): the native sidecar advertises
-# engine-native generate and LoRA capabilities in runtime_data; trio-sidecar sets
-# kv_event_publishing_enabled (docs/reference/worker.md#registration).
-CARD_IGNORED = {"runtime_data", "kv_event_publishing_enabled"}
 # Aggregated and decode workers register the channel of their worker-side prefill completion
 # (docs/dynamo.md#router-load-signals); prefill workers do not.
 PREFILL_COMPLETION = ("event_channels", "backend", "generate", "active_sequences_events")
@@ -191,8 +187,7 @@ def _fold_stream(chunks: list[dict]) -> dict:
 
 
 def _registrations(dep) -> dict[str, dict]:
-    """Per side: each component's (endpoint, model card) from ``v1/mdc`` (the deliberate differences of
-    ``CARD_IGNORED`` removed), and the event publishers: the (component, endpoint, topic) of every event
+    """Per side: each component's (endpoint, model card) from ``v1/mdc``, and the event publishers: the (component, endpoint, topic) of every event
     source and event channel the side's processes registered (KV events, prefill completion)."""
     sides: dict[str, dict] = {"native": {"cards": {}, "events": set()}, "trio": {"cards": {}, "events": set()}}
 
@@ -203,8 +198,6 @@ def _registrations(dep) -> dict[str, dict]:
         name = urllib.parse.unquote(path.name)
         record = json.loads(path.read_text())
         card = record["card_json"]
-        for key in CARD_IGNORED:
-            card["runtime_config"].pop(key, None)
         sides[side_of(name)]["cards"][record["component"]] = (record["endpoint"], card)
     for kind in ("event_sources", "event_channels"):
         for path in (dep.file_kv / "v1" / kind).glob("*"):

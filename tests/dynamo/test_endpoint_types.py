@@ -57,9 +57,6 @@ def _cards(dep) -> dict[str, dict[str, dict]]:
         name = urllib.parse.unquote(path.name)
         side = "native" if f"{dep.namespace}-native/" in name else "trio"
         card = json.loads(path.read_text())["card_json"]
-        # The capability flags differ on purpose (docs/dynamo.md); they are not the endpoint types' concern.
-        for key in ("runtime_data", "kv_event_publishing_enabled"):
-            card["runtime_config"].pop(key, None)
         out[side][card["display_name"]] = card
     return out
 

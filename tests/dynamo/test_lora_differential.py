@@ -59,9 +59,7 @@ class _Side:
         (docs/lora.md#discovery)."""
         record = self._record(name)
         runtime = record["card_json"]["runtime_config"]
-        runtime["runtime_data"].pop("vllm_inference_v1_generate", None)
-        for ignored in ("kv_event_publishing_enabled", "max_gpu_lora_count"):
-            runtime.pop(ignored, None)
+        runtime.pop("max_gpu_lora_count", None)
         del record["namespace"], record["instance_id"]
         return record
 

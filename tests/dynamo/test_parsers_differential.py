@@ -217,11 +217,7 @@ def test_the_configured_parsers_are_registered_like_the_native_sidecar(parser_pa
     for path in (dep.file_kv / "v1" / "mdc").glob("*"):
         name = urllib.parse.unquote(path.name)
         side = "native" if f"{dep.namespace}-native/" in name else "trio"
-        runtime = json.loads(path.read_text())["card_json"]["runtime_config"]
-        # Deliberate differences of the capability flags (docs/dynamo.md), not the parsers' concern.
-        for key in ("runtime_data", "kv_event_publishing_enabled"):
-            runtime.pop(key, None)
-        cards[side] = runtime
+        cards[side] = json.loads(path.read_text())["card_json"]["runtime_config"]
     assert cards["trio"] == cards["native"]
     assert (cards["trio"]["tool_call_parser"], cards["trio"]["reasoning_parser"]) == ("hermes", "deepseek_r1")
 

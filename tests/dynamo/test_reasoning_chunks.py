@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from trio_sidecar.dynamo.bridge import Outbox, _Stream
+from trio_sidecar.dynamo.bridge import _Stream
+from trio_sidecar.dynamo.wakeup import Outbox
 
 DELTAS = [{"token_ids": [1], "index": 0, "text": "<think>"}, {"token_ids": [2], "index": 0, "text": "</think>"}]
 

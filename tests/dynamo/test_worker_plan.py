@@ -1,9 +1,8 @@
 """Registration planning (docs/reference/sidecar.md#component-by-mode, docs/reference/sidecar.md#registration-data; docs/reference/worker.md#registration), pure and table-driven.
 
 The expected cards were checked against the model-card records the native 1.6.1 sidecar writes under
-``v1/mdc`` (docs/dynamo.md): same model type, worker type, ``needs`` and runtime config, except
-``runtime_data`` (the native advertises engine-native generate and LoRA capabilities) and
-``kv_event_publishing_enabled`` (set here as in docs/reference/worker.md#registration).
+``v1/mdc`` (docs/dynamo.md): same model type, worker type, ``needs`` and runtime config, including
+``runtime_data`` (the capability flags native registers in every mode).
 """
 
 from __future__ import annotations
@@ -74,7 +73,7 @@ def test_identity_and_capacity_come_from_the_engine_config():
         "max_num_batched_tokens": 2048,
         "data_parallel_size": 4,
         "data_parallel_start_rank": 0,
-        "kv_event_publishing_enabled": True,
+        "runtime_data": {"lora_requires_registration": True, "vllm_inference_v1_generate": True},
         "exclude_tools_when_tool_choice_none": True,
         "enable_local_indexer": True,
     }
@@ -108,7 +107,7 @@ def test_unknown_limits_are_left_at_dynamo_defaults():
     assert p.kv_cache_block_size is None
     assert p.aliases == ()
     assert p.runtime_config == {
-        "kv_event_publishing_enabled": False,
+        "runtime_data": {"lora_requires_registration": True, "vllm_inference_v1_generate": True},
         "exclude_tools_when_tool_choice_none": True,
         "enable_local_indexer": True,
     }
@@ -170,7 +169,7 @@ def test_an_encode_worker_registers_like_natives():
     assert p.kv_cache_block_size is None and not p.local_indexer
     assert "total_kv_blocks" not in p.runtime_config
     assert p.runtime_config["enable_local_indexer"] is False
-    assert p.runtime_config["kv_event_publishing_enabled"] is False
+    assert "kv_event_publishing_enabled" not in p.runtime_config
     assert not p.encoder_result_handoff
 
 
@@ -226,8 +225,11 @@ def test_a_canary_payload_is_registered_only_when_dynamo_health_checks_are_enabl
     assert enabled is not None and enabled["_HEALTH_CHECK"] is True
 
 
-def test_kv_publishing_is_advertised_only_with_sources_and_a_block_size():
-    assert plan(sources=SOURCES).runtime_config["kv_event_publishing_enabled"] is True
-    assert plan(sources=()).runtime_config["kv_event_publishing_enabled"] is False
+def test_the_capability_flags_are_registered_in_every_mode_and_kv_publishing_is_not_advertised():
     no_block = attrs.evolve(ENGINE, kv_cache_block_size=None)
-    assert plan(engine=no_block, sources=SOURCES).runtime_config["kv_event_publishing_enabled"] is False
+    for p in (plan(sources=SOURCES), plan(sources=()), plan(engine=no_block, sources=SOURCES)):
+        assert p.runtime_config["runtime_data"] == {
+            "lora_requires_registration": True,
+            "vllm_inference_v1_generate": True,
+        }
+        assert "kv_event_publishing_enabled" not in p.runtime_config

@@ -83,7 +83,7 @@ def test_configuration_errors_exit_2(argv, fragment, capsys):
 
 def test_limit_flags_reach_the_server_limits():
     from trio_sidecar.mock.cli import build_parser
-    from trio_sidecar.mock.server import MockConfig, prepare_config
+    from trio_sidecar.mock.config import MockConfig, prepare_config
 
     ns = build_parser().parse_args(["--handshake-timeout", "2.5", "--idle-timeout", "0", "--max-connections", "7"])
     assert (ns.handshake_timeout, ns.idle_timeout, ns.max_connections) == (2.5, None, 7)

@@ -86,7 +86,7 @@ def test_an_unknown_key_suggests_the_closest_and_lists_the_valid_keys(text, sugg
         parse_engine_args(text)
     message = str(info.value)
     assert message.startswith("unknown engine arg '") and suggestion in message
-    assert "(valid keys: engine_type, block_size, " in message and "tokens_per_image)" in message
+    assert "(valid keys: engine_type, block_size, " in message and "tool_call_parser)" in message
     assert "planner_profile_data" not in message  # accepted but ignored keys are not advertised
 
 

@@ -1,4 +1,4 @@
-"""Deterministic generation (docs/reference/mock.md#deterministic-generation, docs/reference/mock.md#termination): the reference values of docs/reference/mock.md#reference-values are pinned here."""
+"""Deterministic generation (docs/reference/mock.md#deterministic-generation, docs/reference/mock.md#termination): the reference values of docs/reference/mock.md#reference-values are pinned here, and the framed-token table gives protobuf's bytes."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trio_sidecar._proto.vllm import inference_pb2 as pb
+from trio_sidecar.mock.fast import framed_token_encoder
 from trio_sidecar.mock.generation import (
+    TOKEN_BASE,
+    TOKEN_SPAN,
     CandidateSpec,
     OutputOptions,
     TokenPlan,
@@ -24,9 +27,9 @@ from trio_sidecar.mock.generation import (
     request_uuid,
     token_at,
     token_logprob,
-    token_response_encoder,
     token_seed,
 )
+from trio_sidecar.transport import FramedMessages
 
 FinishReason = pb.FinishInfo.FinishReason
 
@@ -132,7 +135,7 @@ def test_sequence_output_shapes():
 @pytest.mark.parametrize("text", [True, False])
 @pytest.mark.parametrize("token_ids", [True, False])
 @pytest.mark.parametrize("extra", ["none", "logprobs", "candidates"])
-def test_token_response_encoder_matches_protobuf_bytes(text, token_ids, extra):
+def test_framed_token_table_gives_the_protobuf_bytes(text, token_ids, extra):
     options = OutputOptions(
         text=text,
         token_ids=token_ids,
@@ -140,12 +143,23 @@ def test_token_response_encoder_matches_protobuf_bytes(text, token_ids, extra):
         candidates=CandidateSpec("top_n", top_n=3) if extra == "candidates" else None,
         candidates_requested=extra == "candidates",
     )
-    encode = token_response_encoder(options)
-    edges = [0, 1, 127, 128, 999, 1000, 16383, 16384, 31999, 2**21 - 1, 2**21, 2**28, 2**32 - 21]
-    tokens = edges + list(range(1000, 32000, 7 if extra == "none" else 997))
-    for token in tokens:
-        message = pb.GenerateResponse(outputs=build_sequence_output([token], options))
-        assert encode(token) == message.SerializeToString(), token
+    framed = framed_token_encoder(options)
+    edges = [
+        0,
+        1,
+        127,
+        128,
+        TOKEN_BASE - 1,
+        TOKEN_BASE,
+        TOKEN_BASE + TOKEN_SPAN - 1,
+        TOKEN_BASE + TOKEN_SPAN,
+        2**32 - 21,
+    ]
+    tokens = edges + list(range(TOKEN_BASE, TOKEN_BASE + TOKEN_SPAN, 7 if extra == "none" else 997))
+    for _ in range(2):  # built, then from the table
+        for token in tokens:
+            message = pb.GenerateResponse(outputs=build_sequence_output([token], options))
+            assert framed(token) == FramedMessages.frame(message.SerializeToString()), token
 
 
 def test_prompt_info():

@@ -11,9 +11,9 @@ from mock_helpers import FinishReason, collect, gen, running_mock
 
 from trio_sidecar._proto.vllm import inference_pb2 as pb
 from trio_sidecar.mock import MockConfig
+from trio_sidecar.mock.config import MockConfigError, prepare_config
 from trio_sidecar.mock.engine_args import EngineArgsError, engine_args_from_mapping
 from trio_sidecar.mock.scripted import load_scripts
-from trio_sidecar.mock.server import MockConfigError, prepare_config
 from trio_sidecar.mock.tiny_model import make_tiny_model
 
 TOOL = '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'

@@ -228,6 +228,7 @@ async def test_prefill_handoff_round_trips_through_a_decode_server_and_needs_the
     [
         ({"engine_args": {"engine_type": "sglang"}}, "engine_type"),
         ({"engine_args": {"dp_size": 0}}, "dp_size"),
+        ({"engine_args": {"dp_size": 2, "data_parallel_rank": 2}}, "data_parallel_rank"),
         ({"engine_args": {"worker_type": "prefill"}}, "worker_type"),
         ({"engine_args": {"is_decode": True}}, "worker_type"),
         ({"max_concurrent_requests": 0}, "max_concurrent_requests"),
@@ -272,6 +273,56 @@ async def test_control_values():
         )
         assert (model.supports_text_input, model.supports_token_ids_input, model.supports_lora) == (False, True, False)
         assert not model.supports_multimodal and model.reasoning_parser == "" and model.tool_call_parser == ""
+
+
+async def test_control_knobs_stand_in_for_one_node_of_a_hybrid_dp_group():
+    knobs = {
+        "dp_size": 4,
+        "data_parallel_rank": 2,
+        "data_parallel_size_local": 2,
+        "num_gpu_blocks": 100,
+        "enable_prefix_caching": True,  # KV events on
+        "tensor_parallel_size": 2,
+        "pipeline_parallel_size": 3,
+        "world_size": 6,
+        "effective_attention_block_size": 32,
+        "reasoning_parser": "deepseek_r1",
+        "tool_call_parser": "hermes",
+    }
+    async with running_mock(engine_args=knobs) as (_, ch):
+        info = await control(ch, "GetServerInfo", control_pb2.GetServerInfoRequest(), control_pb2.ServerInfo)
+        p = info.parallelism
+        assert (p.data_parallel_size, p.data_parallel_rank, p.data_parallel_size_local) == (4, 2, 2)
+        assert (p.tensor_parallel_size, p.pipeline_parallel_size, p.world_size) == (2, 3, 6)
+        assert info.total_kv_blocks == 200  # the hosted ranks' blocks, summed
+        assert info.effective_attention_block_size == 32 and info.kv_block_size == 4
+        model = await control(ch, "GetModelInfo", control_pb2.GetModelInfoRequest(), control_pb2.ModelInfo)
+        assert (model.reasoning_parser, model.tool_call_parser) == ("deepseek_r1", "hermes")
+        sources = await control(
+            ch, "GetKvEventSources", control_pb2.GetKvEventSourcesRequest(), control_pb2.GetKvEventSourcesResponse
+        )
+        assert [s.data_parallel_rank for s in sources.sources] == [2, 3]
+        assert len(await collect(ch, gen("on-3", max_new_tokens=1), metadata=(("x-data-parallel-rank", "3"),))) == 2
+        error = await rpc_error(collect(ch, gen("on-0", max_new_tokens=1), metadata=(("x-data-parallel-rank", "0"),)))
+        assert error.code == C.INVALID_ARGUMENT and "connected ranks: [2, 3]" in error.message
+
+
+async def test_the_optional_attention_block_size_can_be_absent_and_the_local_size_unreported():
+    async with running_mock(
+        engine_args={
+            "dp_size": 2,
+            "data_parallel_size_local": 0,
+            "effective_attention_block_size": None,
+            "enable_prefix_caching": True,
+        }
+    ) as (_, ch):
+        info = await control(ch, "GetServerInfo", control_pb2.GetServerInfoRequest(), control_pb2.ServerInfo)
+        assert not info.HasField("effective_attention_block_size")
+        assert (info.parallelism.data_parallel_size, info.parallelism.data_parallel_size_local) == (2, 0)
+        sources = await control(
+            ch, "GetKvEventSources", control_pb2.GetKvEventSourcesRequest(), control_pb2.GetKvEventSourcesResponse
+        )
+        assert [s.data_parallel_rank for s in sources.sources] == [0, 1]
 
 
 async def test_null_limits_are_reported_as_zero_and_mode_in_instance_id():

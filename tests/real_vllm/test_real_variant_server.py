@@ -303,7 +303,10 @@ async def test_sidecar_discovers_the_kv_event_source_and_registers_kv_publishing
     endpoint, _replay = variant_server.kv_endpoints
     assert sources == (KvEventSource(endpoint=endpoint, topic="kv", dp_rank=0),)
     plan = plan_registration(config, WorkerOptions(), engine_config, sources, environ={})
-    assert plan.runtime_config["kv_event_publishing_enabled"] is True
+    assert plan.runtime_config["runtime_data"] == {
+        "lora_requires_registration": True,
+        "vllm_inference_v1_generate": True,
+    }
     assert plan.local_indexer is True
 
 

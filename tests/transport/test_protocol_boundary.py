@@ -4,7 +4,7 @@ The I/O layer (``_connection``, ``_client``, ``_server``, ...) talks to ``GrpcPr
 the h2 pin (3.2.0) is that one module's concern. Checked statically on the sources: the private names the
 libraries define or use (``_data_to_send``, ``_inbound_flow_control_window_manager``, ...) and the h2
 connection object itself (``h2_connection``) must not appear as an attribute outside the protocol modules
-(``_protocol.py`` and the modules it is built from: ``_events``, ``_h2``, ``_hpack``, ``_decompress``), and
+(``_protocol.py`` and the modules it is built from: ``_events``, ``_h2``, ``_fast``, ``_decompress``), and
 the libraries' internals must not be imported there.
 """
 
@@ -19,7 +19,7 @@ import pytest
 import trio_sidecar.transport
 
 TRANSPORT = pathlib.Path(trio_sidecar.transport.__file__).parent
-PROTOCOL_MODULES = frozenset({"_protocol.py", "_events.py", "_h2.py", "_hpack.py", "_decompress.py"})
+PROTOCOL_MODULES = frozenset({"_protocol.py", "_events.py", "_h2.py", "_fast.py", "_decompress.py"})
 LIBRARIES = ("h2", "hpack", "hyperframe", "purerpc")
 # purerpc's public API the I/O layer may use: the configuration object and the generated services' metadata.
 ALLOWED_IMPORTS = frozenset({"purerpc.grpclib.config", "purerpc.rpc"})

@@ -217,8 +217,8 @@ _STEP = st.tuples(st.one_of(st.none(), st.sampled_from([64, 256, 4096])), st.lis
 def test_hpack_caches_give_the_same_bytes_and_headers_as_plain_hpack(steps):
     import hpack
 
-    from trio_sidecar.transport._hpack import CachingDecoder as _CachingDecoder
-    from trio_sidecar.transport._hpack import CachingEncoder as _CachingEncoder
+    from trio_sidecar.transport._fast import CachingDecoder as _CachingDecoder
+    from trio_sidecar.transport._fast import CachingEncoder as _CachingEncoder
 
     cached_encoder, plain_encoder = _CachingEncoder(), hpack.Encoder()
     cached_decoder, plain_decoder = _CachingDecoder(), hpack.Decoder()

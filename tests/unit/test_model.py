@@ -73,7 +73,7 @@ def test_reference_fixture_registration_data() -> None:
         aliases=("model-alias",),
         context_length=8192,
         kv_cache_block_size=16,
-        total_kv_blocks=4096,
+        total_kv_blocks=1024,  # per rank: vLLM reports the sum of its 4 ranks
         max_num_seqs=128,
         max_num_batched_tokens=2048,
         data_parallel_size=4,
@@ -119,20 +119,24 @@ def test_partial_zero_limits() -> None:
         (
             {},
             dict(par=dict(data_parallel_rank=2)),
-            "vLLM reports data_parallel_rank 2; the sidecar currently requires one frontend hosting the complete "
-            "data-parallel group starting at rank 0",
+            "vLLM reports data_parallel_rank 2 without data_parallel_size_local; hybrid rank ownership requires "
+            "the local-size Control field",
         ),
         (
             {},
-            dict(par=dict(data_parallel_size_local=2)),
-            "vLLM reports data_parallel_size_local 2 for data_parallel_size 4; hybrid data-parallel load "
-            "balancing is not supported yet",
+            dict(par=dict(data_parallel_rank=2, data_parallel_size_local=3)),
+            "vLLM reports an invalid local data-parallel range: start 2, local size 3, global size 4",
+        ),
+        (
+            {},
+            dict(effective_attention_block_size=0),
+            "invalid effective_attention_block_size 0; KV routing requires a nonzero size that fits u32",
         ),
     ],
 )
 def test_discovery_rejections(mi: dict, si: dict, message: str) -> None:
     with pytest.raises(ProtocolError) as info:
-        DiscoveredModel.from_proto(model_info(**mi), server_info(**si))
+        engine_config(DiscoveredModel.from_proto(model_info(**mi), server_info(**si)))
     assert str(info.value) == "invalid vLLM gRPC response: " + message
     assert info.value.kind is ErrorKind.UNKNOWN
 
@@ -202,11 +206,52 @@ def test_identity_change_is_fatal(change: dict) -> None:
     assert f"expected {bootstrap.identity!r}, observed {observed.identity!r}" in text
 
 
-def test_dp_size_change_is_fatal() -> None:
+def test_parallelism_change_is_fatal() -> None:
     observed = DiscoveredModel.from_proto(model_info(), server_info(par=dict(data_parallel_size=2)))
     with pytest.raises(ProtocolError) as info:
         ensure_startup_compatible(boot(), observed)
-    assert str(info.value).endswith("data-parallel size changed between bootstrap and startup: expected 4, observed 2")
+    text = str(info.value)
+    assert text.startswith("invalid vLLM gRPC response: parallelism changed between bootstrap and startup: expected ")
+    assert "data_parallel_size: 4" in text and "data_parallel_size: 2" in text
     no_par = DiscoveredModel.from_proto(model_info(), server_info(parallelism=False))
-    with pytest.raises(ProtocolError, match="expected 4, observed 1"):
+    with pytest.raises(ProtocolError, match="parallelism changed .* observed None"):
         ensure_startup_compatible(boot(), no_par)
+
+
+def test_rl_capabilities_change_is_fatal() -> None:
+    observed = server_info()
+    observed.rl_capabilities.sleep_mode_enabled = True
+    with pytest.raises(ProtocolError, match="^invalid vLLM gRPC response: RL capabilities changed between bootstrap"):
+        ensure_startup_compatible(boot(), DiscoveredModel.from_proto(model_info(), observed))
+
+
+@pytest.mark.parametrize(
+    ("mi", "si"), [(dict(supports_lora=True), {}), ({}, dict(max_loras=3)), (dict(supports_multimodal=True), {})]
+)
+def test_lora_and_multimodal_support_are_part_of_the_identity(mi: dict, si: dict) -> None:
+    observed = DiscoveredModel.from_proto(model_info(**mi), server_info(**si))
+    with pytest.raises(ProtocolError, match="model identity changed between bootstrap and startup"):
+        ensure_startup_compatible(boot(), observed)
+
+
+@pytest.mark.parametrize(
+    ("par", "ranks", "dp_size", "start"),
+    [
+        (dict(data_parallel_size=4, data_parallel_size_local=4), range(0, 4), 4, 0),
+        (dict(data_parallel_size=4, data_parallel_rank=2, data_parallel_size_local=2), range(2, 4), 2, 2),
+        (dict(data_parallel_size=4, data_parallel_size_local=0), range(0, 4), 4, 0),
+    ],
+)
+def test_hosted_ranks_set_the_registered_dp_size_start_and_per_rank_capacity(par, ranks, dp_size, start) -> None:
+    model = DiscoveredModel.from_proto(model_info(), server_info(par=par, total_kv_blocks=4097))
+    assert model.local_ranks == ranks
+    cfg = engine_config(model)
+    assert (cfg.data_parallel_size, cfg.data_parallel_start_rank) == (dp_size, start)
+    assert cfg.total_kv_blocks == 4097 // dp_size  # the floor, as native
+
+
+def test_the_effective_attention_block_size_wins_over_the_kv_block_size() -> None:
+    assert engine_config(DiscoveredModel.from_proto(model_info(), server_info())).kv_cache_block_size == 16
+    with_effective = server_info()
+    with_effective.effective_attention_block_size = 32
+    assert engine_config(DiscoveredModel.from_proto(model_info(), with_effective)).kv_cache_block_size == 32

@@ -159,15 +159,15 @@ def test_logprobs_zero_requests_logprobs_without_candidates_count() -> None:
 UNSUPPORTED = [
     (with_(token_ids=[]), "token_ids must not be empty"),
     ({}, "token_ids must not be empty"),
-    (with_(prompt_embeds="AAAA"), "prompt embeddings are not supported by vLLM gRPC v0.25.1"),
+    (with_(prompt_embeds="AAAA"), "prompt embeddings are not supported by vLLM gRPC"),
     (with_(mm_processor_kwargs={}), "mm_processor_kwargs are not supported by vLLM gRPC"),
-    (with_(routing={"lora_name": "adapter"}), "LoRA request selection is not supported by vLLM gRPC v0.25.1"),
+    (with_(routing={"lora_name": "adapter"}), "LoRA request selection is not supported by vLLM gRPC"),
     (with_(bootstrap_info={"bootstrap_room": 1}), "Dynamo bootstrap handoff is not supported by the vLLM sidecar"),
     (
         with_(stop_conditions={"stop_token_ids_visible": [2]}),
-        "visible stop token IDs are not supported by vLLM gRPC v0.25.1",
+        "visible stop token IDs are not supported by vLLM gRPC",
     ),
-    (with_(stop_conditions={"max_thinking_tokens": 5}), "max_thinking_tokens is not supported by vLLM gRPC v0.25.1"),
+    (with_(stop_conditions={"max_thinking_tokens": 5}), "max_thinking_tokens is not supported by vLLM gRPC"),
     (with_(sampling_options={"n": 2}), "n must be 1"),
     (with_(sampling_options={"best_of": 2}), "best_of must be 1"),
     (with_(sampling_options={"use_beam_search": True}), "beam search is not supported"),
@@ -222,21 +222,21 @@ def test_validation_order_follows_the_table() -> None:
     }
     order = [
         "token_ids must not be empty",
-        "prompt embeddings are not supported by vLLM gRPC v0.25.1",
+        "prompt embeddings are not supported by vLLM gRPC",
         "mm_processor_kwargs are not supported by vLLM gRPC",
         "encode requests support image and video media only",
-        "LoRA request selection is not supported by vLLM gRPC v0.25.1",
+        "LoRA request selection is not supported by vLLM gRPC",
         "Dynamo bootstrap handoff is not supported by the vLLM sidecar",
-        "visible stop token IDs are not supported by vLLM gRPC v0.25.1",
-        "max_thinking_tokens is not supported by vLLM gRPC v0.25.1",
+        "visible stop token IDs are not supported by vLLM gRPC",
+        "max_thinking_tokens is not supported by vLLM gRPC",
         "n must be 1",
         "best_of must be 1",
         "beam search is not supported",
         "non-default length_penalty is not supported",
         "top_k must be -1, 0, or positive; got -5",
         "vLLM logprobs request must fit in i32; got 2147483648",
-        "guided decoding backend and whitespace_pattern are not supported by vLLM gRPC v0.25.1",
-        "extra_args.unknown is not supported by vLLM gRPC v0.25.1",
+        "guided decoding backend and whitespace_pattern are not supported by vLLM gRPC",
+        "extra_args.unknown is not supported by vLLM gRPC",
     ]
     # Fix the request one problem at a time and check the next message is the next row.
     fixes: list[tuple[str, Any]] = [
@@ -367,7 +367,7 @@ def test_two_constraints_rejected(guided: dict) -> None:
 def test_backend_and_whitespace_rejected(guided: dict) -> None:
     rejects(
         with_(sampling_options={"guided_decoding": guided}),
-        "guided decoding backend and whitespace_pattern are not supported by vLLM gRPC v0.25.1",
+        "guided decoding backend and whitespace_pattern are not supported by vLLM gRPC",
     )
 
 
@@ -384,9 +384,9 @@ def test_no_constraint_leaves_structured_output_unset() -> None:
     [
         ([], "extra_args must be a JSON object"),
         ("x", "extra_args must be a JSON object"),
-        ({"unknown": 1}, "extra_args.unknown is not supported by vLLM gRPC v0.25.1"),
-        ({"messages": []}, "extra_args.messages is not supported by vLLM gRPC v0.25.1"),
-        ({"mm_hashes": ["a"]}, "extra_args.mm_hashes is not supported by vLLM gRPC v0.25.1"),
+        ({"unknown": 1}, "extra_args.unknown is not supported by vLLM gRPC"),
+        ({"messages": []}, "extra_args.messages is not supported by vLLM gRPC"),
+        ({"mm_hashes": ["a"]}, "extra_args.mm_hashes is not supported by vLLM gRPC"),
         ({"bypass_prefix_cache": "yes"}, "extra_args.bypass_prefix_cache must be a boolean"),
         ({"skip_reading_prefix_cache": 1}, "extra_args.skip_reading_prefix_cache must be a boolean"),
         ({"nvext": []}, "extra_args.nvext must be a JSON object"),

@@ -245,12 +245,22 @@ def test_rl_dispatch(request_, answer):
     assert rl_dispatch(request_, lambda: {"status": "ok"}) == answer
 
 
-def test_world_size_comes_from_vllm_first():
+def test_world_size_is_the_engine_world_size_times_dp_and_the_flag_only_fills_in():
     info = control_pb2.ServerInfo()
-    assert rl_world_size(info, None) is None
-    assert rl_world_size(info, 3) == 3
+    with pytest.raises(ProtocolError, match="RL discovery requires vLLM parallelism metadata"):
+        rl_world_size(info, 3)
+    info.parallelism.tensor_parallel_size = info.parallelism.pipeline_parallel_size = 1
+    info.parallelism.data_parallel_size = 2
+    with pytest.raises(InvalidArgument, match="^--vllm-rl-world-size is required when vLLM omits"):
+        rl_world_size(info, None)
+    assert rl_world_size(info, 4) == 4
+    with pytest.raises(InvalidArgument, match="^--vllm-rl-world-size must be divisible by TP \\* PP \\* DP$"):
+        rl_world_size(info, 3)
     info.parallelism.world_size = 1
-    assert rl_world_size(info, 3) == 1
+    assert rl_world_size(info, 3) == 2  # vLLM's engine world size wins, times the DP size
+    info.parallelism.tensor_parallel_size = 2
+    with pytest.raises(ProtocolError, match="not divisible by TP \\* PP"):
+        rl_world_size(info, None)
 
 
 def test_rl_endpoint_name():

@@ -73,20 +73,20 @@ def test_non_zmq_source_is_skipped_with_warning() -> None:
     ("sources", "dp", "message"),
     [
         ([src(rank=None)], 1, "GetKvEventSources returned a ZMQ source without data_parallel_rank"),
-        ([src(rank=2)], 2, "GetKvEventSources returned rank 2, outside the expected range 0..2"),
+        ([src(rank=2)], 2, "GetKvEventSources returned rank 2, outside the expected local range 0..2"),
         ([src(rank=0), src(rank=0)], 2, "GetKvEventSources returned duplicate rank 0"),
         ([src(endpoint="  ", rank=0)], 1, "GetKvEventSources returned a ZMQ source without an endpoint"),
         (
             [src(rank=1)],
             2,
-            "GetKvEventSources returned ZMQ sources for 1 of 2 data-parallel ranks; KV routing requires one source "
-            "for every rank",
+            "GetKvEventSources returned ZMQ sources for 1 of 2 local data-parallel ranks; KV routing requires one "
+            "source for every local rank",
         ),
         (
             [src(transport="nats")],
             1,
-            "GetKvEventSources returned ZMQ sources for 0 of 1 data-parallel ranks; KV routing requires one source "
-            "for every rank",
+            "GetKvEventSources returned ZMQ sources for 0 of 1 local data-parallel ranks; KV routing requires one "
+            "source for every local rank",
         ),
     ],
 )
@@ -96,9 +96,16 @@ def test_source_errors(sources: list, dp: int, message: str) -> None:
     assert str(info.value) == "invalid vLLM gRPC response: " + message
 
 
+def test_a_hybrid_node_accepts_exactly_its_hosted_ranks() -> None:
+    sources, _ = validate_kv_event_sources([src("tcp://*:1", 2), src("tcp://*:2", 3)], range(2, 4), "h")
+    assert [s.dp_rank for s in sources] == [2, 3]
+    with pytest.raises(ProtocolError, match="returned rank 0, outside the expected local range 2..4"):
+        validate_kv_event_sources([src(rank=0)], range(2, 4), "h")
+
+
 def test_checks_in_order_per_source() -> None:
     # Rank out of range is reported before the blank endpoint of the same source.
-    with pytest.raises(ProtocolError, match="outside the expected range"):
+    with pytest.raises(ProtocolError, match="outside the expected local range"):
         validate_kv_event_sources([src(endpoint="", rank=5)], 1, "h")
     # A skipped non-ZMQ source is never validated further.
     sources, _ = validate_kv_event_sources([src("", None, transport="ipc"), src(rank=0)], 1, "h")

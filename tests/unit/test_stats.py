@@ -10,7 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from trio_sidecar.dynamo.metrics import METRICS, PREFIX, common_labels, metric_names, render_text, render_typed
+from trio_sidecar.dynamo.metrics import (
+    LIFECYCLE_METRICS,
+    METRICS,
+    PREFIX,
+    Lifecycle,
+    common_labels,
+    metric_names,
+    prometheus_label,
+    render_text,
+    render_typed,
+)
 from trio_sidecar.errors import ErrorKind
 from trio_sidecar.health_policy import HealthKind
 from trio_sidecar.stats import (
@@ -154,6 +164,44 @@ def test_the_typed_families_carry_the_same_samples_as_the_text():
     for (name, labels, value, timestamp), line in zip(samples, lines, strict=True):
         assert line.startswith(name + "{") and float(line.rsplit(" ", 1)[1]) == value and timestamp is None
         assert isinstance(labels, list)
+
+
+@pytest.mark.parametrize(
+    ("raw", "label"),
+    [
+        ("m-trio", "m_trio"),
+        ("m-trio-s1", "m_trio_s1"),
+        ("a.b/c", "a_b_c"),
+        ("9ns", "_9ns"),
+        ("__x", "x"),
+        ("ok_1", "ok_1"),
+    ],
+)
+def test_hierarchy_names_are_labelled_as_dynamos_own_families_label_them(raw, label):
+    assert prometheus_label(raw) == label
+    labels = dict(common_labels(namespace=raw, component=raw, endpoint=raw, model="m", worker_id=None))
+    assert labels["dynamo_namespace"] == labels["dynamo_component"] == labels["dynamo_endpoint"] == label
+
+
+def test_the_lifecycle_gauges_carry_natives_labels_and_values():
+    lifecycle = Lifecycle(model_load_time_seconds=1.5, drain_time_seconds=0.25)
+    native = common_labels(
+        namespace="ns",
+        component="backend",
+        endpoint="generate",
+        model="/models/tiny",
+        model_name="tiny",
+        worker_id="1f",
+    )
+    text = render_text(busy_stats().snapshot(), LABELS, lifecycle, native)
+    assert (
+        'dynamo_component_model_load_time_seconds{dynamo_namespace="ns",dynamo_component="backend",'
+        'dynamo_endpoint="generate",worker_id="1f",model="/models/tiny",model_name="tiny"} 1.5'
+    ) in text
+    assert "\ndynamo_component_drain_time_seconds{" in text and "} 0.25\n" in text
+    typed = render_typed(busy_stats().snapshot(), LABELS, lifecycle, native)
+    assert [family[0] for family in typed[-3:]] == [name for name, _help in LIFECYCLE_METRICS]
+    assert typed[-1][4][0][2] == 0.0  # cleanup: 0 until set
 
 
 def test_names_and_labels_follow_dynamos_prometheus_names():

@@ -95,19 +95,19 @@ def build_generate_request(
     if not request.token_ids and text is None:
         raise InvalidArgument("token_ids must not be empty")
     if request.prompt_embeds is not None:
-        raise InvalidArgument("prompt embeddings are not supported by vLLM gRPC v0.25.1")
+        raise InvalidArgument("prompt embeddings are not supported by vLLM gRPC")
     if request.mm_processor_kwargs is not None:
         raise InvalidArgument("mm_processor_kwargs are not supported by vLLM gRPC")
     if mode is DisaggregationMode.ENCODE:
         check_encode_request(request.multi_modal_data, request.encoder_result)
     if routing.lora_name and not lora_supported:
-        raise InvalidArgument("LoRA request selection is not supported by vLLM gRPC v0.25.1")
+        raise InvalidArgument("LoRA request selection is not supported by vLLM gRPC")
     if request.bootstrap_info is not None:
         raise InvalidArgument("Dynamo bootstrap handoff is not supported by the vLLM sidecar")
     if stop.stop_token_ids_visible:
-        raise InvalidArgument("visible stop token IDs are not supported by vLLM gRPC v0.25.1")
+        raise InvalidArgument("visible stop token IDs are not supported by vLLM gRPC")
     if stop.max_thinking_tokens is not None:
-        raise InvalidArgument("max_thinking_tokens is not supported by vLLM gRPC v0.25.1")
+        raise InvalidArgument("max_thinking_tokens is not supported by vLLM gRPC")
     if (1 if sampling.n is None else sampling.n) != 1:
         raise InvalidArgument("n must be 1")
     if (1 if sampling.best_of is None else sampling.best_of) != 1:
@@ -249,7 +249,7 @@ def _structured_output(request: PreprocessedRequest) -> tuple[str, Any] | None:
     if guided is None:
         return None
     if guided.backend is not None or guided.whitespace_pattern is not None:
-        raise InvalidArgument("guided decoding backend and whitespace_pattern are not supported by vLLM gRPC v0.25.1")
+        raise InvalidArgument("guided decoding backend and whitespace_pattern are not supported by vLLM gRPC")
     present = [key for key in _GUIDED_KEYS if getattr(guided, key) is not None]
     if len(present) > 1:
         raise InvalidArgument("only one structured output constraint may be set")
@@ -282,7 +282,7 @@ def _extra_args(request: PreprocessedRequest, media_present: bool) -> _Extras:
     allowed = _BASE_EXTRA_ARGS + (MEDIA_EXTRA_ARGS_KEYS if media_present else ())
     for key, value in extra.items():
         if value is not None and key not in allowed:
-            raise InvalidArgument(f"extra_args.{key} is not supported by vLLM gRPC v0.25.1")
+            raise InvalidArgument(f"extra_args.{key} is not supported by vLLM gRPC")
 
     bypass = False
     for key in _BYPASS_KEYS:  # the first present key wins, even when it is false

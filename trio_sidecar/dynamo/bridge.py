@@ -93,7 +93,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -107,6 +106,7 @@ from .coalesce import take_merged
 from .egress import Egress
 from .error_map import dynamo_exception
 from .thread import AsyncioThread
+from .wakeup import Outbox, Waker
 
 __all__ = [
     "CancelHandle",
@@ -182,70 +182,6 @@ class RequestItem:
     on_first_token: Callable[[], None]  # thread-safe; marshals notify_first_token() to the loop
     traceparent: str | None = None  # the request's W3C trace context (``context.trace_headers()``)
     tracestate: str | None = None
-
-
-class Outbox:
-    """One request's chunk deque plus the handler's parked waiter (see "Wake-ups" above).
-
-    ``drain``, set while a push handler is parked: the loop's flush calls it instead of resuming the handler
-    (it sends what is queued inline and returns True when the handler must take over).
-    """
-
-    __slots__ = ("drain", "items", "waiter")
-
-    def __init__(self) -> None:
-        self.items: deque[Any] = deque()
-        self.waiter: asyncio.Future | None = None
-        self.drain: Callable[[], bool] | None = None
-
-
-class _Waker:
-    """Resolves parked handler futures on the loop, one ``call_soon_threadsafe`` per batch.
-
-    ``poke()`` (Trio thread) is called once per batch, on its first ready waiter; it calls :meth:`wake_loop`
-    now or, from the bridge's dispatcher task, once the Trio tasks that are ready now have run (see
-    "Wake-ups" in the module docstring).
-    """
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, poke: Callable[[], None]) -> None:
-        self._loop = loop
-        self._poke = poke
-        self._ready: deque[tuple[Outbox, asyncio.Future]] = deque()
-        self._scheduled = False
-
-    def emit(self, outbox: Outbox, item: Any) -> None:  # the Trio thread
-        outbox.items.append(item)
-        waiter = outbox.waiter
-        if waiter is not None:
-            outbox.waiter = None
-            self._ready.append((outbox, waiter))
-            if not self._scheduled:
-                self._scheduled = True
-                self._poke()
-
-    def wake_loop(self) -> None:  # the Trio thread
-        try:
-            self._loop.call_soon_threadsafe(self._flush)
-        except RuntimeError:  # the loop is closed: no handler waits any more
-            pass
-
-    def _flush(self) -> None:  # the loop's thread
-        self._scheduled = False  # before draining: a waiter appended after this schedules a new flush
-        ready = self._ready
-        while ready:
-            outbox, waiter = ready.popleft()
-            if waiter.done():
-                continue
-            drain = outbox.drain
-            if drain is None or drain():
-                waiter.set_result(None)
-                continue
-            # Sent inline; the handler stays parked. Re-publish its waiter, then re-check: an emit that came
-            # while it was unpublished did not queue it (the same handshake as _Stream.wait).
-            outbox.waiter = waiter
-            if outbox.items:
-                outbox.waiter = None
-                ready.append((outbox, waiter))
 
 
 class _Stream:
@@ -407,7 +343,7 @@ class RequestBridge:
         self._flusher: Any = None  # the dispatcher task, while parked waiting for a poke
         self._wake_due = False  # poked: the dispatcher wakes the loop
         self.completed = 0
-        self._waker: _Waker | None = None  # created on the loop by the first request
+        self._waker: Waker | None = None  # created on the loop by the first request
         self._egress: Egress | None = None  # created on the loop by the first push request past its window
         self.push_inline_frames = PUSH_INLINE_FRAMES
 
@@ -431,7 +367,7 @@ class RequestBridge:
         loop = asyncio.get_running_loop()
         waker = self._waker
         if waker is None:
-            waker = self._waker = _Waker(loop, self._poke)
+            waker = self._waker = Waker(loop, self._poke)
         outbox = Outbox()
         request_id = str(context.id())
         bound = self._bind_context is not None and self._bind_context(context, request)
@@ -559,7 +495,7 @@ class RequestBridge:
             sink.end(None, exc)
 
     def _poke(self) -> None:
-        """Wake the loop (``_Waker.wake_loop``) once the Trio tasks that are ready now have run (Trio thread).
+        """Wake the loop (``Waker.wake_loop``) once the Trio tasks that are ready now have run (Trio thread).
 
         Several connections' reads often complete in one Trio scheduling batch (vLLM answers all its
         streams at once); their emits then cost one ``call_soon_threadsafe`` (an eventfd write and a loop

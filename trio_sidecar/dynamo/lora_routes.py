@@ -152,8 +152,6 @@ async def start_lora(
     lifecycle.hot_swap = hot_swap_requested(environ)
     lifecycle.publisher = DynamoLoraPublisher(thread, dynamo, plan)
     lifecycle.resolver = DynamoSources(thread)
-    dynamo.lora_enabled = True
-    dynamo.max_loras = sidecar.model.server_info.max_loras
     calls = TrioCalls(trio.lowlevel.current_trio_token(), nursery)
 
     routes = lora_routes(lifecycle, calls)

@@ -31,7 +31,10 @@ __all__ = [
     "METRICS",
     "PREFIX",
     "Metric",
+    "Lifecycle",
+    "LIFECYCLE_METRICS",
     "common_labels",
+    "prometheus_label",
     "metric_names",
     "render_text",
     "render_typed",
@@ -225,15 +228,70 @@ def metric_names() -> list[str]:
     return [metric.name for metric in METRICS]
 
 
+def prometheus_label(raw: str) -> str:
+    """A Dynamo hierarchy name (namespace, component, endpoint) as Dynamo's own families label it
+    (``sanitize_prometheus_label``): every character outside ``[a-zA-Z0-9_]`` becomes ``_``, a leading digit
+    gets a ``_`` prefix and a reserved leading ``__`` is dropped. ``m-trio`` → ``m_trio``."""
+    out = "".join(c if (c.isascii() and (c.isalnum() or c == "_")) else "_" for c in raw)
+    if out[:1].isdigit():
+        out = "_" + out
+    if out.startswith("__"):
+        out = out[2:]
+        if not out[:1].isalpha():
+            out = "_" + out
+    return out
+
+
 def common_labels(
-    *, namespace: str, component: str, endpoint: str, model: str, worker_id: str | None
+    *, namespace: str, component: str, endpoint: str, model: str, worker_id: str | None, model_name: str | None = None
 ) -> tuple[tuple[str, str], ...]:
-    """The labels on every sample, as Dynamo injects them into engine metrics (``prometheus_names.labels``)."""
-    labels = [("dynamo_namespace", namespace), ("dynamo_component", component), ("dynamo_endpoint", endpoint)]
+    """The labels on every sample, as Dynamo injects them into engine metrics (``prometheus_names.labels``):
+    the hierarchy names sanitized as on Dynamo's own families, ``model_name`` = ``model`` unless given."""
+    labels = [
+        ("dynamo_namespace", prometheus_label(namespace)),
+        ("dynamo_component", prometheus_label(component)),
+        ("dynamo_endpoint", prometheus_label(endpoint)),
+    ]
     if worker_id is not None:
         labels.append(("worker_id", worker_id))
-    labels += [("model", model), ("model_name", model)]
+    labels += [("model", model), ("model_name", model if model_name is None else model_name)]
     return tuple(labels)
+
+
+@attrs.define
+class Lifecycle:
+    """The worker's lifecycle gauges, as Dynamo 1.6.1's native sidecar publishes them
+    (``dynamo_component_{model_load,drain,cleanup}_time_seconds``): set once each, 0 until then."""
+
+    model_load_time_seconds: float = 0.0
+    drain_time_seconds: float = 0.0
+    cleanup_time_seconds: float = 0.0
+
+
+#: (family, help) of the lifecycle gauges, Dynamo's texts; their labels are native's: ``model`` is the model
+#: path and ``model_name`` the served name.
+LIFECYCLE_METRICS = (
+    ("dynamo_component_model_load_time_seconds", "Time engine.start() took to return. Set once at Worker setup."),
+    (
+        "dynamo_component_drain_time_seconds",
+        "Time spent draining in-flight work before cleanup. Stays at 0 for engines without a drain hook.",
+    ),
+    (
+        "dynamo_component_cleanup_time_seconds",
+        "Time spent releasing engine resources during shutdown. Set by the framework once after "
+        "engine.cleanup() returns.",
+    ),
+)
+
+
+def _lifecycle_samples(lifecycle: Lifecycle | None, labels: Labels) -> list[tuple[str, str, Sample]]:
+    if lifecycle is None:
+        return []
+    out: list[tuple[str, str, Sample]] = []
+    for name, help in LIFECYCLE_METRICS:
+        value = getattr(lifecycle, name.removeprefix("dynamo_component_"))
+        out.append((name, help, (name, tuple(labels), float(value))))
+    return out
 
 
 def _format_bound(bound: float) -> str:
@@ -264,13 +322,20 @@ def _format_value(value: float) -> str:
     return repr(value)
 
 
-def render_text(snapshot: StatsSnapshot, common: Labels) -> str:
-    """Prometheus text exposition (0.0.4) of every family, ``common`` labels first on each sample."""
+def render_text(
+    snapshot: StatsSnapshot, common: Labels, lifecycle: Lifecycle | None = None, lifecycle_labels: Labels = ()
+) -> str:
+    """Prometheus text exposition (0.0.4) of every family, ``common`` labels first on each sample; then the
+    ``lifecycle`` gauges (when given) with ``lifecycle_labels``."""
     lines: list[str] = []
-    for metric in METRICS:
-        lines.append(f"# HELP {metric.name} {metric.help}")
-        lines.append(f"# TYPE {metric.name} {metric.kind}")
-        for name, labels, value in _samples(metric, snapshot, common):
+    families = [(m.name, m.help, m.kind, _samples(m, snapshot, common)) for m in METRICS]
+    families += [
+        (name, help, "gauge", [sample]) for name, help, sample in _lifecycle_samples(lifecycle, lifecycle_labels)
+    ]
+    for family, help, kind, samples in families:
+        lines.append(f"# HELP {family} {help}")
+        lines.append(f"# TYPE {family} {kind}")
+        for name, labels, value in samples:
             label_text = ",".join(f'{key}="{_escape(val)}"' for key, val in labels)
             text = _format_value(value)
             lines.append(f"{name}{{{label_text}}} {text}" if label_text else f"{name} {text}")
@@ -280,7 +345,9 @@ def render_text(snapshot: StatsSnapshot, common: Labels) -> str:
 TypedFamily = tuple[str, str, str, str, list[tuple[str, list[tuple[str, str]], float, None]]]
 
 
-def render_typed(snapshot: StatsSnapshot, common: Labels) -> list[TypedFamily]:
+def render_typed(
+    snapshot: StatsSnapshot, common: Labels, lifecycle: Lifecycle | None = None, lifecycle_labels: Labels = ()
+) -> list[TypedFamily]:
     """The same families for Dynamo's typed callback (the OTLP export): ``(name, help, type, unit, samples)``
     as ``dynamo.common.utils.prometheus.get_prometheus_typed`` builds them from a ``prometheus_client``
     registry (a counter's family name without ``_total``, its samples with it)."""
@@ -289,4 +356,6 @@ def render_typed(snapshot: StatsSnapshot, common: Labels) -> list[TypedFamily]:
         family = metric.name.removesuffix("_total") if metric.kind == "counter" else metric.name
         samples = [(name, list(labels), value, None) for name, labels, value in _samples(metric, snapshot, common)]
         out.append((family, metric.help, metric.kind, "", samples))
+    for name, help, (sample, labels, value) in _lifecycle_samples(lifecycle, lifecycle_labels):
+        out.append((name, help, "gauge", "", [(sample, list(labels), value, None)]))
     return out

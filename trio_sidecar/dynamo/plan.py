@@ -76,6 +76,8 @@ class WorkerPlan:
     worker_type: str  # dynamo.llm.WorkerType member name
     needs: tuple[tuple[str, ...], ...]  # DNF of WorkerType names the role depends on (required for P/D)
     kv_cache_block_size: int | None
+    #: The base card's LoRA slot count whenever vLLM supports LoRA (``DYN_LORA_ENABLED`` or not), as native.
+    max_gpu_lora_count: int | None
     runtime_config: dict[str, Any]  # ModelRuntimeConfig attributes to set (None values already dropped)
     custom_template_path: str | None
     # Dynamo's canary request, only when canaries are enabled (DYN_HEALTH_CHECK_ENABLED): with a payload the
@@ -122,7 +124,7 @@ def plan_registration(
         model_types = ("Prefill",)
     else:
         model_types = model_type_names(options.endpoint_types)
-    runtime = {
+    limits = {
         "context_length": engine.context_length,
         "total_kv_blocks": engine.total_kv_blocks,
         "max_num_seqs": engine.max_num_seqs,
@@ -130,11 +132,10 @@ def plan_registration(
         "data_parallel_size": engine.data_parallel_size,
         "data_parallel_start_rank": engine.data_parallel_start_rank,
     }
-    runtime = {k: v for k, v in runtime.items() if v is not None}
-    # Publishers need a block size (KvEventPublisher rejects 0); without one no events are relayed.
-    runtime["kv_event_publishing_enabled"] = (
-        bool(sources) and engine.kv_cache_block_size is not None and mode is not DisaggregationMode.ENCODE
-    )
+    runtime: dict[str, Any] = {k: v for k, v in limits.items() if v is not None}
+    # Capability flags native 1.6.1 writes in every mode: LoRA adapters must be registered before use, and
+    # the worker speaks vLLM's v1 generate protocol.
+    runtime["runtime_data"] = dict(RUNTIME_DATA)
     runtime["exclude_tools_when_tool_choice_none"] = bool(options.exclude_tools_when_tool_choice_none)
     # The frontend's parsers, only as the operator configured them (Control's names are never defaults).
     for key in ("tool_call_parser", "reasoning_parser"):
@@ -158,6 +159,7 @@ def plan_registration(
         worker_type=_WORKER_TYPES[mode],
         needs=needs,
         kv_cache_block_size=None if mode is DisaggregationMode.ENCODE else engine.kv_cache_block_size,
+        max_gpu_lora_count=engine.max_gpu_lora_count,
         runtime_config=runtime,
         custom_template_path=options.custom_jinja_template,
         health_check_payload=(
@@ -169,6 +171,8 @@ def plan_registration(
 
 
 HEALTH_CHECK_KEY = "_HEALTH_CHECK"
+#: ``runtime_config.runtime_data`` as Dynamo 1.6.1's native vLLM sidecar registers it.
+RUNTIME_DATA = {"lora_requires_registration": True, "vllm_inference_v1_generate": True}
 
 
 def _truthy(value: str | None) -> bool:

@@ -7,6 +7,7 @@ worker awaits the coroutines with ``AsyncioThread.run``.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import mm_routing
 from ..config import WorkerOptions
+from .metrics import Lifecycle
 from .prefill_completion import PrefillCompletion
 
 if TYPE_CHECKING:
@@ -42,12 +44,10 @@ class DynamoSide:
         self.endpoint: Endpoint | None = None
         self.serve: asyncio.Future[None] | None = None
         self.publishers: list[KvEventPublisher] = []
-        # Set by the LoRA surface before registration: the cards then say that a request for an adapter may
-        # only go to workers that registered it (``runtime_data.lora_requires_registration``, as native's).
-        self.lora_enabled = False
-        self.max_loras = 0
         # The image placeholder the publishers key image blocks on (resolve_image_token_id); None = raw ids.
         self.image_token_id: int | None = None
+        # The lifecycle gauges on /metrics (written by the worker, read at each scrape).
+        self.lifecycle = Lifecycle()
         # Worker-side prefill completion for the KV router (created with the registration).
         self.prefill_completion = PrefillCompletion()
 
@@ -86,12 +86,15 @@ class DynamoSide:
 
         rc = ModelRuntimeConfig()
         for key, value in plan.runtime_config.items():
-            setattr(rc, key, value)
-        if self.lora_enabled:
-            rc.set_engine_specific("lora_requires_registration", "true")
+            if key == "runtime_data":
+                for data_key, data_value in value.items():
+                    rc.set_engine_specific(data_key, json.dumps(data_value))  # takes JSON text
+            else:
+                setattr(rc, key, value)
         if plan.encoder_result_handoff:
             rc.set_engine_specific("encoder_result_handoff", "true")
-            extra.setdefault("max_gpu_lora_count", self.max_loras)
+        if plan.max_gpu_lora_count is not None:
+            extra.setdefault("max_gpu_lora_count", plan.max_gpu_lora_count)
         model_type = getattr(ModelType, plan.model_types[0])
         for type_name in plan.model_types[1:]:
             model_type = model_type | getattr(ModelType, type_name)
@@ -173,12 +176,22 @@ class DynamoSide:
         labels = common_labels(
             namespace=namespace, component=component, endpoint=name, model=plan.served_model_name, worker_id=worker_id
         )
+        # The lifecycle gauges carry native's model labels: the model path, and the served name.
+        lifecycle_labels = common_labels(
+            namespace=namespace,
+            component=component,
+            endpoint=name,
+            model=plan.model_path,
+            model_name=plan.served_model_name,
+            worker_id=worker_id,
+        )
+        lifecycle = self.lifecycle
 
         def text() -> str:
-            return render_text(snapshot(), labels)
+            return render_text(snapshot(), labels, lifecycle, lifecycle_labels)
 
         def typed() -> list[Any]:
-            return list(render_typed(snapshot(), labels))
+            return list(render_typed(snapshot(), labels, lifecycle, lifecycle_labels))
 
         endpoint.metrics.register_prometheus_expfmt_callback(text)
         endpoint.metrics.register_prometheus_typed_callback(typed)

@@ -224,6 +224,10 @@ async def _run(config: SidecarConfig, options: WorkerOptions, state: _Shutdown, 
             with tracking(StartupProgress()) as progress:
                 async with reporter.waiting(vllm, config.startup_deadline, progress=progress):
                     bootstrap = await discover(config)
+            if options.enable_rl:
+                # As native: the RL worker's world size is checked on the bootstrap model, before Dynamo (the
+                # start phase's parallelism is the same, so _start_rl derives the same value).
+                rl_world_size(bootstrap.server_info, options.vllm_rl_world_size)
         except SidecarError as exc:
             _print_error(str(exc))
             return 1
@@ -324,7 +328,9 @@ async def _run_with_runtime(
             with collapse_single_exception():
                 with tracking(StartupProgress()) as progress:
                     async with reporter.waiting(vllm, config.startup_deadline, progress=progress) as waiting:
+                        started = trio.current_time()
                         async with open_sidecar(config, expected=bootstrap) as sidecar:
+                            dynamo.lifecycle.model_load_time_seconds = trio.current_time() - started
                             await waiting.stop()
                             reporter.phase_done(state.phase)
                             async with trio.open_nursery() as requests:
@@ -335,6 +341,8 @@ async def _run_with_runtime(
                                     config, options, state, reporter, thread, dynamo, bridge, sidecar, requests
                                 )
                                 requests.cancel_scope.cancel()
+                            cleanup_started = trio.current_time()
+                        dynamo.lifecycle.cleanup_time_seconds = trio.current_time() - cleanup_started
         except SidecarError as exc:
             _print_error(str(exc))
             return 1
@@ -461,11 +469,13 @@ async def _drain(options: WorkerOptions, thread: AsyncioThread, dynamo: DynamoSi
     then stops the rest; the runtime's ``serve_endpoint`` then ends once its handlers sent their last chunk.
     """
     engine = sidecar.engine
+    started = trio.current_time()
     LOGGER.info("draining %d in-flight request(s) (up to %s)", engine.in_flight, format_duration(options.drain_timeout))
     await thread.run(dynamo.shutdown)
     await engine.drain(options.drain_timeout, grace=STOP_GRACE)
     with trio.move_on_after(STOP_GRACE):
         await thread.run(dynamo.wait_serving_ended)
+    dynamo.lifecycle.drain_time_seconds = trio.current_time() - started
 
 
 async def _supervise_health(

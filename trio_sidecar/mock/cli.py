@@ -34,7 +34,7 @@ from trio_sidecar.mock.engine_args import (
 from trio_sidecar.transport import collapse_single_exception
 
 if TYPE_CHECKING:
-    from trio_sidecar.mock.server import MockConfig
+    from trio_sidecar.mock.config import MockConfig
 
 __all__ = ["build_parser", "main"]
 
@@ -294,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``trio-sidecar mock`` with ``argv`` (without the program and subcommand names)."""
-    from trio_sidecar.mock.server import MockConfig, MockConfigError, prepare_config
+    from trio_sidecar.mock.config import MockConfig, MockConfigError, prepare_config
 
     parser = build_parser()
     try:

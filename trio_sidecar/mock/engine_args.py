@@ -116,6 +116,27 @@ class EngineArgs:
     enable_draft_weight_updates: bool = False
     #: ``(prompt_contains, text)`` pairs: answer a matching prompt with this text (docs/reference/mock.md#scripted-completions).
     scripted_completions: tuple[tuple[str, str], ...] = ()
+    # Control answers that only describe the deployment (docs/reference/mock.md#control-knobs).
+    # ``data_parallel_rank`` is the first rank this server hosts and ``data_parallel_size_local`` how many
+    # (None: every rank from ``data_parallel_rank`` to ``dp_size``; 0: the same ranks, reported as 0 like
+    # a vLLM that omits the field). ``dp_size`` is the whole data-parallel group.
+    data_parallel_rank: int = 0
+    data_parallel_size_local: int | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    world_size: int = 1
+    # None: ``num_gpu_blocks`` × the hosted ranks, as vLLM sums them; a number: reported as is.
+    total_kv_blocks: int | None = None
+    # -1: the same as ``block_size``; None (JSON null): the optional field is absent.
+    effective_attention_block_size: int | None = -1
+    reasoning_parser: str = ""
+    tool_call_parser: str = ""
+
+    @property
+    def local_ranks(self) -> range:
+        """The global DP ranks this server simulates."""
+        count = self.data_parallel_size_local or (self.dp_size - self.data_parallel_rank)
+        return range(self.data_parallel_rank, self.data_parallel_rank + count)
 
     @property
     def seq_limit(self) -> int | None:
@@ -231,6 +252,15 @@ _KEYS: dict[str, tuple[Callable[[str, Any], Any], bool] | object] = {
     "scripted_completions": (_scripts, False),
     "image_token_id": (_int, False),
     "tokens_per_image": (_int, False),
+    "data_parallel_rank": (_int, False),
+    "data_parallel_size_local": (_int, True),
+    "tensor_parallel_size": (_int, False),
+    "pipeline_parallel_size": (_int, False),
+    "world_size": (_int, False),
+    "effective_attention_block_size": (_int, True),
+    "total_kv_blocks": (_int, True),
+    "reasoning_parser": (_text, False),
+    "tool_call_parser": (_text, False),
     "planner_profile_data": _IGNORED,
     "reasoning": _IGNORED,
     "kv_bytes_per_token": _IGNORED,
@@ -414,5 +444,11 @@ def validate_engine_args(args: EngineArgs, *, max_concurrent_requests: int = 256
         raise EngineArgsError(f"engine arg 'image_token_id' must be at most {U32_MAX}")
     if args.max_loras > U32_MAX:
         raise EngineArgsError(f"engine arg 'max_loras' must be at most {U32_MAX}")
+    ranks = args.local_ranks
+    if not ranks or ranks.stop > args.dp_size:
+        raise EngineArgsError(
+            "engine arg 'data_parallel_rank' plus 'data_parallel_size_local' must name 1..dp_size hosted ranks "
+            f"(got ranks {ranks.start}..{ranks.stop - 1} of dp_size {args.dp_size})"
+        )
     if args.enable_draft_weight_updates and not args.weight_transfer_backend:
         raise EngineArgsError("engine arg 'enable_draft_weight_updates' requires weight_transfer_backend")

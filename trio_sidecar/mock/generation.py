@@ -26,7 +26,7 @@ Everything a request produces is a function of values the client controls, so te
 from __future__ import annotations
 
 import uuid as _uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import attrs
 from blake3 import blake3
@@ -53,7 +53,6 @@ __all__ = [
     "request_uuid",
     "token_at",
     "token_logprob",
-    "token_response_encoder",
     "token_seed",
     "token_bytes",
     "token_text",
@@ -362,61 +361,6 @@ def fill_sequence_output(
                 out.logprobs.append(lp)
                 out.ranks.append(1)
             out.candidate_tokens.append(_candidate_info(candidates_for(t, lp, options.candidates)))
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def token_response_encoder(options: OutputOptions) -> Callable[[int], bytes]:
-    """A function ``token -> serialized GenerateResponse`` for one streamed token (no ``finish_info``).
-
-    Byte for byte what ``fill_sequence_output`` + ``SerializeToString`` produce, without building a
-    message: text and token ids are written directly (fields 2, 3 and 4 of ``SequenceOutput``, in
-    field order, inside ``GenerateResponse.outputs``). Logprobs and candidates go through protobuf.
-    """
-    if options.logprobs or options.candidates_requested:
-
-        def encode_message(token: int) -> bytes:
-            message = pb.GenerateResponse()
-            fill_sequence_output(message.outputs, (token,), options)
-            return message.SerializeToString()
-
-        return encode_message
-
-    text = options.text
-    token_ids = options.token_ids
-
-    def encode(token: int) -> bytes:
-        if 0 <= token < 0x200000:
-            if token < 0x80:
-                ids = b"\x22\x01" + bytes((token,))
-            elif token < 0x4000:
-                ids = b"\x22\x02" + bytes(((token & 0x7F) | 0x80, token >> 7))
-            else:
-                ids = b"\x22\x03" + bytes(((token & 0x7F) | 0x80, ((token >> 7) & 0x7F) | 0x80, token >> 14))
-        else:
-            if not 0 <= token < 1 << 32:
-                raise ValueError(f"token id {token} is not a uint32")
-            v = _varint(token)
-            ids = b"\x22" + bytes((len(v),)) + v
-        if text:
-            t = b"<token:%d>" % token  # at most 18 bytes: one-byte lengths throughout
-            inner = b"\x12" + bytes((len(t),)) + t + b"\x18\x01"
-            if token_ids:
-                inner += ids
-        elif token_ids:
-            inner = b"\x18\x01" + ids
-        else:
-            inner = b"\x18\x01"
-        return b"\x12" + bytes((len(inner),)) + inner
-
-    return encode
 
 
 def build_sequence_output(tokens: Sequence[int], options: OutputOptions, text: str | None = None) -> pb.SequenceOutput:

@@ -27,9 +27,8 @@ scheduler request at once, which frees its KV blocks and its running/waiting slo
 from __future__ import annotations
 
 import enum
-import ipaddress
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Any, NoReturn
@@ -38,37 +37,28 @@ import attrs
 import trio
 import trio_util
 
-import trio_sidecar
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
-from trio_sidecar._proto.vllm import control_grpc, control_pb2, inference_grpc
 from trio_sidecar._proto.vllm import inference_pb2 as pb
 from trio_sidecar.mock import engine_args as _engine_args
 from trio_sidecar.mock import lora as _lora
 from trio_sidecar.mock import rl as _rl
+from trio_sidecar.mock.config import MockConfig, MockConfigError, PreparedConfig, parse_listen, prepare_config
+from trio_sidecar.mock.control import ControlServicer, model_info, rl_capabilities, server_info
 from trio_sidecar.mock.generation import (
-    TOKEN_BASE,
-    TOKEN_SPAN,
     ByteDetokenizer,
-    OutputOptions,
     RequestRejected,
-    build_prompt_info,
-    build_sequence_output,
-    fill_sequence_output,
     request_uuid,
-    token_response_encoder,
 )
 from trio_sidecar.mock.handoff import Role, encode_terminal_params, prefill_terminal_params
+from trio_sidecar.mock.inference import InferenceServicer
 from trio_sidecar.mock.metrics import MockMetrics
-from trio_sidecar.mock.scripted import load_scripts
 from trio_sidecar.mock.tiny_model import WordText
-from trio_sidecar.mock.validation import PreparedRequest, RequestPolicy, parse_dp_rank, prepare_request
+from trio_sidecar.mock.validation import PreparedRequest, parse_dp_rank, prepare_request
 from trio_sidecar.status import StatusCode
 from trio_sidecar.transport import (
     DEFAULT_MAX_MESSAGE_LENGTH,
-    FramedMessages,
     HealthServicer,
     RpcError,
-    ServerLimits,
     collapse_single_exception,
     serve_grpc,
 )
@@ -92,143 +82,12 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 FinishReason = pb.FinishInfo.FinishReason
 
-SHUTDOWN_UNIMPLEMENTED = "shutdown is not supported by the mocker"
 SHUTTING_DOWN = "server shutting down"
 # Most buffered signals taken per wake-up: bounds the work between two checkpoints, and one run of
 # plain token messages (~40 bytes each) stays within one 16 KiB HTTP/2 frame.
 _BATCH_LIMIT = 256
 # How long graceful shutdown waits for failed in-flight calls to leave before the server is torn down.
 DRAIN_GRACE_S = 2.0
-
-
-class MockConfigError(Exception):
-    """An invalid mock configuration (listen address, mode, engine arguments). ``str(e)`` is the message."""
-
-
-def parse_listen(text: str) -> tuple[str, int]:
-    """Parse ``--listen``: ``IPv4:PORT`` or ``[IPv6]:PORT`` (a literal IP, never a host name).
-
-    Raises:
-        MockConfigError: anything else.
-    """
-    host, sep, port_text = text.rpartition(":")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-        version = 6
-    else:
-        version = 4
-    try:
-        ip = ipaddress.ip_address(host) if sep else None
-    except ValueError:
-        ip = None
-    if ip is None or ip.version != version or not (port_text.isascii() and port_text.isdigit()):
-        raise MockConfigError(f"invalid listen address '{text}': expected IP:PORT with a literal IP")
-    port = int(port_text)
-    if port > 65535:
-        raise MockConfigError(f"invalid listen address '{text}': port must be 0..65535")
-    return str(ip), port
-
-
-@attrs.frozen(kw_only=True)
-class MockConfig:
-    """The mock server's configuration: the CLI's fields (docs/reference/mock.md#cli, docs/reference/mock.md#in-process-api-and-test-hooks)."""
-
-    listen: str = "127.0.0.1:50051"
-    model: str = "mocker-model"
-    served_model_name: str | None = None
-    disaggregation_mode: str = "aggregated"
-    seed: int = 42
-    max_concurrent_requests: int = 256
-    engine_args: Mapping[str, Any] | _engine_args.EngineArgs | None = None
-    supports_multimodal: bool = False
-    #: Keep ``recorded_requests`` / ``abort_calls`` (test hooks). The CLI turns it off so a long-running
-    #: process does not grow with its traffic.
-    record_requests: bool = True
-    #: Seconds a new connection has to complete the HTTP/2 handshake (docs/reliability.md).
-    handshake_timeout: float = 10.0
-    #: Seconds a connection may stay without open streams before GOAWAY and close (``None``: never).
-    idle_timeout: float | None = 300.0
-    #: Connections served at once; more are closed on accept (one WARNING line per 10 s).
-    max_connections: int = 1000
-
-
-@attrs.frozen(kw_only=True)
-class _Prepared:
-    host: str
-    port: int
-    mode: Role
-    args: _engine_args.EngineArgs
-    policy: RequestPolicy
-    config: MockConfig
-    limits: ServerLimits
-
-
-def prepare_config(config: MockConfig) -> _Prepared:
-    """Every configuration check that needs no socket (the order of docs/reference/mock.md#startup-validation, then listen address and mode).
-
-    Raises:
-        MockConfigError: the first problem, with its documented message (docs/reference/mock.md#startup-validation).
-    """
-    try:
-        args = (
-            config.engine_args
-            if isinstance(config.engine_args, _engine_args.EngineArgs)
-            else _engine_args.engine_args_from_mapping(config.engine_args)
-        )
-        _engine_args.validate_engine_args(args, max_concurrent_requests=config.max_concurrent_requests)
-    except _engine_args.EngineArgsError as exc:
-        raise MockConfigError(str(exc)) from None
-    if not 0 <= config.seed < 2**64:
-        raise MockConfigError("seed must be an unsigned 64-bit integer")
-    try:
-        mode = Role.parse(config.disaggregation_mode)
-    except ValueError:
-        raise MockConfigError(
-            f"invalid disaggregation mode '{config.disaggregation_mode}': expected aggregated, prefill, decode or encode"
-        ) from None
-    host, port = parse_listen(config.listen)
-    try:
-        limits = ServerLimits(
-            handshake_timeout=config.handshake_timeout,
-            idle_timeout=config.idle_timeout,
-            max_connections=config.max_connections,
-        )
-    except ValueError as exc:
-        raise MockConfigError(str(exc)) from None
-    served = config.served_model_name or config.model
-    try:
-        scripts = load_scripts(args.scripted_completions, config.model) if args.scripted_completions else None
-    except ValueError as exc:
-        raise MockConfigError(str(exc)) from None
-    policy = RequestPolicy(
-        served_model_name=served,
-        seed=config.seed,
-        mode=mode,
-        supports_multimodal=config.supports_multimodal,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.token_budget,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        token_seed_source=_enum_value(args.token_seed_source),
-        image_token_id=args.image_token_id,
-        tokens_per_image=args.tokens_per_image,
-        lora=_lora.LoraTable(args.max_loras, (served,)) if args.max_loras > 0 else None,
-        scripts=scripts,
-        tokenize=_text_tokenizer(config.model),
-    )
-    return _Prepared(host=host, port=port, mode=mode, args=args, policy=policy, config=config, limits=limits)
-
-
-def _text_tokenizer(model: str) -> Callable[[str], list[int]] | None:
-    """Text prompts are served when the model is a directory with a tokenizer (``--tiny-model``) and the
-    ``tokenizers`` package is installed (docs/reference/mock.md#request-validation)."""
-    from trio_sidecar.tokenizer import local_tokenizer
-
-    encoder = local_tokenizer(model)
-    return None if encoder is None else encoder.encode
-
-
-def _enum_value(value: Any) -> Any:
-    return value.value if isinstance(value, enum.Enum) else value
 
 
 def _rejected(err: RequestRejected) -> RpcError:
@@ -248,8 +107,9 @@ class _Call:
         self.server = server
         self.prepared = prepared
         self.rank = rank
-        self.engine = server._engines[rank]
-        self.timer = server.request_metrics.timer(rank, len(prepared.prompt))  # vLLM-named metrics
+        local = rank - server._first_rank  # the index of a hosted (global) rank
+        self.engine = server._engines[local]
+        self.timer = server.request_metrics.timer(local, len(prepared.prompt))  # vLLM-named metrics
         self.sent = 0  # tokens handed to the client so far
         self.claim: _Claim | None = None
         self.shutting_down = False
@@ -419,9 +279,10 @@ CALL_HISTORY = 1024
 class MockServer:
     """A running mock server and its test hooks (docs/reference/mock.md#in-process-api-and-test-hooks). Built by :func:`open_mock_server`."""
 
-    def __init__(self, prepared: _Prepared, engines: Sequence[Any], publishers: Sequence[Any]) -> None:
+    def __init__(self, prepared: PreparedConfig, engines: Sequence[Any], publishers: Sequence[Any]) -> None:
         self._prepared = prepared
         self._engines = list(engines)
+        self._first_rank = prepared.args.data_parallel_rank  # the global DP rank of self._engines[0]
         self._publishers = list(publishers)
         self._routes: dict[str, _Call] = {}
         self._ended_calls: dict[str, CallRecord] = {}  # request id -> its last ended call (insertion order)
@@ -445,9 +306,9 @@ class MockServer:
         self.trace_headers: dict[str, dict[str, str]] = {}
         #: The adapter table (``lora.enabled`` is false without ``max_loras``) and the RL state.
         self.lora = prepared.policy.lora if prepared.policy.lora is not None else _lora.LoraTable(0, ())
-        self.rl = _rl.RlState(_rl_capabilities(prepared.args))
-        self.server_info = _server_info(prepared)
-        self.model_info = _model_info(prepared)
+        self.rl = _rl.RlState(rl_capabilities(prepared.args))
+        self.server_info = server_info(prepared)
+        self.model_info = model_info(prepared)
         #: vLLM-named request and scheduler metrics (``trio_sidecar.mock.metrics``; ``--metrics-port``).
         self.request_metrics = MockMetrics(
             prepared.policy.served_model_name, [partial(self.metrics, rank) for rank in range(len(self._engines))]
@@ -518,7 +379,7 @@ class MockServer:
 
     # --- request plumbing ---------------------------------------------------------------------------
 
-    def _begin(self, rpc: str, request: pb.GenerateRequest, context: Any) -> _Call:
+    def begin(self, rpc: str, request: pb.GenerateRequest, context: Any) -> _Call:
         """Rows 1–19 of docs/reference/mock.md#request-validation, then register the call. Raises RpcError."""
         metadata = tuple(getattr(context, "metadata", ()))
         if self._record:
@@ -529,7 +390,7 @@ class MockServer:
         if self._shutting_down:
             raise RpcError(StatusCode.UNAVAILABLE, SHUTTING_DOWN)
         try:
-            rank = parse_dp_rank(metadata, len(self._engines))
+            rank = parse_dp_rank(metadata, len(self._engines), self._first_rank)
         except RequestRejected as err:
             raise _rejected(err) from None
         try:
@@ -549,7 +410,7 @@ class MockServer:
             self._permits.release()
             raise
         if rank is None:
-            rank = min(range(len(self._engines)), key=lambda r: (self._engines[r].load, r))
+            rank = self._first_rank + min(range(len(self._engines)), key=lambda r: (self._engines[r].load, r))
         call = _Call(self, prepared, rank)
         self._routes[prepared.uuid] = call
         self._active.value = len(self._routes)
@@ -557,7 +418,7 @@ class MockServer:
             self.lora.use(request.lora_name)
         return call
 
-    def _detokenizer(self, call: _Call) -> Any:
+    def detokenizer(self, call: _Call) -> Any:
         """The text source of a call's messages (``step(tokens)``/``finish()``): its script's, the text mode's,
         or None (the tags)."""
         if call.prepared.scripted is not None:
@@ -575,7 +436,7 @@ class MockServer:
             self._permits.release()
             self._active.value = len(self._routes)
 
-    def _submit(self, call: _Call) -> RpcError | None:
+    def submit(self, call: _Call) -> RpcError | None:
         """Submit to the scheduler. A capacity rejection (row 20) is returned, not raised: a stream
         reports it after ``prompt_info``. Other scheduler rejections are raised as their status."""
         from trio_sidecar.mock.scheduler import CapacityError, SchedulerError
@@ -588,7 +449,7 @@ class MockServer:
             raise RpcError(exc.code, str(exc)) from None
         return None
 
-    def _abort(self, request_ids: Sequence[str]) -> None:
+    def abort(self, request_ids: Sequence[str]) -> None:
         if self._record:
             self.abort_calls.append(list(request_ids))
         seed = self._prepared.config.seed
@@ -597,7 +458,7 @@ class MockServer:
             if call is not None:
                 call.abort()
 
-    async def _apply_pause(self, mode: _rl.PauseMode) -> None:
+    async def apply_pause(self, mode: _rl.PauseMode) -> None:
         """What a pause (``PauseGeneration`` or ``Sleep``) does to in-flight requests, as vLLM's engine core:
         abort ends them with an ``ABORTED`` terminal, wait returns once those in flight now have ended, keep
         leaves them. The mock does not hold back new or kept requests while paused
@@ -610,86 +471,7 @@ class MockServer:
             await self._active.wait_value(lambda _: not any(self._routes.get(c.prepared.uuid) is c for c in pending))
 
 
-# --- servicers -------------------------------------------------------------------------------------------
-
-
-class _InferenceServicer(inference_grpc.InferenceServicer):
-    def __init__(self, server: MockServer) -> None:
-        self._server = server
-
-    async def Generate(self, request: pb.GenerateRequest, context: Any) -> pb.GenerateResponse:  # noqa: N802
-        call = self._server._begin("Generate", request, context)
-        try:
-            rejection = self._server._submit(call)
-            if rejection is not None:
-                raise rejection
-            tokens: list[int] = []
-            while True:
-                chunk, terminal = await call.next_output()
-                call.timer.delivered(len(chunk), _finished_reason(terminal))
-                tokens.extend(chunk)
-                if terminal is not None:
-                    break
-            text = None
-            detokenizer = self._server._detokenizer(call)
-            if detokenizer is not None:
-                text = detokenizer.step(tokens)
-                if terminal.finish_reason != FinishReason.ABORTED:
-                    text += detokenizer.finish()
-            outputs = build_sequence_output(tokens, call.prepared.output, text)
-            outputs.finish_info.CopyFrom(terminal)
-            return pb.GenerateResponse(
-                prompt_info=build_prompt_info(call.prepared.prompt, request.response), outputs=outputs
-            )
-        finally:
-            call.release()
-
-    async def GenerateStream(
-        self, request: pb.GenerateRequest, context: Any
-    ) -> AsyncIterator[pb.GenerateResponse | FramedMessages]:  # noqa: N802
-        call = self._server._begin("GenerateStream", request, context)
-        try:
-            rejection = self._server._submit(call)
-            yield pb.GenerateResponse(prompt_info=build_prompt_info(call.prepared.prompt, request.response))
-            if rejection is not None:
-                raise rejection
-            options = call.prepared.output
-            detokenizer = self._server._detokenizer(call)
-            encode = _framed_token_encoder(options) if detokenizer is None else _byte_text_encoder(options, detokenizer)
-            while True:
-                tokens, terminal = await call.next_output()
-                call.timer.delivered(len(tokens), _finished_reason(terminal))
-                if terminal is None or terminal.finish_reason == FinishReason.ABORTED or not tokens:
-                    plain, last_token = tokens, None
-                else:
-                    plain, last_token = tokens[:-1], tokens[-1]
-                # One message per token, all that are ready written in one send (docs/reference/mock.md#stream-shape-and-buffering).
-                framed = [encode(token) for token in plain]
-                if terminal is not None:
-                    message = pb.GenerateResponse()
-                    if last_token is None:
-                        message.outputs.SetInParent()  # the ABORTED (or an encode) terminal carries no token
-                    elif detokenizer is None:
-                        fill_sequence_output(message.outputs, (last_token,), options)
-                    else:  # the finish flushes what the detokenizer holds back
-                        text = detokenizer.step((last_token,)) + detokenizer.finish()
-                        fill_sequence_output(message.outputs, (last_token,), options, text)
-                    message.outputs.finish_info.CopyFrom(terminal)
-                    framed.append(FramedMessages.frame(message.SerializeToString()))
-                if framed:
-                    yield FramedMessages(b"".join(framed))
-                if terminal is not None:
-                    return
-        finally:
-            call.release()
-
-
-def _finished_reason(terminal: pb.FinishInfo | None) -> str | None:
-    """vLLM's ``finished_reason`` metric label of a terminal (``None``: no terminal yet)."""
-    if terminal is None:
-        return None
-    return {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}.get(terminal.finish_reason, "abort")
-
+_TRACE_KEYS = frozenset(("traceparent", "tracestate"))
 
 #: text_mode -> a new request's detokenizer (``step(tokens)``/``finish()``); the tags need none.
 _TEXT_MODES: dict[_engine_args.TextMode, Callable[[], Any]] = {
@@ -698,271 +480,10 @@ _TEXT_MODES: dict[_engine_args.TextMode, Callable[[], Any]] = {
 }
 
 
-# Framed per-token messages by (text, token_ids) option pair, indexed by token - TOKEN_BASE: the mock's
-# tokens come from a fixed range of 31,000 ids, so a filled table costs a few MB at most.
-_FRAMED_TOKENS: dict[tuple[bool, bool], list[bytes | None]] = {}
-
-
-def _framed_token_encoder(options: OutputOptions) -> Callable[[int], bytes]:
-    """``token -> framed GenerateResponse`` for one streamed token (no ``finish_info``), cached for the
-    plain text / token-id shapes."""
-    encode = token_response_encoder(options)
-    frame = FramedMessages.frame
-    if options.logprobs or options.candidates_requested:
-        return lambda token: frame(encode(token))
-    table = _FRAMED_TOKENS.get((options.text, options.token_ids))
-    if table is None:
-        table = _FRAMED_TOKENS[(options.text, options.token_ids)] = [None] * TOKEN_SPAN
-
-    def framed(token: int) -> bytes:
-        index = token - TOKEN_BASE
-        if 0 <= index < TOKEN_SPAN:
-            data = table[index]
-            if data is None:
-                data = table[index] = frame(encode(token))
-            return data
-        return frame(encode(token))
-
-    return framed
-
-
-def _byte_text_encoder(options: OutputOptions, detokenizer: Any) -> Callable[[int], bytes]:
-    """``token -> framed GenerateResponse`` in ``text_mode = "bytes"``: the text is the request's
-    detokenizer's, so nothing is cached."""
-    frame = FramedMessages.frame
-
-    def framed(token: int) -> bytes:
-        message = pb.GenerateResponse()
-        fill_sequence_output(message.outputs, (token,), options, detokenizer.step((token,)))
-        return frame(message.SerializeToString())
-
-    return framed
-
-
-_TRACE_KEYS = frozenset(("traceparent", "tracestate"))
-
-
-def _recorded(handler: Callable[..., Any]) -> Callable[..., Any]:
-    """A Control handler that first records ``(rpc name, request)`` in ``MockServer.control_calls`` and
-    turns the pure modules' ``RequestRejected`` into its RPC status."""
-    name = handler.__name__
-
-    async def wrapper(self: _ControlServicer, request: Any, context: Any) -> Any:
-        server = self._server
-        if server._record:
-            server.control_calls.append((name, request))
-        try:
-            return await handler(self, request, context)
-        except RequestRejected as err:
-            raise _rejected(err) from None
-
-    wrapper.__name__ = wrapper.__qualname__ = name
-    wrapper.__doc__ = handler.__doc__
-    return wrapper
-
-
-class _ControlServicer(control_grpc.ControlServicer):
-    """Control: fixed answers, ``Abort``, and the LoRA and RL RPCs on the server's adapter table and RL
-    state (docs/reference/mock.md#lora-adapters, docs/reference/mock.md#rl-controls). Every call is recorded
-    first, whatever its outcome."""
-
-    def __init__(self, server: MockServer) -> None:
-        self._server = server
-
-    @_recorded
-    async def GetServerInfo(self, request: Any, context: Any) -> control_pb2.ServerInfo:  # noqa: N802
-        return self._server.server_info
-
-    @_recorded
-    async def GetModelInfo(self, request: Any, context: Any) -> control_pb2.ModelInfo:  # noqa: N802
-        return self._server.model_info
-
-    @_recorded
-    async def Abort(self, request: control_pb2.AbortRequest, context: Any) -> control_pb2.AbortResponse:  # noqa: N802
-        self._server._abort(request.request_ids)
-        return control_pb2.AbortResponse()
-
-    @_recorded
-    async def GetKvEventSources(self, request: Any, context: Any) -> control_pb2.GetKvEventSourcesResponse:  # noqa: N802
-        response = control_pb2.GetKvEventSourcesResponse()
-        for rank, pub in enumerate(self._server._publishers):
-            replay_port = pub.replay_port
-            response.sources.add(
-                transport="zmq",
-                endpoint=f"tcp://0.0.0.0:{pub.port}",
-                topic="",
-                replay_endpoint=f"tcp://0.0.0.0:{replay_port}" if replay_port is not None else "",
-                data_parallel_rank=rank,
-                encoding="msgpack",
-                schema_version=1,
-            )
-        return response
-
-    # --- LoRA (docs/reference/mock.md#lora-adapters) ---------------------------------------------------
-
-    @_recorded
-    async def LoadLora(self, request: control_pb2.LoadLoraRequest, context: Any) -> control_pb2.LoadLoraResponse:  # noqa: N802
-        adapter = self._server.lora.load(request.lora_name, request.source_path)
-        return control_pb2.LoadLoraResponse(adapter=_adapter_pb(adapter))
-
-    @_recorded
-    async def UnloadLora(self, request: control_pb2.UnloadLoraRequest, context: Any) -> control_pb2.UnloadLoraResponse:  # noqa: N802
-        adapter = self._server.lora.unload(request.lora_name)
-        return control_pb2.UnloadLoraResponse(adapter=_adapter_pb(adapter))
-
-    @_recorded
-    async def ListLoras(self, request: Any, context: Any) -> control_pb2.ListLorasResponse:  # noqa: N802
-        return control_pb2.ListLorasResponse(adapters=[_adapter_pb(a) for a in self._server.lora.list()])
-
-    # --- RL (docs/reference/mock.md#rl-controls) -------------------------------------------------------
-
-    @_recorded
-    async def PauseGeneration(
-        self, request: control_pb2.PauseGenerationRequest, context: Any
-    ) -> control_pb2.PauseGenerationResponse:  # noqa: N802
-        mode = self._server.rl.pause(_rl.PauseMode.from_proto(request.mode))
-        await self._server._apply_pause(mode)
-        return control_pb2.PauseGenerationResponse()
-
-    @_recorded
-    async def ResumeGeneration(self, request: Any, context: Any) -> control_pb2.ResumeGenerationResponse:  # noqa: N802
-        self._server.rl.resume()
-        return control_pb2.ResumeGenerationResponse()
-
-    @_recorded
-    async def IsPaused(self, request: Any, context: Any) -> control_pb2.IsPausedResponse:  # noqa: N802
-        return control_pb2.IsPausedResponse(paused=self._server.rl.paused)
-
-    @_recorded
-    async def Sleep(self, request: control_pb2.SleepRequest, context: Any) -> control_pb2.SleepResponse:  # noqa: N802
-        level = request.level if request.HasField("level") else None
-        mode = self._server.rl.sleep(level, _rl.PauseMode.from_proto(request.mode))
-        await self._server._apply_pause(mode)
-        return control_pb2.SleepResponse()
-
-    @_recorded
-    async def WakeUp(self, request: control_pb2.WakeUpRequest, context: Any) -> control_pb2.WakeUpResponse:  # noqa: N802
-        self._server.rl.wake_up(list(request.tags))
-        return control_pb2.WakeUpResponse()
-
-    @_recorded
-    async def IsSleeping(self, request: Any, context: Any) -> control_pb2.IsSleepingResponse:  # noqa: N802
-        return control_pb2.IsSleepingResponse(sleeping=self._server.rl.sleeping)
-
-    @_recorded
-    async def InitWeightTransferEngine(
-        self, request: control_pb2.InitWeightTransferEngineRequest, context: Any
-    ) -> control_pb2.InitWeightTransferEngineResponse:  # noqa: N802
-        self._server.rl.init_weight_transfer(request.init_info_json)
-        return control_pb2.InitWeightTransferEngineResponse()
-
-    @_recorded
-    async def StartWeightUpdate(self, request: Any, context: Any) -> control_pb2.StartWeightUpdateResponse:  # noqa: N802
-        self._server.rl.start_weight_update()
-        return control_pb2.StartWeightUpdateResponse()
-
-    @_recorded
-    async def StartDraftWeightUpdate(self, request: Any, context: Any) -> control_pb2.StartDraftWeightUpdateResponse:  # noqa: N802
-        self._server.rl.start_weight_update(draft=True)
-        return control_pb2.StartDraftWeightUpdateResponse()
-
-    @_recorded
-    async def UpdateWeights(
-        self, request: control_pb2.UpdateWeightsRequest, context: Any
-    ) -> control_pb2.UpdateWeightsResponse:  # noqa: N802
-        self._server.rl.update_weights(request.update_info_json)
-        return control_pb2.UpdateWeightsResponse()
-
-    @_recorded
-    async def FinishWeightUpdate(
-        self, request: control_pb2.FinishWeightUpdateRequest, context: Any
-    ) -> control_pb2.FinishWeightUpdateResponse:  # noqa: N802
-        version = request.weight_version if request.HasField("weight_version") else None
-        self._server.rl.finish_weight_update(version)
-        return control_pb2.FinishWeightUpdateResponse()
-
-    @_recorded
-    async def UpdateWeightVersion(
-        self, request: control_pb2.UpdateWeightVersionRequest, context: Any
-    ) -> control_pb2.UpdateWeightVersionResponse:  # noqa: N802
-        self._server.rl.set_weight_version(request.weight_version)
-        return control_pb2.UpdateWeightVersionResponse()
-
-    @_recorded
-    async def GetWeightVersion(self, request: Any, context: Any) -> control_pb2.GetWeightVersionResponse:  # noqa: N802
-        return control_pb2.GetWeightVersionResponse(weight_version=self._server.rl.weight_version)
-
-    @_recorded
-    async def Shutdown(self, request: Any, context: Any) -> Any:  # noqa: N802
-        raise RpcError(StatusCode.UNIMPLEMENTED, SHUTDOWN_UNIMPLEMENTED)
-
-
-def _adapter_pb(adapter: _lora.LoraAdapter) -> control_pb2.LoraAdapter:
-    return control_pb2.LoraAdapter(
-        lora_id=adapter.lora_id, lora_name=adapter.lora_name, source_path=adapter.source_path
-    )
-
-
-def _rl_capabilities(args: _engine_args.EngineArgs) -> _rl.RlCapabilities:
-    return _rl.RlCapabilities(
-        weight_transfer_backend=args.weight_transfer_backend or "",
-        sleep_mode_enabled=args.enable_sleep_mode,
-        draft_weight_updates_enabled=args.enable_draft_weight_updates,
-    )
-
-
-# --- fixed Control values (docs/reference/mock.md#control-and-health-answers) --------------------------------------------------------------------
-
-
-def _server_info(prepared: _Prepared) -> control_pb2.ServerInfo:
-    args = prepared.args
-    return control_pb2.ServerInfo(
-        engine_version=trio_sidecar.__version__,
-        api_version="vllm",
-        instance_id=f"trio-sidecar-mock-{prepared.mode.value}",
-        parallelism=control_pb2.ParallelismInfo(
-            tensor_parallel_size=1,
-            pipeline_parallel_size=1,
-            data_parallel_size=args.dp_size,
-            data_parallel_rank=0,
-            decode_context_parallel_size=1,
-            world_size=1,
-            data_parallel_size_local=args.dp_size,
-        ),
-        max_model_len=args.max_model_len or 0,
-        kv_block_size=args.block_size,
-        total_kv_blocks=args.num_gpu_blocks * args.dp_size,
-        max_running_requests=args.max_num_seqs or 0,
-        max_batched_tokens=args.max_num_batched_tokens or 0,
-        max_loras=args.max_loras,
-        rl_capabilities=control_pb2.RlCapabilities(
-            weight_transfer_enabled=bool(args.weight_transfer_backend),
-            weight_transfer_backend=args.weight_transfer_backend or "",
-            sleep_mode_enabled=args.enable_sleep_mode,
-            draft_weight_updates_enabled=args.enable_draft_weight_updates,
-        ),
-        effective_attention_block_size=args.block_size,
-    )
-
-
-def _model_info(prepared: _Prepared) -> control_pb2.ModelInfo:
-    config = prepared.config
-    return control_pb2.ModelInfo(
-        model_id=config.model,
-        served_model_name=prepared.policy.served_model_name,
-        supports_text_input=prepared.policy.tokenize is not None,
-        supports_token_ids_input=True,
-        supports_lora=prepared.args.max_loras > 0,
-        supports_multimodal=config.supports_multimodal,
-        reasoning_parser="",
-        tool_call_parser="",
-    )
-
-
 # --- lifetime --------------------------------------------------------------------------------------------
 
 
-def _open_publishers(prepared: _Prepared) -> list[Any]:
+def _open_publishers(prepared: PreparedConfig) -> list[Any]:
     """docs/reference/mock.md#startup-and-shutdown step 2: one PUB (and optional replay ROUTER) per rank on the listen IP, all or nothing."""
     args = prepared.args
     if not args.enable_prefix_caching or prepared.mode in (Role.DECODE, Role.ENCODE):
@@ -971,7 +492,7 @@ def _open_publishers(prepared: _Prepared) -> list[Any]:
 
     try:
         return kv_events.bind_publishers(
-            prepared.host, args.dp_size, port=args.zmq_kv_events_port, replay_port=args.zmq_replay_port
+            prepared.host, len(args.local_ranks), port=args.zmq_kv_events_port, replay_port=args.zmq_replay_port
         )
     except OSError as exc:
         LOGGER.warning("running without KV events: %s", exc)
@@ -1003,8 +524,8 @@ async def open_mock_server(config: MockConfig) -> AsyncIterator[MockServer]:
         with collapse_single_exception():
             async with trio.open_nursery() as nursery:
                 engines = [
-                    RankEngine(rank, prepared.args, publishers[rank] if publishers else None)
-                    for rank in range(prepared.args.dp_size)
+                    RankEngine(rank, prepared.args, publishers[index] if publishers else None)
+                    for index, rank in enumerate(prepared.args.local_ranks)
                 ]
                 for engine in engines:
                     await nursery.start(engine.run)
@@ -1014,7 +535,7 @@ async def open_mock_server(config: MockConfig) -> AsyncIterator[MockServer]:
                 listener = await nursery.start(
                     partial(
                         serve_grpc,
-                        [_InferenceServicer(server), _ControlServicer(server), server.health],
+                        [InferenceServicer(server), ControlServicer(server), server.health],
                         host=prepared.host,
                         port=prepared.port,
                         max_message_length=DEFAULT_MAX_MESSAGE_LENGTH,

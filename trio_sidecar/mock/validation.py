@@ -69,8 +69,10 @@ def _parse_u32(text: str) -> int | None:
     return value if value < 2**32 else None
 
 
-def parse_dp_rank(metadata: Sequence[tuple[str, str]], dp_size: int) -> int | None:
+def parse_dp_rank(metadata: Sequence[tuple[str, str]], dp_size: int, first_rank: int = 0) -> int | None:
     """Rows 1–2: the ``x-data-parallel-rank`` metadata as a hosted rank, or ``None`` when absent.
+
+    The server hosts the ``dp_size`` ranks from ``first_rank`` (one node of a hybrid data-parallel group).
 
     Raises:
         RequestRejected: ``INVALID_ARGUMENT`` for a value that is not a u32, or a rank not hosted.
@@ -81,8 +83,8 @@ def parse_dp_rank(metadata: Sequence[tuple[str, str]], dp_size: int) -> int | No
     rank = _parse_u32(raw)
     if rank is None:
         raise _invalid("x-data-parallel-rank metadata must be an unsigned 32-bit integer")
-    if rank >= dp_size:
-        ranks = ", ".join(str(r) for r in range(dp_size))
+    if not first_rank <= rank < first_rank + dp_size:
+        ranks = ", ".join(str(r) for r in range(first_rank, first_rank + dp_size))
         raise _invalid(
             f"engine-core error: data parallel rank {rank} is not connected to this frontend; "
             f"connected ranks: [{ranks}]"

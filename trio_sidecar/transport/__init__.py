@@ -14,8 +14,9 @@ Layers:
   of an exception that kills the connection. It is built from: ``_events`` (the events it reports and the
   exceptions of its surface), ``_h2`` (``H2Connection``: h2 3.2.0 with gRPC's GOAWAY semantics, the
   WINDOW_UPDATE-after-close race handled inside h2's own frame handling,
-  docs/reference/transport.md#the-h2-320-window_update-race, and fast frame building), ``_hpack`` (HPACK
-  encodings/decodings cached while the dynamic table is unchanged) and ``_decompress`` (decompression
+  docs/reference/transport.md#the-h2-320-window_update-race), ``_fast`` (every fast path of the layer: HPACK
+  caches, HEADERS/DATA framing and receiving, each with its differential test, docs/performance.md#fast-paths)
+  and ``_decompress`` (decompression
   bounded by the message limit). These are the only modules that touch h2, hpack or purerpc internals:
   the layers below use ``GrpcProtocol``'s explicit surface (``open_stream``,
   ``send_message``/``send_data``/``send_trailers``, ``acknowledge``, ``data_to_send``/``output_size``,

@@ -9,10 +9,9 @@
 * DATA for a stream without a read buffer no longer raises ``KeyError``;
 * GOAWAY becomes a ``GoAway`` event and the peer's first SETTINGS a ``SettingsReceived`` event;
 * the h2 3.2.0 WINDOW_UPDATE-after-close race is handled inside h2 (``_h2.H2Connection``);
-* HPACK header blocks are encoded/decoded once per dynamic-table state (``_hpack``);
-* plain DATA frames of open streams skip h2's frame objects and per-frame buffer re-slicing, and whole
-  uncompressed messages skip purerpc's read buffer (``receive_data``; same bookkeeping and events, checked
-  against h2's path by ``tests/transport/test_transport_fastpath.py``).
+* the common frames take the transport's fast paths (``_fast``, docs/performance.md#fast-paths): plain DATA
+  and HEADERS frames skip h2's frame buffer and objects, whole uncompressed messages skip purerpc's read
+  buffer, and consumed bytes are counted without h2 while no WINDOW_UPDATE is due.
 
 Flow control: received DATA is acknowledged when the application consumes the message (or drops the
 stream), so a slow reader pushes back on its sender. ``discard_stream`` hands back everything still
@@ -20,8 +19,6 @@ buffered for a stream, so abandoned streams never eat the connection window.
 """
 
 from __future__ import annotations
-
-import struct
 
 import h2.config
 import h2.connection
@@ -31,8 +28,6 @@ import h2.settings
 import h2.stream
 from h2.errors import ErrorCodes
 from h2.settings import SettingCodes
-from h2.stream import STREAM_OPEN
-from hyperframe.frame import HeadersFrame
 from purerpc.grpclib.buffers import MessageReadBuffer
 from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.grpclib.connection import GRPCConnection
@@ -42,6 +37,7 @@ from purerpc.grpclib.headers import HeaderDict
 
 from trio_sidecar.status import StatusCode
 
+from . import _fast
 from ._decompress import BoundedReadBuffer, MessageDecodeError, buffered_flow_controlled_length
 from ._events import (
     PING_RECEIVED,
@@ -64,16 +60,9 @@ __all__ = ["CONNECTION_ERRORS", "ErrorCodes", "GrpcProtocol"]
 
 _MAX_WINDOW = 2**31 - 1
 
-# HEADERS flags taken by ``_receive_plain_headers``: END_HEADERS (0x4), with or without END_STREAM (0x1);
-# the frozen sets stand in for hyperframe's ``Flags`` (h2 only tests membership on a received frame).
-_HEADERS_FLAG_SETS = {0x4: frozenset({"END_HEADERS"}), 0x5: frozenset({"END_HEADERS", "END_STREAM"})}
-_PLAIN_HEADERS_FLAGS = frozenset(_HEADERS_FLAG_SETS)
-_new_object = object.__new__
-_unpack_message_prefix = struct.Struct(">BL").unpack_from  # gRPC's message prefix: compressed flag, length
 _OPEN_CONNECTION_STATES = frozenset(
     {h2.connection.ConnectionState.CLIENT_OPEN, h2.connection.ConnectionState.SERVER_OPEN}
 )
-_DATA_STREAM_STATES = frozenset({h2.stream.StreamState.OPEN, h2.stream.StreamState.HALF_CLOSED_LOCAL})
 
 # Errors that parsing a header block can raise (purerpc's parsers index dicts and call int()).
 _HEADER_ERRORS = (GrpcProtocolError, ValueError, TypeError, KeyError, IndexError, AttributeError)
@@ -236,36 +225,12 @@ class GrpcProtocol(GRPCConnection):
 
         h2's ``acknowledge_received_data`` only counts the bytes until half a window is processed (or the
         window is empty), then queues WINDOW_UPDATE. While neither window is near that point the counting is
-        done here (once per message on the streaming path); otherwise h2 does it all.
-        ``tests/transport/test_transport_fastpath.py`` compares the two.
+        done here (``_fast.count_acknowledged``, once per message on the streaming path); otherwise h2 does
+        it all.
         """
         h2conn = self.h2_connection
-        connection_window = h2conn._inbound_flow_control_window_manager
-        processed = connection_window._bytes_processed + length
-        if connection_window.current_window_size and processed < connection_window.max_window_size // 2:
-            stream = h2conn.streams.get(stream_id)
-            if stream is None:
-                if stream_id <= (
-                    h2conn.highest_outbound_stream_id
-                    if h2conn._stream_id_is_outbound(stream_id)
-                    else h2conn.highest_inbound_stream_id
-                ):
-                    # A closed stream h2 already forgot (its last messages often come with the trailers):
-                    # h2 would only count the connection window.
-                    connection_window._bytes_processed = processed
-                    return bool(h2conn._data_to_send)
-            elif not STREAM_OPEN[stream.state_machine.state]:
-                connection_window._bytes_processed = processed  # (h2 ignores a closed stream's window)
-                return bool(h2conn._data_to_send)
-            else:
-                stream_window = stream._inbound_window_manager
-                if (
-                    stream_window.current_window_size
-                    and stream_window._bytes_processed + length < stream_window.max_window_size // 2
-                ):
-                    connection_window._bytes_processed = processed
-                    stream_window._bytes_processed += length
-                    return bool(h2conn._data_to_send)
+        if _fast.count_acknowledged(h2conn, stream_id, length):
+            return bool(h2conn._data_to_send)
         queued = len(h2conn._data_to_send)
         h2conn.acknowledge_received_data(length, stream_id)
         if len(h2conn._data_to_send) > queued:
@@ -305,8 +270,8 @@ class GrpcProtocol(GRPCConnection):
         """Feed bytes from the socket; returns events. h2 ``ProtocolError`` means the connection is dead.
 
         Fast path: plain DATA frames (no flags) of an open stream with a read buffer are handled here, with
-        h2's own flow-control and content-length bookkeeping, without building hyperframe/h2 objects (h2
-        also re-slices its whole buffer once per frame). Every other frame, and any DATA frame the fast path
+        h2's own flow-control and content-length bookkeeping (``_fast.accept_plain_data``), without building
+        hyperframe/h2 objects (h2 also re-slices its whole buffer once per frame). Every other frame, and any DATA frame the fast path
         is not sure about (window overrun, oversize, unknown stream or state), goes through h2 unchanged, one
         complete frame at a time and in order, so h2 raises and queues exactly what it did before.
         """
@@ -324,9 +289,7 @@ class GrpcProtocol(GRPCConnection):
         events = []
         total = len(data)
         position = 0
-        streams = h2conn.streams
         buffers = self.message_read_buffers
-        connection_window = h2conn._inbound_flow_control_window_manager
         open_connection = h2conn.state_machine.state in _OPEN_CONNECTION_STATES
         max_frame_size = h2conn.max_inbound_frame_size
         while total - position >= 9:
@@ -337,36 +300,18 @@ class GrpcProtocol(GRPCConnection):
             end = position + 9 + length
             if end > total:
                 break  # an incomplete frame: kept for the next read
-            if (
-                frame_type == 0
-                and flags == 0
-                and open_connection
-                and length <= max_frame_size
-                and not frames._headers_buffer
-            ):
+            if frame_type == 0 and flags == 0 and open_connection and not frames._headers_buffer:
                 stream_id &= 0x7FFFFFFF
                 buffer = buffers.get(stream_id)
-                stream = streams.get(stream_id)
-                if (
-                    buffer is not None
-                    and stream is not None
-                    and stream.state_machine.state in _DATA_STREAM_STATES
-                    and stream._expected_content_length is None
-                    and length <= connection_window.current_window_size
-                    and length <= stream._inbound_window_manager.current_window_size
-                ):
-                    connection_window.current_window_size -= length
-                    stream._inbound_window_manager.current_window_size -= length
-                    stream._actual_content_length += length
+                if buffer is not None and _fast.accept_plain_data(h2conn, stream_id, length):
                     self.data_frames_received += 1
                     events.extend(self._data_payload(stream_id, buffer, data[position + 9 : end], length))
                     position = end
                     continue
             if (
                 frame_type == 1
-                and flags in _PLAIN_HEADERS_FLAGS
+                and flags in _fast.PLAIN_HEADERS_FLAGS
                 and open_connection
-                and length <= max_frame_size
                 and not frames._headers_buffer
                 and self.fast_headers
             ):
@@ -397,20 +342,12 @@ class GrpcProtocol(GRPCConnection):
         """One complete HEADERS frame without padding or priority, as ``_receive_via_h2`` would take it.
 
         h2's frame buffer parses the frame into a hyperframe ``HeadersFrame`` (flag sets, padding and
-        priority fields), twice per call (response headers and trailers). This builds the same frame
-        object directly (the fields h2 reads for such a frame) and hands it to h2's ``_receive_frame``,
+        priority fields), twice per call (response headers and trailers). ``_fast.plain_headers_frame``
+        builds the same frame object directly and this hands it to h2's ``_receive_frame``,
         with ``H2Connection.receive_data``'s handling of a ``ProtocolError``, so the state changes, the
         frames queued, the events and the errors are h2's.
         """
-        frame = _new_object(HeadersFrame)
-        frame.stream_id = stream_id
-        frame.flags = _HEADERS_FLAG_SETS[flags]
-        frame.body_len = len(block)
-        frame.data = block
-        frame.pad_length = 0
-        frame.depends_on = 0
-        frame.stream_weight = 0
-        frame.exclusive = False
+        frame = _fast.plain_headers_frame(stream_id, flags, block)
         h2conn = self.h2_connection
         try:
             h2_events = h2conn._receive_frame(frame)
@@ -530,22 +467,11 @@ class GrpcProtocol(GRPCConnection):
     ) -> list:
         """The messages a DATA payload completes (purerpc's framing rules)."""
         if flow_controlled_length == len(data) and not buffer._buffer._size and buffer._message_length is None:
-            # Nothing buffered and the payload is whole uncompressed messages within the limit (the usual
-            # case): cut them straight out of it. Anything else (a partial message, a compressed or oversize
-            # one) goes through the read buffer as before, whole.
-            total = len(data)
-            position = 0
-            out = []
-            limit = buffer._max_message_length
-            while total - position >= 5:
-                compressed, length = _unpack_message_prefix(data, position)
-                end = position + 5 + length
-                if compressed or length > limit or end > total:
-                    break
-                out.append(MessageReceived(stream_id, data[position + 5 : end], 5 + length))
-                position = end
-            if position == total:
-                return out
+            # Nothing buffered: whole uncompressed messages are cut straight out of the payload (the usual
+            # case, ``_fast.whole_messages``); anything else goes through the read buffer as before, whole.
+            messages = _fast.whole_messages(data, buffer._max_message_length)
+            if messages is not None:
+                return [MessageReceived(stream_id, message, length) for message, length in messages]
         return self._buffer_payload(stream_id, buffer, data, flow_controlled_length)
 
     def _buffer_payload(
