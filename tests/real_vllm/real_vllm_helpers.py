@@ -114,11 +114,15 @@ async def collect(channel, request, *, metadata=(), method=GENERATE_STREAM, resp
     return out
 
 
+def closed_pattern(request_id: str) -> str:
+    return rf'request_id={re.escape(request_id)} rpc="GenerateStream"[^\n]*gRPC inference stream closed'
+
+
 async def drop_outcome(server, request_id: str, *, offset: int = 0, timeout: float = 20.0) -> str:
     """After a stream was abandoned: "aborted" (the server's auto-abort line) or "finished" (it completed
     before the reset arrived, the race (docs/reference/real-vllm.md#abort-and-cancellation); the caller retries)."""
     aborted = auto_abort_pattern(request_id)
-    closed = rf'request_id={re.escape(request_id)} rpc="GenerateStream"[^\n]*gRPC inference stream closed'
+    closed = closed_pattern(request_id)
     with trio.move_on_after(timeout):
         while True:
             text = server.log_since(offset)

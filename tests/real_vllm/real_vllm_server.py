@@ -162,6 +162,10 @@ class RealVllmServer:
             VLLM_USE_RUST_FRONTEND="1",
             VLLM_TARGET_DEVICE="cpu",
             VLLM_CPU_KVCACHE_SPACE="1",
+            # vLLM's CPU worker pins its OpenMP thread to a core by default; on a 2-core machine shared with the
+            # sidecar and the tests, the pinned worker then starves the processes that forward its outputs, and
+            # most streams arrive whole at their end (docs/reference/real-vllm.md#abort-and-cancellation).
+            VLLM_CPU_OMP_THREADS_BIND="nobind",
             # Keep vLLM's own caches next to the provisioned venv, not in the user's home.
             VLLM_CACHE_ROOT=str(env.python.parent.parent.parent / "vllm-cache"),
         )

@@ -13,7 +13,14 @@ import re
 import pytest
 import trio
 from real_vllm_client import open_direct_channel
-from real_vllm_helpers import collect, drop_outcome, race_attempts, unique_id
+from real_vllm_helpers import (
+    auto_abort_pattern,
+    closed_pattern,
+    collect,
+    drop_outcome,
+    race_attempts,
+    unique_id,
+)
 from real_vllm_server import MAX_MODEL_LEN, SERVED_MODEL_NAME
 
 from trio_sidecar import (
@@ -379,41 +386,62 @@ async def test_skip_special_tokens_is_forwarded(sidecar, direct):
 # the request silently, so the tests that prove the reset path by the auto-abort log line turn it off.
 
 
+async def stop_the_first_to_stream(sidecar, ids: tuple[str, str]) -> tuple[str | None, dict[str, list]]:
+    """Run two LONG requests together; stop the first one that shows a chunk while the other is unfinished.
+    Returns that request's id (None when both arrived whole) and every request's chunks."""
+    contexts = {rid: GenerateContext(rid) for rid in ids}
+    chunks: dict[str, list] = {rid: [] for rid in ids}
+    victim: list[str] = []
+
+    async def request(rid: str, other: str) -> None:
+        async with sidecar.generate(greedy(LONG), contexts[rid]) as stream:
+            async for chunk in stream:
+                chunks[rid].append(chunk)
+                other_unfinished = not any(c.finish_reason for c in chunks[other])
+                if not victim and other_unfinished and not chunk.finish_reason:
+                    victim.append(rid)
+                    contexts[rid].stop()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(request, ids[0], ids[1])
+        nursery.start_soon(request, ids[1], ids[0])
+    return (victim[0] if victim else None), chunks
+
+
 async def test_stopping_a_request_aborts_it_on_the_server_and_spares_a_concurrent_one(direct, real_server):
+    # vLLM streams some requests and delivers others in one burst at their end
+    # (docs/reference/real-vllm.md#abort-and-cancellation). Two requests start together; the first to show a
+    # chunk while the other is still unfinished is stopped (the victim), the other is the bystander. That the
+    # bystander was in flight when the victim was aborted is read from the server's log order.
     reference = (await collect(direct, direct_request(unique_id("ref"), max_tokens=LONG))).tokens()
     assert len(reference) == LONG
+    attempts: list[tuple[str, bool]] = []
     async with open_sidecar(sidecar_config(real_server, abort_on_cancel=False)) as sidecar:
         for attempt in race_attempts():
             await trio.sleep(0.2 if attempt else 0)
-            victim_id, bystander_id = unique_id("victim"), unique_id("bystander")
             offset = real_server.log_size()
-            bystander_chunks: list = []
-            victim_chunks: list = []
-            bystander_started = trio.Event()
-            bystander_was_running = False
-
-            async def bystander(bystander_id=bystander_id, chunks=bystander_chunks, started=bystander_started):
-                async with sidecar.generate(greedy(LONG), GenerateContext(bystander_id)) as stream:
-                    async for chunk in stream:
-                        chunks.append(chunk)
-                        started.set()
-
+            ids = (unique_id("first"), unique_id("second"))
             with trio.fail_after(120):
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(bystander)
-                    await bystander_started.wait()
-                    ctx = GenerateContext(victim_id)
-                    async with sidecar.generate(greedy(LONG), ctx) as stream:
-                        async for chunk in stream:
-                            victim_chunks.append(chunk)
-                            if len(victim_chunks) == 1:
-                                bystander_was_running = not any(c.finish_reason for c in bystander_chunks)
-                                ctx.stop()
+                victim, chunks = await stop_the_first_to_stream(sidecar, ids)
+            if not victim:
+                attempts.append(("both delivered at once", False))
+                continue
+            victim_id: str = victim
+            bystander_id = ids[1] if victim_id == ids[0] else ids[0]
+            victim_chunks, bystander_chunks = chunks[victim_id], chunks[bystander_id]
             outcome = await drop_outcome(real_server, victim_id, offset=offset)
-            if outcome == "aborted" and bystander_was_running:
+            log = real_server.log_since(offset)
+            abort_at = re.search(auto_abort_pattern(victim_id), log)
+            bystander_closed_at = re.search(closed_pattern(bystander_id), log)
+            spared = bool(abort_at and bystander_closed_at and abort_at.start() < bystander_closed_at.start())
+            attempts.append((outcome, spared))
+            if outcome == "aborted" and spared:
                 break
         else:
-            pytest.fail("could not cancel a request while another was in flight (every attempt raced)")
+            pytest.fail(
+                "could not cancel a request while another was in flight (every attempt raced); "
+                f"(outcome, aborted before the bystander closed) per attempt: {attempts}"
+            )
         last = victim_chunks[-1].to_dict()
         streamed = sum(len(c.token_ids) for c in victim_chunks)
         # Like every non-prefill chunk it carries text: "" or what vLLM's detokenizer flushed with the
