@@ -1,4 +1,4 @@
-"""Our client against our server and against a grpc.aio server (issue 2's transport test list, items 1-3, 5, 7, 8; docs/reference/transport.md).
+"""Our client against our server and against a grpc.aio server (docs/reference/transport.md).
 
 Every test runs twice through the ``target`` fixture: ours → ours and ours → grpc.aio.
 """

@@ -1,4 +1,4 @@
-"""grpc.health.v1.Health: our servicer and client helpers, also against grpc.aio (issue 2's transport test list, item 10)."""
+"""grpc.health.v1.Health: our servicer and client helpers, also against grpc.aio."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Connections and sockets: peer death, closing, binding, abandoned streams (issue 2's transport test list, items 4, 6-8; docs/reference/transport.md)."""
+"""Connections and sockets: peer death, closing, binding, abandoned streams (docs/reference/transport.md)."""
 
 from __future__ import annotations
 

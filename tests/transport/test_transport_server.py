@@ -1,4 +1,4 @@
-"""grpc.aio clients against our server (issue 2's transport test list, items 1-3, 5, 7; docs/reference/transport.md), plus server-only guarantees."""
+"""grpc.aio clients against our server (docs/reference/transport.md), plus server-only guarantees."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Robustness under load: 100 concurrent grpc.aio streams against our server, 50 times (issue 2's transport test list, item 9).
+"""Robustness under load: 100 concurrent grpc.aio streams against our server, 50 times.
 
 With the stock purerpc I/O layer on h2 3.2.0, grpcio clients hung in 11 of 73 such runs: a WINDOW_UPDATE for
 a stream h2 had already pruned killed the connection (docs/reference/transport.md#the-h2-320-window_update-race). The shape used here makes
