@@ -349,6 +349,7 @@ async def test_stopping_the_dispatcher_ends_in_flight_requests_with_engine_shutd
 async def test_chunks_emitted_in_one_trio_batch_wake_the_loop_once(loop_thread, monkeypatch):
     # vLLM answers all its streams at once and the connections' reads complete in one Trio batch: their
     # chunks must cost one call_soon_threadsafe (an eventfd write and a loop wake-up), not one per request.
+    from trio_sidecar.dynamo import bridge as bridge_module
     from trio_sidecar.dynamo import wakeup as wakeup_module
 
     wakes: list[int] = []
@@ -359,6 +360,18 @@ async def test_chunks_emitted_in_one_trio_batch_wake_the_loop_once(loop_thread, 
         original(self)
 
     monkeypatch.setattr(wakeup_module.Waker, "wake_loop", counting_wake_loop)
+    outboxes: list = []
+
+    class TrackedOutbox(wakeup_module.Outbox):
+        def __init__(self) -> None:
+            super().__init__()
+            outboxes.append(self)
+
+    monkeypatch.setattr(bridge_module, "Outbox", TrackedOutbox)
+
+    def all_parked() -> bool:  # every handler waits on its empty outbox
+        return len(outboxes) == 8 and all(o.waiter is not None and not o.items for o in outboxes)
+
     sinks: dict[str, object] = {}
 
     def submit(request, ctx, sink):
@@ -376,16 +389,16 @@ async def test_chunks_emitted_in_one_trio_batch_wake_the_loop_once(loop_thread, 
         for rid in rids:
             nursery.start_soon(drive, rid)
         with trio.fail_after(10):
-            while len(sinks) < 8:
+            while len(sinks) < 8 or not all_parked():
                 await trio.sleep(0.01)
-            await trio.sleep(0.2)  # every handler parks on its empty outbox
             wakes.clear()
             for rid in rids:  # one Trio step: every sink gets its first chunk
                 sinks[rid].chunk(Chunk({"token_ids": [7], "index": 0}))
             assert wakes == []  # deferred to the dispatcher, after the tasks that are ready now
             while not wakes:
                 await trio.lowlevel.checkpoint()
-            await trio.sleep(0.2)
+            while not all_parked():  # every handler took its chunk and parked again
+                await trio.sleep(0.01)
             assert wakes == [1]
             for rid in rids:
                 sinks[rid].end(None, None)
