@@ -36,14 +36,6 @@ class _Chunk:
         return self.data
 
 
-class _Ctx:
-    def __init__(self, request_id: str, on_first_token) -> None:
-        self.request_id = request_id
-
-    def stop(self) -> None:
-        pass
-
-
 class _DynamoContext:
     def __init__(self, request_id: str) -> None:
         self._id = request_id
@@ -77,7 +69,7 @@ def _make_submit(chunks: int, nursery: trio.Nursery):
 async def _main(streams: int, chunks: int) -> tuple[float, float, int]:
     thread = AsyncioThread()
     await thread.start()
-    bridge = RequestBridge(thread, make_context=_Ctx)
+    bridge = RequestBridge(thread)
 
     async def consume_all() -> int:
         async def one(i: int) -> int:

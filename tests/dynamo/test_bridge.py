@@ -28,7 +28,6 @@ from trio_sidecar.core.errors import (
 from trio_sidecar.dynamo.bridge import (
     QUEUE_WARN_THRESHOLD,
     SHUTTING_DOWN,
-    CancelHandle,
     RequestBridge,
     RequestItem,
 )
@@ -36,6 +35,7 @@ from trio_sidecar.dynamo.egress import Egress as _Egress
 from trio_sidecar.dynamo.error_map import dynamo_exception
 from trio_sidecar.dynamo.thread import AsyncioThread
 from trio_sidecar.dynamo.wakeup import Outbox
+from trio_sidecar.shell.context import GenerateContext
 
 pytestmark = pytest.mark.dynamo
 
@@ -81,27 +81,6 @@ class FakeDynamoContext:
         self.first_token_threads.append(threading.get_ident())
 
 
-class FakeGenerateContext:
-    """Stands in for ``trio_sidecar.api.GenerateContext`` (Trio side)."""
-
-    def __init__(self, request_id: str, on_first_token, *, traceparent=None, tracestate=None) -> None:
-        self.request_id = request_id
-        self.on_first_token = on_first_token
-        self.traceparent = traceparent
-        self.tracestate = tracestate
-        self.stopped = False
-        self.stop_calls = 0
-        self._event = trio.Event()
-
-    def stop(self) -> None:
-        self.stop_calls += 1
-        self.stopped = True
-        self._event.set()
-
-    async def wait_stopped(self) -> None:
-        await self._event.wait()
-
-
 class FakeSidecar:
     """``generate`` yields ``plan`` chunks; with ``hold`` it waits for stop after the first chunk."""
 
@@ -109,11 +88,11 @@ class FakeSidecar:
         self.plan = plan
         self.hold = hold
         self.error = error
-        self.contexts: dict[str, FakeGenerateContext] = {}
+        self.contexts: dict[str, GenerateContext] = {}
         self.finished: list[str] = []
 
     @asynccontextmanager
-    async def generate(self, request: dict, ctx: FakeGenerateContext):
+    async def generate(self, request: dict, ctx: GenerateContext):
         self.contexts[ctx.request_id] = ctx
         if self.error is not None:
             raise self.error
@@ -129,8 +108,6 @@ class FakeSidecar:
                     if ctx.stopped:
                         yield Chunk(CANCELLED)
                         return
-                    if i == 0:
-                        ctx.on_first_token()
                     yield Chunk({"token_ids": [request["token_ids"][0] + i], "index": 0})
                     await trio.lowlevel.checkpoint()
             finally:
@@ -177,7 +154,7 @@ async def loop_thread():
 
 @asynccontextmanager
 async def running_bridge(thread: AsyncioThread, sidecar: FakeSidecar, *, dispatch: bool = True):
-    bridge = RequestBridge(thread, make_context=FakeGenerateContext)
+    bridge = RequestBridge(thread)
     async with trio.open_nursery() as nursery:
         if dispatch:
             nursery.start_soon(bridge.run_dispatcher, submitter(sidecar.generate, nursery))
@@ -231,7 +208,7 @@ async def test_chunks_flow_from_trio_to_the_dynamo_handler_in_order(loop_thread,
     assert tokens_of(out) == [100 + i for i in range(plan)]
     assert all(c == {"token_ids": c["token_ids"], "index": 0} for c in out)
     assert sidecar.finished == ["req-1"]
-    assert sidecar.contexts["req-1"].stop_calls == 0
+    assert sidecar.contexts["req-1"].stopped is False
     assert bridge.completed == 1
 
 
@@ -247,14 +224,14 @@ async def test_cancel_before_the_trio_task_starts_is_not_lost(loop_thread):
         nursery.start_soon(drive)
         # The spawn and the stop request both arrive before the dispatcher exists.
         with trio.fail_after(10):
-            while not (bridge._pending and bridge._pending[0].handle.stop_requested):
+            while not (bridge._pending and bridge._pending[0].ctx.stopped):
                 await trio.sleep(0.01)
         nursery.start_soon(bridge.run_dispatcher, submitter(sidecar.generate, nursery))
         with trio.fail_after(10):
             while not result:
                 await trio.sleep(0.01)
     assert result == [CANCELLED]
-    assert sidecar.contexts["early"].stop_calls == 1
+    assert sidecar.contexts["early"].stopped is True
 
 
 async def test_stop_from_dynamo_mid_stream_ends_with_the_cancelled_chunk(loop_thread):
@@ -276,7 +253,7 @@ async def test_runtime_closing_the_generator_stops_the_trio_request(loop_thread)
             out = await loop_thread.run(partial(consume, close_after=1), bridge, {"token_ids": [1]}, ctx)
             await wait_idle(bridge)
     assert out == [{"token_ids": [1], "index": 0}]
-    assert sidecar.contexts["closed"].stop_calls == 1
+    assert sidecar.contexts["closed"].stopped is True
     assert sidecar.finished == ["closed"]
 
 
@@ -329,7 +306,7 @@ async def test_a_request_that_submit_refuses_ends_at_once_with_its_error(loop_th
         submitted.append(ctx.request_id)
         raise InvalidArgument("max_tokens must be at least 1")
 
-    bridge = RequestBridge(loop_thread, make_context=FakeGenerateContext)
+    bridge = RequestBridge(loop_thread)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(bridge.run_dispatcher, submit)
         with trio.fail_after(10):
@@ -344,7 +321,7 @@ async def test_a_request_that_submit_refuses_ends_at_once_with_its_error(loop_th
 
 async def test_stopping_the_dispatcher_ends_in_flight_requests_with_engine_shutdown(loop_thread):
     sidecar = FakeSidecar(plan=5, hold=True)
-    bridge = RequestBridge(loop_thread, make_context=FakeGenerateContext)
+    bridge = RequestBridge(loop_thread)
     results: dict[str, list] = {}
     async with trio.open_nursery() as outer:
         async with trio.open_nursery() as requests:
@@ -365,13 +342,14 @@ async def test_stopping_the_dispatcher_ends_in_flight_requests_with_engine_shutd
     for rid, out in results.items():
         assert out[0] == {"token_ids": [1], "index": 0}
         assert isinstance(_sidecar_error(out[-1]), EngineShutdown) and str(out[-1]) == SHUTTING_DOWN
-        assert sidecar.contexts[rid].stop_calls == 1  # the Trio side was told to stop too
+        assert sidecar.contexts[rid].stopped is True  # the Trio side was told to stop too
     assert bridge.in_flight == 0
 
 
 async def test_chunks_emitted_in_one_trio_batch_wake_the_loop_once(loop_thread, monkeypatch):
     # vLLM answers all its streams at once and the connections' reads complete in one Trio batch: their
     # chunks must cost one call_soon_threadsafe (an eventfd write and a loop wake-up), not one per request.
+    from trio_sidecar.dynamo import bridge as bridge_module
     from trio_sidecar.dynamo import wakeup as wakeup_module
 
     wakes: list[int] = []
@@ -382,12 +360,24 @@ async def test_chunks_emitted_in_one_trio_batch_wake_the_loop_once(loop_thread, 
         original(self)
 
     monkeypatch.setattr(wakeup_module.Waker, "wake_loop", counting_wake_loop)
+    outboxes: list = []
+
+    class TrackedOutbox(wakeup_module.Outbox):
+        def __init__(self) -> None:
+            super().__init__()
+            outboxes.append(self)
+
+    monkeypatch.setattr(bridge_module, "Outbox", TrackedOutbox)
+
+    def all_parked() -> bool:  # every handler waits on its empty outbox
+        return len(outboxes) == 8 and all(o.waiter is not None and not o.items for o in outboxes)
+
     sinks: dict[str, object] = {}
 
     def submit(request, ctx, sink):
         sinks[ctx.request_id] = sink
 
-    bridge = RequestBridge(loop_thread, make_context=FakeGenerateContext)
+    bridge = RequestBridge(loop_thread)
     results: dict[str, list] = {}
     async with trio.open_nursery() as nursery:
         nursery.start_soon(bridge.run_dispatcher, submit)
@@ -399,16 +389,16 @@ async def test_chunks_emitted_in_one_trio_batch_wake_the_loop_once(loop_thread, 
         for rid in rids:
             nursery.start_soon(drive, rid)
         with trio.fail_after(10):
-            while len(sinks) < 8:
+            while len(sinks) < 8 or not all_parked():
                 await trio.sleep(0.01)
-            await trio.sleep(0.2)  # every handler parks on its empty outbox
             wakes.clear()
             for rid in rids:  # one Trio step: every sink gets its first chunk
                 sinks[rid].chunk(Chunk({"token_ids": [7], "index": 0}))
             assert wakes == []  # deferred to the dispatcher, after the tasks that are ready now
             while not wakes:
                 await trio.lowlevel.checkpoint()
-            await trio.sleep(0.2)
+            while not all_parked():  # every handler took its chunk and parked again
+                await trio.sleep(0.01)
             assert wakes == [1]
             for rid in rids:
                 sinks[rid].end(None, None)
@@ -426,7 +416,7 @@ def test_the_sinks_token_fast_path_emits_the_dict_of_the_same_chunk(token_ids, t
     emitted: list = []
 
     def sink_for(rid: str):
-        item = RequestItem({}, rid, emitted.append, CancelHandle(), lambda: None)
+        item = RequestItem({}, rid, emitted.append, GenerateContext(rid))
         return _Sink(RequestBridge.__new__(RequestBridge), item)
 
     sink_for("fast").tokens(list(token_ids), text)
@@ -435,18 +425,38 @@ def test_the_sinks_token_fast_path_emits_the_dict_of_the_same_chunk(token_ids, t
     assert type(emitted[0]["token_ids"]) is list
 
 
-async def test_first_token_notification_runs_on_the_asyncio_thread(loop_thread):
-    sidecar = FakeSidecar(plan=2)
-    async with running_bridge(loop_thread, sidecar) as (bridge, _):
-        ctx = FakeDynamoContext("ftt")
-        await loop_thread.run(consume, bridge, {"token_ids": [1]}, ctx)
-        await wait_idle(bridge)
+def cancelled_in_place_of_the_first_token(nursery: trio.Nursery):
+    """``Sidecar.submit`` for a decode request whose deferred cancellation replaced the first token's chunk
+    (docs/reference/sidecar.md#decode-deferral): ``ctx.on_first_token``, then the cancelled chunk alone."""
+
+    def submit(request: dict, ctx, sink) -> None:
+        async def run() -> None:
+            await trio.lowlevel.checkpoint()
+            ctx._notify_first_token()
+            sink.end(Chunk(CANCELLED), None)
+
+        nursery.start_soon(run)
+
+    return submit
+
+
+@pytest.mark.parametrize("bound", [True, False])
+async def test_a_first_token_replaced_by_the_cancelled_chunk_is_notified_once_on_the_asyncio_thread(loop_thread, bound):
+    bridge = RequestBridge(loop_thread, bind_context=lambda context, request: bound)
+    ctx = FakeDynamoContext("replaced")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(bridge.run_dispatcher, cancelled_in_place_of_the_first_token(nursery))
+        with trio.fail_after(10):
+            out = await loop_thread.run(consume, bridge, {"token_ids": [1]}, ctx)
+            await wait_idle(bridge)
+        nursery.cancel_scope.cancel()
 
     async def loop_thread_id():
         return threading.get_ident()
 
+    assert out == [CANCELLED]
     asyncio_ident = await loop_thread.run(loop_thread_id)
-    assert ctx.first_token_threads == [asyncio_ident]
+    assert ctx.first_token_threads == ([asyncio_ident] if bound else [])
     assert asyncio_ident != threading.get_ident()
 
 
@@ -598,7 +608,7 @@ class StepSidecar:
         self.finished: list[str] = []
 
     @asynccontextmanager
-    async def generate(self, request: dict, ctx: FakeGenerateContext):
+    async def generate(self, request: dict, ctx: GenerateContext):
         async def chunks():
             try:
                 for i in range(self.plan):
@@ -614,7 +624,7 @@ async def test_the_handler_declares_response_sender_so_dynamo_serves_it_with_pus
     # Dynamo 1.6.1 picks the push egress for a handler whose signature has a `response_sender` parameter.
     import inspect
 
-    bridge = RequestBridge(loop_thread, make_context=FakeGenerateContext)
+    bridge = RequestBridge(loop_thread)
     assert "response_sender" in inspect.signature(bridge.handler).parameters
     assert inspect.isasyncgen(bridge.handler({"token_ids": [1]}, FakeDynamoContext("x")))  # pull: no sender
 
@@ -633,7 +643,7 @@ async def test_push_egress_sends_every_chunk_in_order_on_the_loop_and_closes_onc
     assert tokens_of(sender.frames) == [100 + i for i in range(5)]
     assert sender.closed == 1
     assert set(sender.send_threads) == {await loop_thread.run(loop_thread_name)}
-    assert sidecar.contexts["p1"].stop_calls == 0
+    assert sidecar.contexts["p1"].stopped is False
 
 
 async def test_push_egress_raises_a_sidecar_error_as_its_typed_exception(loop_thread):
@@ -805,7 +815,7 @@ async def test_push_egress_sends_nothing_after_a_failed_send(loop_thread):
 
 async def test_a_request_handed_over_after_the_dispatcher_stopped_is_refused_not_lost(loop_thread):
     sidecar = FakeSidecar()
-    bridge = RequestBridge(loop_thread, make_context=FakeGenerateContext)
+    bridge = RequestBridge(loop_thread)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(bridge.run_dispatcher, submitter(sidecar.generate, nursery))
         await trio.testing.wait_all_tasks_blocked()  # the dispatcher runs (and is parked)
@@ -1024,7 +1034,7 @@ async def test_a_bound_request_notifies_its_first_token_once_when_the_first_toke
         binds.append((context.id(), request))
         return bound
 
-    bridge = RequestBridge(loop_thread, make_context=FakeGenerateContext, bind_context=bind_context)
+    bridge = RequestBridge(loop_thread, bind_context=bind_context)
     request = {"token_ids": [1], "routing": {"dp_rank": 0}}
     sender = FakeResponseSender()
     ctx = FirstTokenContext("ft", sender)

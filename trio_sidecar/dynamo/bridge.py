@@ -18,23 +18,29 @@ Per request (:meth:`RequestBridge.handler`, on the asyncio thread):
 
 1. an unbounded :class:`Outbox` (a deque) and an ``emit`` function that Trio calls to append to it
    (see "Wake-ups" below);
-2. a :class:`CancelHandle`: a flag plus, later, the request's ``GenerateContext``. The handle is only ever
-   read or written on the Trio thread, so it needs no lock;
+2. the request's ``GenerateContext`` (its id and trace context). It is created here and from then on only
+   touched on the Trio thread, so it needs no lock;
 3. the request is handed to Trio with ``run_sync_soon(bridge._dispatch, item)``;
-4. a watcher on ``context.async_killed_or_stopped()`` requests stop on the handle (via ``run_sync_soon``);
+4. a watcher on ``context.async_killed_or_stopped()`` calls ``ctx.stop()`` (via ``run_sync_soon``), which
+   calls the request task's cancellation directly (its one listener): the stop reaches the task in one step;
 5. the handler hands queued chunks to Dynamo (see "Egress"), raises a queued exception, and ends on the
    end sentinel;
-6. if the runtime closes the generator before the end sentinel, or the response stream is gone, stop is
-   requested on the handle.
+6. if the runtime closes the generator before the end sentinel, or the response stream is gone,
+   ``ctx.stop()`` is scheduled the same way.
 
 ``run_sync_soon`` callbacks run in FIFO order, so the hand-over always reaches Trio before any stop request
-for the same request. If :meth:`RequestBridge.run_dispatcher` is not running yet, the request waits in a
-list and the stop only records the flag; :meth:`CancelHandle.bind` calls ``ctx.stop()`` as soon as the
-request's context exists — a cancel that arrives before the Trio side starts the request is never lost (a
-naive "list that will later hold the cancel scope" loses it).
+for the same request. A stop that comes before the request task exists (``run_dispatcher`` not running yet)
+only marks the context stopped; the engine's ``submit`` subscribes the task to the context and finds it
+stopped — a cancel that arrives before the Trio side starts the request is never lost.
 
-Trio side: ``_dispatch`` (the ``run_sync_soon`` callback itself) creates the request's context, binds the
-handle and calls ``sidecar.submit(request, ctx, sink)``, which starts the engine's request task; there is no
+First token: a request bound to a prefill-completion source (``bind_context``) gets its
+``context.notify_first_token()`` from one place, :meth:`_Stream.take` on the loop, as its first output with
+tokens is handed to Dynamo. In decode mode a deferred cancellation can replace the first token's chunk by
+the cancelled chunk (docs/reference/sidecar.md#decode-deferral); the Trio side then only marks the stream
+(``ctx.on_first_token``, a plain attribute write before that chunk is emitted) and the same ``take`` calls
+``notify_first_token()`` as it hands the cancelled chunk over.
+
+Trio side: ``_dispatch`` (the ``run_sync_soon`` callback itself) calls ``sidecar.submit(request, ctx, sink)``, which starts the engine's request task; there is no
 task per request on this side and no hand-over between tasks. The engine delivers the chunks to the
 request's :class:`_Sink` as their messages are read (from the connection's reader task:
 ``ResponseStream.listen``; those of messages read together at the end of their run, consecutive plain token
@@ -102,6 +108,7 @@ import trio
 from ..core.errors import EngineShutdown, SidecarError
 from ..core.protocol import token_chunk_dict
 from ..core.tracecontext import TRACEPARENT, TRACESTATE, is_metadata_value
+from ..shell.context import GenerateContext
 from .coalesce import take_merged
 from .egress import Egress
 from .error_map import dynamo_exception
@@ -109,7 +116,6 @@ from .thread import AsyncioThread
 from .wakeup import Outbox, Waker
 
 __all__ = [
-    "CancelHandle",
     "RequestBridge",
     "RequestItem",
     "QUEUE_WARN_THRESHOLD",
@@ -138,39 +144,6 @@ class _End:
 END = _End()
 
 
-class _StopContext(Protocol):
-    def stop(self) -> None: ...
-
-
-class CancelHandle:
-    """Per-request cancellation handle. Trio thread only.
-
-    ``request_stop()`` may come before the request task exists (the flag is kept) or after it bound its
-    context (``ctx.stop()`` at once).
-    """
-
-    __slots__ = ("stop_requested", "_ctx")
-
-    def __init__(self) -> None:
-        self.stop_requested = False
-        self._ctx: _StopContext | None = None
-
-    def request_stop(self) -> None:
-        if self.stop_requested:
-            return
-        self.stop_requested = True
-        if self._ctx is not None:
-            self._ctx.stop()
-
-    def bind(self, ctx: _StopContext) -> None:
-        self._ctx = ctx
-        if self.stop_requested:
-            ctx.stop()
-
-    def __repr__(self) -> str:
-        return f"<CancelHandle stop_requested={self.stop_requested} bound={self._ctx is not None}>"
-
-
 @attrs.frozen
 class RequestItem:
     """What the asyncio handler hands to Trio for one request."""
@@ -178,16 +151,24 @@ class RequestItem:
     request: dict
     request_id: str
     emit: Callable[[Any], None]  # thread-safe; puts a chunk dict, an exception, or END
-    handle: CancelHandle
-    on_first_token: Callable[[], None]  # thread-safe; marshals notify_first_token() to the loop
-    traceparent: str | None = None  # the request's W3C trace context (``context.trace_headers()``)
-    tracestate: str | None = None
+    ctx: GenerateContext  # created on the loop, used on the Trio thread only
 
 
 class _Stream:
     """One request on the asyncio side: its outbox, stop request and cancellation watcher."""
 
-    __slots__ = ("loop", "outbox", "request_id", "request_stop", "watcher", "merge", "ended", "warned", "first_token")
+    __slots__ = (
+        "loop",
+        "outbox",
+        "request_id",
+        "request_stop",
+        "watcher",
+        "merge",
+        "ended",
+        "warned",
+        "first_token",
+        "first_token_replaced",
+    )
 
     def __init__(
         self,
@@ -195,7 +176,6 @@ class _Stream:
         outbox: Outbox,
         request_id: str,
         request_stop: Callable[[], None],
-        watcher: asyncio.Future,
         merge: bool = True,
     ) -> None:
         self.loop = loop
@@ -203,12 +183,15 @@ class _Stream:
         self.outbox = outbox
         self.request_id = request_id
         self.request_stop = request_stop
-        self.watcher = watcher
+        self.watcher: asyncio.Future | None = None  # context.async_killed_or_stopped(), set by _open
         self.ended = False
         self.warned = False
         # The request's context until its first output with tokens is taken, when the request's prefill
         # completion must be published (``RequestBridge``'s ``bind_context``); else None.
         self.first_token: Any = None
+        # Set on the Trio thread before the chunk that replaced the first token's chunk is emitted (decode
+        # deferral): that chunk, with no tokens, then publishes the prefill completion.
+        self.first_token_replaced = False
 
     async def wait(self, drain: Callable[[], bool] | None = None) -> None:
         """Park until Trio emits (the waiter handshake in "Wake-ups" above); with ``drain`` (push), until an
@@ -245,7 +228,7 @@ class _Stream:
             self.ended = True
             raise dynamo_exception(out)
         out = take_merged(items) if self.merge else items.popleft()
-        if self.first_token is not None and out.get("token_ids"):
+        if self.first_token is not None and (out.get("token_ids") or self.first_token_replaced):
             context, self.first_token = self.first_token, None
             _notify_first_token(context)
         return out
@@ -254,7 +237,8 @@ class _Stream:
         """Leave the request: stop the Trio side unless it already ended."""
         self.outbox.waiter = None
         self.outbox.drain = None
-        self.watcher.cancel()
+        if self.watcher is not None:
+            self.watcher.cancel()
         if not self.ended:
             self.request_stop()
 
@@ -287,7 +271,7 @@ class _Sink:
 
     def stop_and_end(self, error: BaseException) -> None:
         """Stop the request (its ``ctx.stop()``) and end it at once with ``error`` (the dispatcher's end)."""
-        self._item.handle.request_stop()
+        self._item.ctx.stop()
         self.end(None, error)
 
     def end(self, final: Any, error: BaseException | None) -> None:
@@ -315,8 +299,6 @@ class RequestBridge:
 
     Args:
         thread: the running :class:`AsyncioThread`.
-        make_context: ``make_context(request_id, on_first_token, traceparent=..., tracestate=...) -> ctx``
-            with ``ctx.stop()``; by default :class:`trio_sidecar.api.GenerateContext`.
         bind_context: ``bind_context(context, request) -> bool``, called on the asyncio thread for every
             request before it is handed to Trio (the worker binds the request to its prefill-completion
             source, :mod:`.prefill_completion`); when it returns True, ``context.notify_first_token()`` is
@@ -326,7 +308,6 @@ class RequestBridge:
     def __init__(
         self,
         thread: AsyncioThread,
-        make_context: Callable[..., Any] | None = None,
         bind_context: Callable[[Any, dict], bool] | None = None,
         *,
         merge: bool = True,
@@ -334,7 +315,6 @@ class RequestBridge:
         self._thread = thread
         #: Queued token deltas go to Dynamo as one (``take_merged``); false: one output per chunk queued.
         self.merge = merge
-        self._make_context = make_context or _default_context
         self._bind_context = bind_context
         self._submit: _Submit | None = None  # set while run_dispatcher() runs
         self._dispatcher_done = False  # run_dispatcher() ended: requests handed over now are refused
@@ -371,34 +351,34 @@ class RequestBridge:
         outbox = Outbox()
         request_id = str(context.id())
         bound = self._bind_context is not None and self._bind_context(context, request)
-        handle = CancelHandle()
         token = self._thread._token
         assert token is not None
+        traceparent, tracestate = _trace_context(context)  # (values gRPC metadata can carry: never raises)
+        ctx = GenerateContext(request_id, traceparent=traceparent, tracestate=tracestate)
 
         def emit(item: Any) -> None:
             waker.emit(outbox, item)
 
-        def on_first_token() -> None:
-            loop.call_soon_threadsafe(_notify_first_token, context)
-
         def request_stop() -> None:
             try:
-                token.run_sync_soon(handle.request_stop)
+                token.run_sync_soon(ctx.stop)
             except trio.RunFinishedError:
                 pass
 
-        traceparent, tracestate = _trace_context(context)
-        item = RequestItem(request, request_id, emit, handle, on_first_token, traceparent, tracestate)
-        try:
-            token.run_sync_soon(self._dispatch, item)
-        except trio.RunFinishedError:
-            raise dynamo_exception(EngineShutdown(SHUTTING_DOWN)) from None
-
-        watcher = asyncio.ensure_future(context.async_killed_or_stopped())
-        watcher.add_done_callback(lambda f: None if f.cancelled() else request_stop())
-        stream = _Stream(loop, outbox, request_id, request_stop, watcher, self.merge)
+        stream = _Stream(loop, outbox, request_id, request_stop, self.merge)
         if bound:
             stream.first_token = context
+
+            def on_first_token() -> None:  # (Trio thread; see "First token" above)
+                stream.first_token_replaced = True
+
+            ctx.on_first_token = on_first_token
+        try:
+            token.run_sync_soon(self._dispatch, RequestItem(request, request_id, emit, ctx))
+        except trio.RunFinishedError:
+            raise dynamo_exception(EngineShutdown(SHUTTING_DOWN)) from None
+        watcher = stream.watcher = asyncio.ensure_future(context.async_killed_or_stopped())
+        watcher.add_done_callback(lambda f: None if f.cancelled() else request_stop())
         return stream
 
     async def _pull(self, request: dict, context: Any):
@@ -483,11 +463,7 @@ class RequestBridge:
             return
         self._sinks[item.request_id] = sink
         try:
-            ctx = self._make_context(
-                item.request_id, item.on_first_token, traceparent=item.traceparent, tracestate=item.tracestate
-            )
-            item.handle.bind(ctx)
-            self._submit(item.request, ctx, sink)
+            self._submit(item.request, item.ctx, sink)
         except SidecarError as exc:
             sink.end(None, exc)
         except Exception as exc:  # noqa: BLE001 - the frontend turns it into HTTP 500
@@ -588,11 +564,3 @@ def _trace_context(context: Any) -> tuple[str | None, str | None]:
     if tracestate is not None and not is_metadata_value(tracestate):
         tracestate = None
     return traceparent, tracestate
-
-
-def _default_context(
-    request_id: str, on_first_token: Callable[[], None], *, traceparent: str | None, tracestate: str | None
-) -> Any:
-    from ..api import GenerateContext
-
-    return GenerateContext(request_id, on_first_token=on_first_token, traceparent=traceparent, tracestate=tracestate)

@@ -488,7 +488,7 @@ async def _supervise_health(
 ) -> None:
     """Take the instance out of rotation while vLLM is not serving (docs/reference/worker.md#out-of-rotation-while-vllm-is-not-serving, docs/reference/sidecar.md#recovery).
 
-    The I/O adapter of :class:`~trio_sidecar.core.health_policy.RotationPolicy`: every change of the prober's
+    The I/O adapter of :class:`~trio_sidecar.dynamo.rotation.RotationPolicy`: every change of the prober's
     published state goes in, and its actions are carried out on the asyncio thread. After
     ``unserving_grace`` of continuous non-SERVING state, ``unregister_endpoint_instance()``; on recovery (the
     prober only returns to SERVING after re-checking identity and DP size), ``register_endpoint_instance()``.
