@@ -154,7 +154,7 @@ def test_sigint_during_imports_prints_one_line_and_exits_130(workdir):
             )
         try:
             deadline = time.monotonic() + 30
-            while not re.search(r"\|\s+trio_sidecar\.config$", log_path.read_text(errors="replace"), re.M):
+            while not re.search(r"\|\s+trio_sidecar\.core\.config$", log_path.read_text(errors="replace"), re.M):
                 assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-2000:]
                 time.sleep(0.001)
             time.sleep(extra_delay)
