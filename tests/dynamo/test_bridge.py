@@ -922,7 +922,7 @@ def test_a_waiter_abandoned_in_the_publish_race_is_never_drained_or_republished(
         loop = asyncio.get_running_loop()
         waker = Waker(loop, lambda: None)  # flushes are run by hand below
         outbox = RacyOutbox()
-        stream = _Stream(loop, outbox, "race", lambda: None, None)
+        stream = _Stream(loop, outbox, "race", lambda: None)
         sent: list = []
 
         def drain() -> bool:

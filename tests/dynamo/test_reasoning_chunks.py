@@ -17,7 +17,7 @@ DELTAS = [{"token_ids": [1], "index": 0, "text": "<think>"}, {"token_ids": [2], 
 def test_queued_deltas_are_merged_only_when_merging(merge, expected):
     outbox = Outbox()
     outbox.items.extend(dict(d) for d in DELTAS)
-    stream = _Stream(None, outbox, "r", lambda: None, None, merge)  # type: ignore[arg-type]
+    stream = _Stream(None, outbox, "r", lambda: None, merge)  # type: ignore[arg-type]
     taken = []
     while outbox.items:
         taken.append(stream.take())
