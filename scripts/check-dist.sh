@@ -54,7 +54,8 @@ if [ ! -x "$WORK/venv/bin/trio-sidecar" ]; then
   exit 1
 fi
 
-got=$("$WORK/venv/bin/trio-sidecar" --version | head -n1)
+report=$("$WORK/venv/bin/trio-sidecar" --version)
+got=${report%%$'\n'*}
 [ "$got" = "trio-sidecar $VERSION" ] || { echo "error: --version printed '$got'" >&2; exit 1; }
 echo "    $got"
 "$WORK/venv/bin/trio-sidecar" env >"$WORK/env.out"

@@ -117,9 +117,9 @@ class _VersionAction(argparse.Action):
 
 
 def print_version() -> None:
-    from .versions import version_lines
+    from .versions import print_report, version_lines
 
-    print("\n".join(version_lines()))
+    print_report(version_lines())
 
 
 def _build_run_parser() -> _Parser:
@@ -267,9 +267,9 @@ def _main(argv: Sequence[str] | None, environ: Mapping[str, str] | None) -> int:
         if rest:
             _print_error(f"`{PROG} env` takes no arguments")
             return 2
-        from .versions import environment_lines
+        from .versions import environment_lines, print_report
 
-        print("\n".join(environment_lines()))
+        print_report(environment_lines())
         return 0
     try:
         if command == "run":

@@ -14,15 +14,25 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import subprocess
 import sys
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
 
 from . import __version__
 
-__all__ = ["VLLM_PROTOCOL", "DEPENDENCIES", "git_commit", "protocol_digest", "version_lines", "environment_lines"]
+__all__ = [
+    "VLLM_PROTOCOL",
+    "DEPENDENCIES",
+    "git_commit",
+    "protocol_digest",
+    "version_lines",
+    "environment_lines",
+    "print_report",
+]
 
 #: The vLLM wire protocol the sidecar and the mock speak (docs/reference/wire.md).
 VLLM_PROTOCOL = "vllm.Inference + vllm.Control split gRPC services, vLLM 0.32/0.33 schema (vLLM >= 0.27.0)"
@@ -136,3 +146,15 @@ def environment_lines() -> list[str]:
     ]
     lines += [f"{name}: {_distribution_version(name)}" for name in DEPENDENCIES]
     return lines
+
+
+def print_report(lines: Sequence[str]) -> None:
+    """Print a report (``--version``, ``env``) to stdout. A reader that closed the pipe early
+    (``trio-sidecar --version | head -n1``) is not an error: the rest is dropped, and stdout points at
+    /dev/null so the interpreter's last flush cannot fail either."""
+    try:
+        print("\n".join(lines), flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)

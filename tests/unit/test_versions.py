@@ -4,6 +4,7 @@ protobuf and Dynamo versions, and the vLLM protocol revision."""
 
 from __future__ import annotations
 
+import os
 import platform
 import re
 import subprocess
@@ -106,3 +107,17 @@ def test_env_runs_as_a_process_without_importing_dynamo():
         check=True,
     ).stdout.splitlines()
     assert out[0] == f"trio-sidecar: {trio_sidecar.__version__}" and out[-1] == "False"
+
+
+@pytest.mark.parametrize("argv", [["--version"], ["env"], ["mock", "--version"]])
+def test_a_report_into_a_closed_pipe_ends_with_0_and_no_traceback(argv: list[str]):
+    # `trio-sidecar --version | head -n1`: the reader may be gone before the report is written.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "trio_sidecar", *argv], stdout=write_end, stderr=subprocess.PIPE, timeout=60
+        )
+    finally:
+        os.close(write_end)
+    assert (done.returncode, done.stderr.decode()) == (0, "")

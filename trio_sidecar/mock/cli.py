@@ -137,9 +137,9 @@ class _VersionAction(argparse.Action):
     """``--version``: the same report as ``trio-sidecar --version`` (the mock is part of the package)."""
 
     def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
-        from trio_sidecar.versions import version_lines
+        from trio_sidecar.versions import print_report, version_lines
 
-        print("\n".join(version_lines()))
+        print_report(version_lines())
         parser.exit()
 
 
