@@ -97,8 +97,8 @@ def _off_whole_messages() -> None:
 
 
 def _off_token_chunk() -> None:
-    from trio_sidecar import protocol
-    from trio_sidecar.convert import batch
+    from trio_sidecar.core import protocol
+    from trio_sidecar.core.convert import batch
 
     def token_chunk(token_ids, text):  # type: ignore[no-untyped-def]
         return protocol.LLMEngineOutput(token_ids=token_ids, text=text)
@@ -108,7 +108,7 @@ def _off_token_chunk() -> None:
 
 
 def _off_convert_plain() -> None:
-    from trio_sidecar.convert.response import ResponseState
+    from trio_sidecar.core.convert.response import ResponseState
 
     patch(ResponseState, "convert_plain", lambda self, data: None)
 
@@ -192,7 +192,7 @@ def transport_requests(n: int) -> None:
 
 def chunk_requests(n: int) -> None:
     """32 one-token chunks per request, as ``ChunkBatch`` builds them for ``generate()``."""
-    from trio_sidecar.convert import batch
+    from trio_sidecar.core.convert import batch
 
     for _ in range(n):
         for i in range(TOKENS):
@@ -211,11 +211,11 @@ def convert_requests(n: int) -> None:
     """A request's 32 one-token messages through the ``BatchBuilder`` (aggregated mode)."""
     from sidecar import dynamo_body
 
-    from trio_sidecar.config import DisaggregationMode
-    from trio_sidecar.convert.batch import BatchBuilder
-    from trio_sidecar.convert.request import build_generate_request
-    from trio_sidecar.convert.response import ResponseState
-    from trio_sidecar.protocol import structure_request
+    from trio_sidecar.core.config import DisaggregationMode
+    from trio_sidecar.core.convert.batch import BatchBuilder
+    from trio_sidecar.core.convert.request import build_generate_request
+    from trio_sidecar.core.convert.response import ResponseState
+    from trio_sidecar.core.protocol import structure_request
 
     request = structure_request(dynamo_body(TOKENS))
     built = build_generate_request(request, "r", "m", DisaggregationMode.AGG)

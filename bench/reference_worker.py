@@ -30,10 +30,10 @@ from dynamo.runtime import DistributedRuntime
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trio_sidecar._proto.vllm import inference_pb2
-from trio_sidecar.config import DisaggregationMode
-from trio_sidecar.convert.request import build_generate_request
-from trio_sidecar.convert.response import ResponseState
-from trio_sidecar.protocol import structure_request
+from trio_sidecar.core.config import DisaggregationMode
+from trio_sidecar.core.convert.request import build_generate_request
+from trio_sidecar.core.convert.response import ResponseState
+from trio_sidecar.core.protocol import structure_request
 
 GENERATE_STREAM = "/vllm.Inference/GenerateStream"
 MODE = DisaggregationMode.AGG

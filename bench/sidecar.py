@@ -45,9 +45,9 @@ from rich.table import Table
 
 from trio_sidecar import GenerateContext, SidecarConfig, open_sidecar
 from trio_sidecar._proto.vllm import inference_pb2
-from trio_sidecar.config import DisaggregationMode
-from trio_sidecar.convert.request import build_generate_request
-from trio_sidecar.protocol import structure_request
+from trio_sidecar.core.config import DisaggregationMode
+from trio_sidecar.core.convert.request import build_generate_request
+from trio_sidecar.core.protocol import structure_request
 from trio_sidecar.transport import open_channel
 
 GENERATE_STREAM = "/vllm.Inference/GenerateStream"

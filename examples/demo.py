@@ -47,9 +47,8 @@ def _show_discovered_model(endpoint: str) -> None:
     """The bootstrap phase of docs/reference/sidecar.md#bootstrap-phase through the embeddable API (``trio_sidecar.api.discover``)."""
     import trio
 
-    from trio_sidecar.api import discover
-    from trio_sidecar.config import SidecarConfig
-    from trio_sidecar.model import engine_config
+    from trio_sidecar import SidecarConfig, discover
+    from trio_sidecar.core.model import engine_config
 
     model = trio.run(discover, SidecarConfig(grpc_endpoint=endpoint, startup_deadline=30.0))
     limits = engine_config(model)

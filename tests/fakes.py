@@ -12,7 +12,7 @@ from typing import Any
 import trio
 
 from trio_sidecar._proto.vllm import control_pb2
-from trio_sidecar.config import SidecarConfig
+from trio_sidecar.core.config import SidecarConfig
 
 
 def model_info(**overrides: Any) -> control_pb2.ModelInfo:

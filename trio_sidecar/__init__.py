@@ -7,8 +7,8 @@ The public API (docs/reference/sidecar.md#embedded-api)::
 The typed API (``Sidecar.complete``/``stream``/``complete_many``, docs/embedded.md) sits beside the
 Dynamo-shaped one (``Sidecar.generate``/``submit`` with ``GenerateContext``).
 
-The exports are resolved lazily, so importing a pure submodule (``trio_sidecar.errors``,
-``trio_sidecar.convert.request``, ...) never pulls in Trio or the transport.
+The exports are resolved lazily, so importing a pure submodule (``trio_sidecar.core.errors``,
+``trio_sidecar.core.convert.request``, ...) never pulls in Trio or the transport.
 """
 
 from __future__ import annotations
@@ -68,12 +68,9 @@ __all__ = [
 
 if TYPE_CHECKING:
     from .api import Sidecar, discover, open_sidecar
-    from .completion_stream import CompletionStream
-    from .completions import Completion, Delta, Logprob, SamplingParams, StructuredOutputs, Usage
-    from .config import DisaggregationMode, SidecarConfig, WorkerOptions
-    from .context import ChunkSink, GenerateContext
-    from .engine import SidecarEngine
-    from .errors import (
+    from .core.completions import Completion, Delta, Logprob, SamplingParams, StructuredOutputs, Usage
+    from .core.config import DisaggregationMode, SidecarConfig, WorkerOptions
+    from .core.errors import (
         CannotConnect,
         ConnectionTimeout,
         EngineShutdown,
@@ -83,53 +80,56 @@ if TYPE_CHECKING:
         RequestCancelled,
         SidecarError,
     )
-    from .health_policy import HealthKind, HealthState
-    from .model import DiscoveredModel, EngineConfig, ModelIdentity
-    from .protocol import LLMEngineOutput, PreprocessedRequest, structure_request
-    from .rl import PauseMode, RlCapabilities
-    from .rl_controls import WakeState
-    from .routing import KvEventSource
-    from .stats import HistogramSnapshot, StatsSnapshot
+    from .core.health_policy import HealthKind, HealthState
+    from .core.model import DiscoveredModel, EngineConfig, ModelIdentity
+    from .core.protocol import LLMEngineOutput, PreprocessedRequest, structure_request
+    from .core.rl_requests import PauseMode, RlCapabilities
+    from .core.routing import KvEventSource
+    from .core.stats import HistogramSnapshot, StatsSnapshot
+    from .shell.completion_stream import CompletionStream
+    from .shell.context import ChunkSink, GenerateContext
+    from .shell.engine import SidecarEngine
+    from .shell.rl_controls import WakeState
 
 _HOMES = {
     "open_sidecar": "api",
     "discover": "api",
     "Sidecar": "api",
-    "GenerateContext": "context",
-    "ChunkSink": "context",
-    "SidecarEngine": "engine",
-    "SamplingParams": "completions",
-    "StructuredOutputs": "completions",
-    "Completion": "completions",
-    "CompletionStream": "completion_stream",
-    "Delta": "completions",
-    "Logprob": "completions",
-    "Usage": "completions",
-    "SidecarConfig": "config",
-    "WorkerOptions": "config",
-    "DisaggregationMode": "config",
-    "PreprocessedRequest": "protocol",
-    "LLMEngineOutput": "protocol",
-    "structure_request": "protocol",
-    "DiscoveredModel": "model",
-    "ModelIdentity": "model",
-    "EngineConfig": "model",
-    "KvEventSource": "routing",
-    "HealthKind": "health_policy",
-    "HealthState": "health_policy",
-    "PauseMode": "rl",
-    "RlCapabilities": "rl",
-    "WakeState": "rl_controls",
-    "StatsSnapshot": "stats",
-    "HistogramSnapshot": "stats",
-    "ErrorKind": "errors",
-    "SidecarError": "errors",
-    "InvalidArgument": "errors",
-    "ProtocolError": "errors",
-    "EngineShutdown": "errors",
-    "CannotConnect": "errors",
-    "ConnectionTimeout": "errors",
-    "RequestCancelled": "errors",
+    "GenerateContext": "shell.context",
+    "ChunkSink": "shell.context",
+    "SidecarEngine": "shell.engine",
+    "SamplingParams": "core.completions",
+    "StructuredOutputs": "core.completions",
+    "Completion": "core.completions",
+    "CompletionStream": "shell.completion_stream",
+    "Delta": "core.completions",
+    "Logprob": "core.completions",
+    "Usage": "core.completions",
+    "SidecarConfig": "core.config",
+    "WorkerOptions": "core.config",
+    "DisaggregationMode": "core.config",
+    "PreprocessedRequest": "core.protocol",
+    "LLMEngineOutput": "core.protocol",
+    "structure_request": "core.protocol",
+    "DiscoveredModel": "core.model",
+    "ModelIdentity": "core.model",
+    "EngineConfig": "core.model",
+    "KvEventSource": "core.routing",
+    "HealthKind": "core.health_policy",
+    "HealthState": "core.health_policy",
+    "PauseMode": "core.rl_requests",
+    "RlCapabilities": "core.rl_requests",
+    "WakeState": "shell.rl_controls",
+    "StatsSnapshot": "core.stats",
+    "HistogramSnapshot": "core.stats",
+    "ErrorKind": "core.errors",
+    "SidecarError": "core.errors",
+    "InvalidArgument": "core.errors",
+    "ProtocolError": "core.errors",
+    "EngineShutdown": "core.errors",
+    "CannotConnect": "core.errors",
+    "ConnectionTimeout": "core.errors",
+    "RequestCancelled": "core.errors",
 }
 
 

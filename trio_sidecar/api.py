@@ -26,19 +26,13 @@ import attrs
 import trio
 import trio_util
 
-from .completion_stream import CompletionStream, Prompt, Result, open_many
-from .completions import Completion, CompletionBuilder, SamplingParams, prompt_token_ids
-from .config import SidecarConfig, validate_sidecar_config
-from .context import ChunkSink, GenerateContext
-from .discovery import discover
-from .engine import SidecarEngine
-from .health_policy import HealthState
-from .lora import LoadResult, LoraAdapter
-from .lora_lifecycle import LoraLifecycle
-from .model import DiscoveredModel, EngineConfig
-from .prober import run_health_prober
-from .protocol import LLMEngineOutput, PreprocessedRequest
-from .rl import (
+from .core.completions import Completion, CompletionBuilder, SamplingParams, prompt_token_ids
+from .core.config import SidecarConfig, validate_sidecar_config
+from .core.health_policy import HealthState
+from .core.lora_requests import LoadResult, LoraAdapter
+from .core.model import DiscoveredModel, EngineConfig
+from .core.protocol import LLMEngineOutput, PreprocessedRequest
+from .core.rl_requests import (
     PauseMode,
     RlCapabilities,
     parse_finish_weight_update,
@@ -49,10 +43,16 @@ from .rl import (
     parse_update_weights,
     parse_wake_up,
 )
-from .rl_controls import RlControls, WakeState
-from .routing import KvEventSource
-from .stats import StatsSnapshot
-from .tokenizer import Encoder, load_tokenizer
+from .core.routing import KvEventSource
+from .core.stats import StatsSnapshot
+from .shell.completion_stream import CompletionStream, Prompt, Result, open_many
+from .shell.context import ChunkSink, GenerateContext
+from .shell.discovery import discover
+from .shell.engine import SidecarEngine
+from .shell.lora_lifecycle import LoraLifecycle
+from .shell.prober import run_health_prober
+from .shell.rl_controls import RlControls, WakeState
+from .shell.tokenizer import Encoder, load_tokenizer
 from .transport import collapse_single_exception
 
 __all__ = [
@@ -233,7 +233,7 @@ class Sidecar:
         """Load the adapter directory ``source`` (an absolute path or a ``file://`` URI) as ``name``.
 
         ``hf://`` and ``s3://`` sources need a resolver set on ``sidecar.lora.resolver`` (a
-        :class:`~trio_sidecar.lora_lifecycle.SourceResolver`; docs/lora.md#sources): the embedded API
+        :class:`~trio_sidecar.shell.lora_lifecycle.SourceResolver`; docs/lora.md#sources): the embedded API
         downloads nothing by itself.
 
         Control calls: ``ListLoras``, then ``LoadLora`` unless refused by the checks of docs/lora.md (same

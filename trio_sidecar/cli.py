@@ -22,10 +22,10 @@ from typing import Any
 import cattrs
 
 from ._signals import Interrupted, install_interrupt_handlers, interrupted_exit, restore_handlers
-from .config import DisaggregationMode, SidecarConfig, WorkerOptions, discovery_banner, prepare
-from .endpoint import GrpcEndpoint
-from .errors import SidecarError
-from .run_options import OPTIONS, Option, UsageError, convert, parse_bool
+from .core.config import DisaggregationMode, SidecarConfig, WorkerOptions, discovery_banner, prepare
+from .core.endpoint import GrpcEndpoint
+from .core.errors import SidecarError
+from .core.run_options import OPTIONS, Option, UsageError, convert, parse_bool
 
 __all__ = ["main", "parse_run_args", "UsageError", "OPTIONS", "parse_bool"]
 

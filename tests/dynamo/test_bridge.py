@@ -16,7 +16,15 @@ import pytest
 import trio
 import trio.testing
 
-from trio_sidecar.context import GenerateContext
+from trio_sidecar.core.errors import (
+    CannotConnect,
+    ConnectionTimeout,
+    EngineShutdown,
+    InvalidArgument,
+    ProtocolError,
+    RequestCancelled,
+    SidecarError,
+)
 from trio_sidecar.dynamo.bridge import (
     QUEUE_WARN_THRESHOLD,
     SHUTTING_DOWN,
@@ -27,15 +35,7 @@ from trio_sidecar.dynamo.egress import Egress as _Egress
 from trio_sidecar.dynamo.error_map import dynamo_exception
 from trio_sidecar.dynamo.thread import AsyncioThread
 from trio_sidecar.dynamo.wakeup import Outbox
-from trio_sidecar.errors import (
-    CannotConnect,
-    ConnectionTimeout,
-    EngineShutdown,
-    InvalidArgument,
-    ProtocolError,
-    RequestCancelled,
-    SidecarError,
-)
+from trio_sidecar.shell.context import GenerateContext
 
 pytestmark = pytest.mark.dynamo
 
@@ -410,8 +410,8 @@ async def test_chunks_emitted_in_one_trio_batch_wake_the_loop_once(loop_thread, 
 
 @pytest.mark.parametrize(("token_ids", "text"), [([5], ""), ([5], " five"), ([5, 6, 7], "abc"), ([], "")])
 def test_the_sinks_token_fast_path_emits_the_dict_of_the_same_chunk(token_ids, text):
+    from trio_sidecar.core.protocol import token_chunk
     from trio_sidecar.dynamo.bridge import _Sink
-    from trio_sidecar.protocol import token_chunk
 
     emitted: list = []
 

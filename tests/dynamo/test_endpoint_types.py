@@ -18,7 +18,7 @@ import pytest
 from dynamo_harness import FAST_ENGINE_ARGS
 
 from trio_sidecar._devtools import local
-from trio_sidecar.protocol import EMBEDDINGS_UNSUPPORTED
+from trio_sidecar.core.protocol import EMBEDDINGS_UNSUPPORTED
 
 pytestmark = pytest.mark.dynamo
 

@@ -17,8 +17,8 @@ import pytest
 from dynamo_harness import FAST_ENGINE_ARGS, free_system_port, system_request
 
 from trio_sidecar._devtools import local
+from trio_sidecar.core.status import StatusCode
 from trio_sidecar.mock.generation import RequestRejected
-from trio_sidecar.status import StatusCode
 
 pytestmark = pytest.mark.dynamo
 

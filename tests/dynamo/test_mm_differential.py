@@ -35,8 +35,8 @@ from mm_sides import (
     vl_deployment,
 )
 
+from trio_sidecar.core.multimodal import HANDOFF_KEY, UNSAFE_UUID
 from trio_sidecar.mock.tiny_vl_model import TOKENS_PER_IMAGE
-from trio_sidecar.multimodal import HANDOFF_KEY, UNSAFE_UUID
 
 pytestmark = pytest.mark.dynamo
 

@@ -252,7 +252,7 @@ def _resolve(model: str, supports_multimodal: bool) -> tuple[int | None, int | N
     """Run the step on a fresh asyncio loop (as on the worker's asyncio thread); the id and what it kept."""
     import asyncio
 
-    from trio_sidecar.config import WorkerOptions
+    from trio_sidecar.core.config import WorkerOptions
     from trio_sidecar.dynamo.runtime import DynamoSide
 
     side = DynamoSide(WorkerOptions())

@@ -8,8 +8,8 @@ import asyncio
 import pytest
 import trio
 
+from trio_sidecar.core.errors import InvalidArgument
 from trio_sidecar.dynamo.thread import AsyncioThread, TrioCalls
-from trio_sidecar.errors import InvalidArgument
 
 
 @pytest.fixture

@@ -130,7 +130,7 @@ def test_sigint_during_imports_prints_one_line_and_exits_130(workdir):
     """Once the program's first line runs, a SIGINT during the remaining imports, parsing or startup is one
     clean line and 130. (Python's own start-up before that — ``site``, runpy locating ``__main__``, a few
     milliseconds — is not the program's to handle.) PYTHONPROFILEIMPORTTIME reports each finished import on
-    stderr; ``trio_sidecar.config`` is the first module the CLI imports, so its line means the program's own
+    stderr; ``trio_sidecar.core.config`` is the first module the CLI imports, so its line means the program's own
     imports are under way."""
     env = local.dynamo_env(workdir / "kv", PYTHONPROFILEIMPORTTIME="1")
     for extra_delay in (0.0, 0.05, 0.2):
@@ -154,7 +154,7 @@ def test_sigint_during_imports_prints_one_line_and_exits_130(workdir):
             )
         try:
             deadline = time.monotonic() + 30
-            while not re.search(r"\|\s+trio_sidecar\.config$", log_path.read_text(errors="replace"), re.M):
+            while not re.search(r"\|\s+trio_sidecar\.core\.config$", log_path.read_text(errors="replace"), re.M):
                 assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-2000:]
                 time.sleep(0.001)
             time.sleep(extra_delay)

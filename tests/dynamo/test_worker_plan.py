@@ -10,11 +10,11 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from trio_sidecar.config import DisaggregationMode, SidecarConfig, WorkerOptions
+from trio_sidecar.core.config import DisaggregationMode, SidecarConfig, WorkerOptions
+from trio_sidecar.core.errors import InvalidArgument
+from trio_sidecar.core.model import EngineConfig
+from trio_sidecar.core.routing import KvEventSource
 from trio_sidecar.dynamo.plan import health_check_payload, plan_registration, worker_namespace
-from trio_sidecar.errors import InvalidArgument
-from trio_sidecar.model import EngineConfig
-from trio_sidecar.routing import KvEventSource
 
 pytestmark = pytest.mark.dynamo
 

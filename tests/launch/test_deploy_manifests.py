@@ -164,7 +164,7 @@ def test_deploy_main_container_arguments_pass_the_cli_and_pre_network_checks():
     """The exact argv of every main container goes through the CLI parser and the pre-network checks (docs/reference/sidecar.md#pre-network-checks)
     (no environment, no sockets): the endpoint is the pod-local vLLM and the mode matches the component."""
     from trio_sidecar.cli import parse_run_args
-    from trio_sidecar.config import prepare
+    from trio_sidecar.core.config import prepare
 
     for name, graph in _graphs():
         for component in _workers(graph):

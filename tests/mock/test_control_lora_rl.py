@@ -14,11 +14,11 @@ from mock_helpers import FinishReason, collect, control, gen, running_mock
 
 from trio_sidecar._proto.vllm import control_pb2 as c
 from trio_sidecar._proto.vllm import inference_pb2 as pb
+from trio_sidecar.core.status import StatusCode as C
 from trio_sidecar.mock import engine_args as ea
 from trio_sidecar.mock.generation import RequestRejected
 from trio_sidecar.mock.lora import LoraTable
 from trio_sidecar.mock.rl import PauseMode, PauseState, RlCapabilities, RlState
-from trio_sidecar.status import StatusCode as C
 from trio_sidecar.transport import RpcError
 
 LORA_DISABLED = (C.FAILED_PRECONDITION, "engine was not started with LoRA enabled")

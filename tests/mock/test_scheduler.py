@@ -12,6 +12,7 @@ import pytest
 import trio
 import trio.lowlevel
 
+from trio_sidecar.core.status import StatusCode
 from trio_sidecar.mock.engine_args import engine_args_from_mapping, validate_engine_args
 from trio_sidecar.mock.kvcache import BlockRemoved, BlockStored, KvEvent
 from trio_sidecar.mock.scheduler import (
@@ -24,7 +25,6 @@ from trio_sidecar.mock.scheduler import (
     check_prompt,
 )
 from trio_sidecar.mock.timing import decode_ms, prefill_ms
-from trio_sidecar.status import StatusCode
 
 BASE = {
     "block_size": 4,

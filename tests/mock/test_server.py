@@ -28,9 +28,9 @@ import trio_sidecar
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar._proto.vllm import control_pb2
 from trio_sidecar._proto.vllm import inference_pb2 as pb
+from trio_sidecar.core.status import StatusCode as C
 from trio_sidecar.mock import MockConfig, open_mock_server, planned_tokens, request_uuid
 from trio_sidecar.mock.server import CALL_HISTORY, CallRecord, MockConfigError, parse_listen
-from trio_sidecar.status import StatusCode as C
 from trio_sidecar.transport import RpcError, check_health, watch_health
 
 SLOW = {"speedup_ratio": 0.1}  # ~57 ms per decode pass: a 10,000-token request stays in flight for minutes

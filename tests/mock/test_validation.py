@@ -7,6 +7,7 @@ import pytest
 from google.protobuf import struct_pb2
 
 from trio_sidecar._proto.vllm import inference_pb2 as pb
+from trio_sidecar.core.status import StatusCode as C
 from trio_sidecar.mock.generation import RequestRejected, planned_tokens
 from trio_sidecar.mock.handoff import (
     Role,
@@ -17,7 +18,6 @@ from trio_sidecar.mock.handoff import (
 from trio_sidecar.mock.kvcache import MmSpan
 from trio_sidecar.mock.multimodal import check_media, expand_image_placeholders
 from trio_sidecar.mock.validation import RequestPolicy, format_f32, parse_dp_rank, prepare_request
-from trio_sidecar.status import StatusCode as C
 
 FinishReason = pb.FinishInfo.FinishReason
 POLICY = RequestPolicy(served_model_name="mocker-model")

@@ -18,11 +18,11 @@ import trio_util
 
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar._proto.vllm import control_grpc, control_pb2
-from trio_sidecar.config import SidecarConfig
-from trio_sidecar.endpoint import parse_grpc_endpoint
-from trio_sidecar.health_policy import HealthKind, HealthState
-from trio_sidecar.model import DiscoveredModel
-from trio_sidecar.prober import run_health_prober
+from trio_sidecar.core.config import SidecarConfig
+from trio_sidecar.core.endpoint import parse_grpc_endpoint
+from trio_sidecar.core.health_policy import HealthKind, HealthState
+from trio_sidecar.core.model import DiscoveredModel
+from trio_sidecar.shell.prober import run_health_prober
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

@@ -12,17 +12,8 @@ import attrs
 import pytest
 from prober_fakes import model_info, server_info
 
-from trio_sidecar.dynamo.rotation import (
-    HealthChanged,
-    PublishersReplaced,
-    ReplacePublishers,
-    RestoreToRotation,
-    RotationDone,
-    RotationPolicy,
-    TakeOutOfRotation,
-)
-from trio_sidecar.errors import ProtocolError
-from trio_sidecar.health_policy import (
+from trio_sidecar.core.errors import ProtocolError
+from trio_sidecar.core.health_policy import (
     RECOVERING_STATE,
     SERVING_STATE,
     WATCH_ENDED,
@@ -53,8 +44,17 @@ from trio_sidecar.health_policy import (
     WatchEnded,
     hung_engine_deadline,
 )
-from trio_sidecar.model import DiscoveredModel
-from trio_sidecar.routing import KvEventSource
+from trio_sidecar.core.model import DiscoveredModel
+from trio_sidecar.core.routing import KvEventSource
+from trio_sidecar.dynamo.rotation import (
+    HealthChanged,
+    PublishersReplaced,
+    ReplacePublishers,
+    RestoreToRotation,
+    RotationDone,
+    RotationPolicy,
+    TakeOutOfRotation,
+)
 
 SERVING, NOT_SERVING = 1, 2
 CONTROL, INFERENCE = "vllm.Control", "vllm.Inference"

@@ -22,15 +22,15 @@ from prober_fakes import (
 )
 
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
-from trio_sidecar.errors import ProtocolError
-from trio_sidecar.health_policy import (
+from trio_sidecar.core.errors import ProtocolError
+from trio_sidecar.core.health_policy import (
     WATCH_ENDED,
     WATCH_NOT_SERVING,
     WATCH_TIMED_OUT,
     HealthKind,
     HealthState,
 )
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.status import StatusCode
 
 NOT_SERVING_WARNING = "vLLM is not serving ({reason}); new requests are rejected"
 
@@ -122,7 +122,7 @@ async def test_recovery_with_a_changed_dp_size_is_fatal(scripted_vllm):
 
 
 async def test_recovery_with_changed_kv_sources_replaces_them(scripted_vllm, caplog_prober):
-    from trio_sidecar.routing import KvEventSource
+    from trio_sidecar.core.routing import KvEventSource
 
     scripted_vllm.control.kv_sources = [kv_source("tcp://*:20081")]
     old = (KvEventSource("tcp://127.0.0.1:20081", "", 0),)

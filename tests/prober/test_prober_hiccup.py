@@ -17,9 +17,9 @@ import trio
 from prober_fakes import ResettableProxy
 
 from trio_sidecar.api import GenerateContext, open_sidecar
-from trio_sidecar.config import SidecarConfig
-from trio_sidecar.errors import CannotConnect
-from trio_sidecar.health_policy import WATCH_NOT_SERVING, HealthKind, HealthState
+from trio_sidecar.core.config import SidecarConfig
+from trio_sidecar.core.errors import CannotConnect
+from trio_sidecar.core.health_policy import WATCH_NOT_SERVING, HealthKind, HealthState
 from trio_sidecar.mock import MockConfig, open_mock_server
 
 CONNECTIONS = 2

@@ -12,9 +12,9 @@ import trio
 from prober_fakes import MockRunner
 
 from trio_sidecar.api import GenerateContext, open_sidecar
-from trio_sidecar.config import SidecarConfig
-from trio_sidecar.errors import CannotConnect, ProtocolError
-from trio_sidecar.health_policy import WATCH_ENDED, WATCH_NOT_SERVING, HealthKind
+from trio_sidecar.core.config import SidecarConfig
+from trio_sidecar.core.errors import CannotConnect, ProtocolError
+from trio_sidecar.core.health_policy import WATCH_ENDED, WATCH_NOT_SERVING, HealthKind
 
 SERVING = 1
 NOT_SERVING = 2

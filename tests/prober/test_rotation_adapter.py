@@ -13,10 +13,10 @@ import trio
 import trio.lowlevel
 import trio_util
 
-from trio_sidecar.config import WorkerOptions
+from trio_sidecar.core.config import WorkerOptions
+from trio_sidecar.core.health_policy import SERVING_STATE, WATCH_NOT_SERVING, HealthKind, HealthState
+from trio_sidecar.core.routing import KvEventSource
 from trio_sidecar.dynamo.worker import _supervise_health
-from trio_sidecar.health_policy import SERVING_STATE, WATCH_NOT_SERVING, HealthKind, HealthState
-from trio_sidecar.routing import KvEventSource
 
 GRACE = 5.0
 SOURCES = (KvEventSource("tcp://127.0.0.1:20080", "", 0),)

@@ -14,7 +14,7 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.status import StatusCode
 
 GRPCIO = os.environ.get("TRIO_SIDECAR_REAL_VLLM_CLIENT") == "grpcio"
 

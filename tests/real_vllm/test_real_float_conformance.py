@@ -1,7 +1,7 @@
 """The real vLLM 0.32 server still answers bad float sampling values as measured (docs/conformance.md).
 
 The table (``tests/vllm_float_table.py``) is what the sidecar and the mock reproduce
-(``trio_sidecar/sampling_checks.py``, checked by ``tests/unit/test_sampling_checks.py``); these tests send
+(``trio_sidecar/core/sampling_checks.py``, checked by ``tests/unit/test_sampling_checks.py``); these tests send
 each row to the real server over the binary protocol (which carries NaN and ±inf, unlike JSON) and fail
 when vLLM answers differently.
 """
@@ -14,8 +14,8 @@ from real_vllm_helpers import collect, generate_request, unique_id
 from real_vllm_server import MAX_MODEL_LEN
 from vllm_float_table import BAD, LOGIT_BIASES, ORDER, TABLE
 
-from trio_sidecar.sampling_checks import sampling_error
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.sampling_checks import sampling_error
+from trio_sidecar.core.status import StatusCode
 
 
 def set_field(message, field: str, value: float) -> None:

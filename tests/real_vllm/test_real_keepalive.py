@@ -22,8 +22,8 @@ from real_vllm_server import SERVED_MODEL_NAME
 from trio_sidecar import SidecarConfig
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar._proto.vllm import control_pb2
-from trio_sidecar.config import KeepaliveConfig
-from trio_sidecar.pool import channel_options
+from trio_sidecar.core.config import KeepaliveConfig
+from trio_sidecar.shell.pool import channel_options
 from trio_sidecar.transport import connect_channel
 
 WATCH = "/grpc.health.v1.Health/Watch"

@@ -24,7 +24,7 @@ from real_vllm_wire import RawMessage, decode, scalar_fields
 
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar._proto.vllm import control_pb2, inference_pb2
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.status import StatusCode
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 LENGTH = inference_pb2.FinishInfo.LENGTH

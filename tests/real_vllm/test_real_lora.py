@@ -25,13 +25,13 @@ from real_vllm_server import SERVED_MODEL_NAME, TIMINGS, RealVllmServer, check_e
 
 from trio_sidecar import GenerateContext, open_sidecar
 from trio_sidecar._proto.vllm import control_pb2, inference_pb2
-from trio_sidecar.config import SidecarConfig
-from trio_sidecar.endpoint import parse_grpc_endpoint
-from trio_sidecar.errors import InvalidArgument, SidecarError
-from trio_sidecar.lora import LoadResult, LoraAdapter
+from trio_sidecar.core.config import SidecarConfig
+from trio_sidecar.core.endpoint import parse_grpc_endpoint
+from trio_sidecar.core.errors import InvalidArgument, SidecarError
+from trio_sidecar.core.lora_requests import LoadResult, LoraAdapter
+from trio_sidecar.core.status import StatusCode
 from trio_sidecar.mock import MockConfig, open_mock_server
-from trio_sidecar.pool import open_channel_pool
-from trio_sidecar.status import StatusCode
+from trio_sidecar.shell.pool import open_channel_pool
 
 MAX_LORA_RANK = 16  # vLLM's default --max-lora-rank
 CALL_TIMEOUT_S = 120.0

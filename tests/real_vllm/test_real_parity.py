@@ -18,8 +18,8 @@ from real_vllm_server import MAX_MODEL_LEN, MAX_NUM_SEQS, SERVED_MODEL_NAME
 
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar._proto.vllm import control_pb2, inference_pb2
+from trio_sidecar.core.status import StatusCode
 from trio_sidecar.mock import MockConfig, open_mock_server
-from trio_sidecar.status import StatusCode
 
 FINISH = inference_pb2.FinishInfo
 

@@ -20,8 +20,8 @@ from real_vllm_server import SERVED_MODEL_NAME
 
 from trio_sidecar import SidecarConfig, WakeState, open_sidecar
 from trio_sidecar._devtools import local
-from trio_sidecar.errors import InvalidArgument
-from trio_sidecar.rl import RlCapabilities
+from trio_sidecar.core.errors import InvalidArgument
+from trio_sidecar.core.rl_requests import RlCapabilities
 
 READY_TIMEOUT_S = 300.0
 SIDES = ("native", "trio")

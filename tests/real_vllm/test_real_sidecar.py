@@ -35,8 +35,8 @@ from trio_sidecar import (
     open_sidecar,
 )
 from trio_sidecar._proto.vllm import control_pb2, inference_pb2
-from trio_sidecar.errors import ErrorKind, status_to_error
-from trio_sidecar.model import EngineConfig
+from trio_sidecar.core.errors import ErrorKind, status_to_error
+from trio_sidecar.core.model import EngineConfig
 
 PROMPT = [5, 6, 7, 8]
 LONG = MAX_MODEL_LEN - len(PROMPT)

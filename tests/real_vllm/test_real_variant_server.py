@@ -41,8 +41,8 @@ from real_vllm_wire import RawMessage, decode, scalar_fields
 from trio_sidecar import HealthKind, KvEventSource, SidecarConfig, WorkerOptions, discover, open_sidecar
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar._proto.vllm import control_pb2
+from trio_sidecar.core.status import StatusCode
 from trio_sidecar.mock import MockConfig, open_mock_server
-from trio_sidecar.status import StatusCode
 
 MAX_LORAS = 2
 

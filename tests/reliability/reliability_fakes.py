@@ -25,7 +25,7 @@ import trio
 
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar._proto.vllm import control_grpc, control_pb2, inference_grpc, inference_pb2
-from trio_sidecar.errors import SidecarError
+from trio_sidecar.core.errors import SidecarError
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 PROMPT = [1, 2, 3]

@@ -218,7 +218,7 @@ MALFORMED_REQUESTS = [
 
 async def test_malformed_request_dicts_are_rejected_before_any_rpc():
     from trio_sidecar.api import open_sidecar
-    from trio_sidecar.errors import InvalidArgument
+    from trio_sidecar.core.errors import InvalidArgument
     from trio_sidecar.mock import open_mock_server
 
     with trio.fail_after(60):

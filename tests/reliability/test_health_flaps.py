@@ -19,7 +19,7 @@ from reliability_fakes import (
     wait_until,
 )
 
-from trio_sidecar.errors import CannotConnect
+from trio_sidecar.core.errors import CannotConnect
 
 SERVING = 1
 NOT_SERVING = 2
@@ -36,7 +36,7 @@ def set_all(mock, status: int) -> None:
 
 async def test_health_flaps_under_load_lose_nothing():
     from trio_sidecar.api import open_sidecar
-    from trio_sidecar.health_policy import HealthKind
+    from trio_sidecar.core.health_policy import HealthKind
     from trio_sidecar.mock import open_mock_server
 
     engine_args = {

@@ -20,7 +20,7 @@ import signal
 import trio
 from reliability_fakes import MockProcess, check_all, drive, mock_request, sidecar_config, sidecar_in_flight, wait_until
 
-from trio_sidecar.errors import CannotConnect
+from trio_sidecar.core.errors import CannotConnect
 
 SLOW_ARGS = {"block_size": 4, "max_num_seqs": 256, "speedup_ratio": 0.02}  # a decode pass every ~0.3 s
 # Scheduling slack on top of the keepalive bound: the stop lands while the socket buffers still hold a
@@ -76,7 +76,7 @@ def check_failed_by_keepalive(outcomes, concurrent: int) -> None:
 
 async def test_sigstopped_engine_is_detected_and_serving_resumes_after_sigcont(tmp_path, caplog):
     from trio_sidecar.api import open_sidecar
-    from trio_sidecar.health_policy import HealthKind
+    from trio_sidecar.core.health_policy import HealthKind
 
     caplog.set_level(logging.INFO, logger="trio_sidecar.prober")
     keepalive_time, keepalive_timeout = 1.0, 0.5
@@ -152,8 +152,8 @@ async def test_sigstopped_engine_is_detected_and_serving_resumes_after_sigcont(t
 
 async def test_default_keepalive_detects_a_sigstopped_engine_within_15_seconds(tmp_path):
     from trio_sidecar.api import open_sidecar
-    from trio_sidecar.config import SidecarConfig
-    from trio_sidecar.health_policy import HealthKind
+    from trio_sidecar.core.config import SidecarConfig
+    from trio_sidecar.core.health_policy import HealthKind
 
     defaults = SidecarConfig(grpc_endpoint="127.0.0.1:1")
     bound = defaults.keepalive_time + defaults.keepalive_timeout

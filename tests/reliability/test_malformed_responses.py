@@ -20,8 +20,8 @@ from reliability_fakes import (
     wait_until,
 )
 
-from trio_sidecar.config import DisaggregationMode, SidecarConfig
-from trio_sidecar.errors import PROTOCOL_ERROR_PREFIX, ProtocolError
+from trio_sidecar.core.config import DisaggregationMode, SidecarConfig
+from trio_sidecar.core.errors import PROTOCOL_ERROR_PREFIX, ProtocolError
 
 
 def config_for(port: int, **overrides) -> SidecarConfig:

@@ -14,7 +14,7 @@ import socket
 import trio
 from reliability_fakes import MockProcess, check_all, drive, mock_request, sidecar_config, sidecar_in_flight, wait_until
 
-from trio_sidecar.errors import CannotConnect
+from trio_sidecar.core.errors import CannotConnect
 
 CONCURRENT = 200
 SLOW_ARGS = {
@@ -50,7 +50,7 @@ def mock_args(engine_args: dict) -> list[str]:
 
 async def test_mock_killed_mid_stream_and_restarted(tmp_path):
     from trio_sidecar.api import open_sidecar
-    from trio_sidecar.health_policy import HealthKind
+    from trio_sidecar.core.health_policy import HealthKind
 
     first_kv_port, second_kv_port = free_ports(2)
     mock = MockProcess(mock_args({**SLOW_ARGS, "zmq_kv_events_port": first_kv_port}), tmp_path / "mock.log")

@@ -33,8 +33,8 @@ from google.protobuf import struct_pb2
 
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar._proto.vllm import control_grpc, control_pb2, inference_grpc, inference_pb2
-from trio_sidecar.config import SidecarConfig
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.config import SidecarConfig
+from trio_sidecar.core.status import StatusCode
 from trio_sidecar.transport import HealthServicer, RpcError, serve_grpc
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

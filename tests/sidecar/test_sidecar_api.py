@@ -9,10 +9,10 @@ from sidecar_fakes import NOT_SERVING, SERVING, reference_model_info, sidecar_co
 
 import trio_sidecar
 from trio_sidecar import GenerateContext, open_sidecar
-from trio_sidecar import abort as abort_module
-from trio_sidecar.errors import ProtocolError
-from trio_sidecar.health_policy import HealthKind
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.errors import ProtocolError
+from trio_sidecar.core.health_policy import HealthKind
+from trio_sidecar.core.status import StatusCode
+from trio_sidecar.shell import abort as abort_module
 
 BODY = {"token_ids": [1, 2, 3], "stop_conditions": {"max_tokens": 4}}
 
@@ -29,7 +29,7 @@ def test_importing_the_package_does_not_import_trio_for_pure_modules():
     import subprocess
     import sys
 
-    code = "import sys, trio_sidecar.errors, trio_sidecar.config; print('trio' in sys.modules)"
+    code = "import sys, trio_sidecar.core.errors, trio_sidecar.core.config; print('trio' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
 
@@ -164,7 +164,7 @@ async def test_prober_fatal_identity_change_leaves_open_sidecar_as_one_exception
 
 
 async def test_drain_support_stop_admission_in_flight_and_cancel(fake):
-    from trio_sidecar.errors import EngineShutdown
+    from trio_sidecar.core.errors import EngineShutdown
 
     fake.hang = True
     async with open_sidecar(sidecar_config(fake.endpoint)) as sidecar:
@@ -189,7 +189,7 @@ async def test_drain_support_stop_admission_in_flight_and_cancel(fake):
 
 
 def test_cause_chain_joins_causes_and_contexts():
-    from trio_sidecar.pool import cause_chain
+    from trio_sidecar.shell.pool import cause_chain
 
     try:
         try:
@@ -220,8 +220,8 @@ def test_collapse_single_exception_unwraps_a_single_failure_only():
     ],
 )
 async def test_admission_gate_reads_the_health_value(fake, state, message):
-    from trio_sidecar.errors import CannotConnect
-    from trio_sidecar.health_policy import HealthState
+    from trio_sidecar.core.errors import CannotConnect
+    from trio_sidecar.core.health_policy import HealthState
 
     async with open_sidecar(sidecar_config(fake.endpoint)) as sidecar:
         sidecar.health.value = HealthState(HealthKind[state[0]], state[1])

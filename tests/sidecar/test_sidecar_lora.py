@@ -13,12 +13,18 @@ import pytest
 import trio
 
 from trio_sidecar import GenerateContext, open_sidecar
-from trio_sidecar.config import SidecarConfig
-from trio_sidecar.errors import CannotConnect, InvalidArgument, ProtocolError, UnknownError, status_to_error
-from trio_sidecar.health_policy import HealthKind
-from trio_sidecar.lora import LORA_UNSUPPORTED, LoadRequest, LoadResult, LoraAdapter, check_adapter_directory
-from trio_sidecar.lora_lifecycle import LoraLifecycle
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.config import SidecarConfig
+from trio_sidecar.core.errors import CannotConnect, InvalidArgument, ProtocolError, UnknownError, status_to_error
+from trio_sidecar.core.health_policy import HealthKind
+from trio_sidecar.core.lora_requests import (
+    LORA_UNSUPPORTED,
+    LoadRequest,
+    LoadResult,
+    LoraAdapter,
+    check_adapter_directory,
+)
+from trio_sidecar.core.status import StatusCode
+from trio_sidecar.shell.lora_lifecycle import LoraLifecycle
 
 ENGINE_ARGS = {"block_size": 4, "enable_prefix_caching": False, "speedup_ratio": 0.0}
 WAIT = 30.0

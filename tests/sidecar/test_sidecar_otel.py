@@ -22,7 +22,7 @@ from sidecar_fakes import FAST_ENGINE_ARGS, sidecar_config
 
 from trio_sidecar import GenerateContext, open_sidecar
 from trio_sidecar.mock import MockConfig, open_mock_server
-from trio_sidecar.otel import SPAN_NAME
+from trio_sidecar.shell.otel import SPAN_NAME
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT_SPAN = "00f067aa0ba902b7"
@@ -190,7 +190,7 @@ SCRIPT = textwrap.dedent(
         return mock.trace_headers
 
     received = trio.run(main, sys.argv[1] == "on")
-    modules = sorted(m for m in sys.modules if m.startswith(("opentelemetry", "trio_sidecar.otel")))
+    modules = sorted(m for m in sys.modules if m.startswith(("opentelemetry", "trio_sidecar.shell.otel")))
     print(json.dumps({"received": received, "modules": modules}))
     """
 )
@@ -213,7 +213,7 @@ def test_with_otel_off_opentelemetry_is_never_imported():
 def test_with_otel_on_but_no_sdk_provider_vllm_gets_the_requests_context_unchanged():
     out = run_script("on")
     assert out["received"] == {"r": {"traceparent": TRACEPARENT, "tracestate": "k=v"}}
-    assert "trio_sidecar.otel" in out["modules"]  # (on: the module was loaded, and made no span)
+    assert "trio_sidecar.shell.otel" in out["modules"]  # (on: the module was loaded, and made no span)
 
 
 def test_otel_without_the_extra_fails_the_pre_network_checks_with_its_text():
@@ -223,8 +223,8 @@ def test_otel_without_the_extra_fails_the_pre_network_checks_with_its_text():
         real_find_spec = importlib.util.find_spec
         importlib.util.find_spec = lambda name, *a: None if name.startswith("opentelemetry") else real_find_spec(name, *a)
         from trio_sidecar import SidecarConfig, SidecarEngine
-        from trio_sidecar.config import WorkerOptions, prepare
-        from trio_sidecar.errors import InvalidArgument
+        from trio_sidecar.core.config import WorkerOptions, prepare
+        from trio_sidecar.core.errors import InvalidArgument
         config = SidecarConfig(grpc_endpoint="127.0.0.1:1", otel=True)
         for check in (lambda: SidecarEngine(config), lambda: prepare(config, WorkerOptions(), dynamo_required=False)):
             try:

@@ -25,8 +25,7 @@ import trio
 from sidecar_fakes import PREFILL_HANDOFF, decode_request, request, sidecar_config, usage
 
 from trio_sidecar import GenerateContext, open_sidecar
-from trio_sidecar.engine import SidecarEngine
-from trio_sidecar.errors import (
+from trio_sidecar.core.errors import (
     CannotConnect,
     EngineShutdown,
     ErrorKind,
@@ -34,13 +33,14 @@ from trio_sidecar.errors import (
     ProtocolError,
     UnknownError,
 )
-from trio_sidecar.health_policy import HealthKind, HealthState
-from trio_sidecar.protocol import token_chunk
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.health_policy import HealthKind, HealthState
+from trio_sidecar.core.protocol import token_chunk
+from trio_sidecar.core.status import StatusCode
+from trio_sidecar.shell.engine import SidecarEngine
 
 
 class Recording:
-    """What a caller got, through either face: a :class:`~trio_sidecar.context.ChunkSink` that records.
+    """What a caller got, through either face: a :class:`~trio_sidecar.shell.context.ChunkSink` that records.
 
     Protocol violations (a second ``end``, a chunk after ``end``, ``end`` with both or neither argument)
     are recorded rather than raised (a sink must not raise) and checked by :meth:`outcome`.

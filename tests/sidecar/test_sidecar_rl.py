@@ -7,9 +7,9 @@ import pytest
 from sidecar_fakes import FAST_ENGINE_ARGS, sidecar_config
 
 from trio_sidecar import PauseMode, WakeState, open_sidecar
-from trio_sidecar.errors import EngineShutdown, InvalidArgument
+from trio_sidecar.core.errors import EngineShutdown, InvalidArgument
+from trio_sidecar.core.rl_requests import RlCapabilities
 from trio_sidecar.mock import MockConfig, open_mock_server
-from trio_sidecar.rl import RlCapabilities
 
 RL_ARGS = {"enable_sleep_mode": True, "weight_transfer_backend": "nccl", "enable_draft_weight_updates": True}
 

@@ -15,12 +15,12 @@ from sidecar_fakes import NOT_SERVING, SERVING, reference_model_info, reference_
 
 from trio_sidecar import open_sidecar
 from trio_sidecar._proto.vllm import control_pb2
-from trio_sidecar.discovery import discover
-from trio_sidecar.endpoint import parse_grpc_endpoint
-from trio_sidecar.errors import CannotConnect, ConnectionTimeout, InvalidArgument, ProtocolError
-from trio_sidecar.health_policy import HealthKind
-from trio_sidecar.pool import ChannelPool, open_channel_pool
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.endpoint import parse_grpc_endpoint
+from trio_sidecar.core.errors import CannotConnect, ConnectionTimeout, InvalidArgument, ProtocolError
+from trio_sidecar.core.health_policy import HealthKind
+from trio_sidecar.core.status import StatusCode
+from trio_sidecar.shell.discovery import discover
+from trio_sidecar.shell.pool import ChannelPool, open_channel_pool
 
 
 def closed_port() -> int:
@@ -317,7 +317,7 @@ async def test_each_attempt_is_bounded_by_the_attempt_timeout(nursery, autojump_
 
 
 async def test_pool_construction_safety_net_is_a_connection_timeout(nursery, monkeypatch, autojump_clock):
-    from trio_sidecar import pool as pool_module
+    from trio_sidecar.shell import pool as pool_module
 
     monkeypatch.setattr(pool_module, "PHASE_GRACE", -0.2)  # make the whole-construction scope fire first
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")

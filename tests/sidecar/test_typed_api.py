@@ -19,7 +19,7 @@ from trio_sidecar import Completion, Delta, InvalidArgument, SamplingParams, Str
 from trio_sidecar.mock import MockConfig, open_mock_server
 from trio_sidecar.mock import config as mock_config_module
 from trio_sidecar.mock.tiny_model import make_tiny_model
-from trio_sidecar.tokenizer import local_tokenizer
+from trio_sidecar.shell.tokenizer import local_tokenizer
 
 PROMPT = "Hello world, the quick fox"
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -11,10 +11,10 @@ import attrs
 import pytest
 
 from trio_sidecar import InvalidArgument, SamplingParams, StructuredOutputs
-from trio_sidecar.completions import CompletionBuilder, Logprob
-from trio_sidecar.config import DisaggregationMode
-from trio_sidecar.convert.request import build_generate_request
-from trio_sidecar.protocol import CompletionUsage, LLMEngineOutput, TopLogprob, structure_request
+from trio_sidecar.core.completions import CompletionBuilder, Logprob
+from trio_sidecar.core.config import DisaggregationMode
+from trio_sidecar.core.convert.request import build_generate_request
+from trio_sidecar.core.protocol import CompletionUsage, LLMEngineOutput, TopLogprob, structure_request
 
 # (SamplingParams keywords, the same value in Dynamo's request shape)
 REJECTED = [

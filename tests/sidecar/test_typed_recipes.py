@@ -21,10 +21,10 @@ import trio
 from sidecar_fakes import FAST_ENGINE_ARGS, sidecar_config
 
 from trio_sidecar import Completion, InvalidArgument, SamplingParams, open_sidecar
-from trio_sidecar.completion_stream import open_many
-from trio_sidecar.engine import EXIT_WAIT
 from trio_sidecar.mock import MockConfig, open_mock_server
-from trio_sidecar.request_task import RequestTask
+from trio_sidecar.shell.completion_stream import open_many
+from trio_sidecar.shell.engine import EXIT_WAIT
+from trio_sidecar.shell.request_task import RequestTask
 
 #: ~0.1 s of modelled time per decode pass.
 SLOW = {**FAST_ENGINE_ARGS, "speedup_ratio": 0.05, "max_model_len": 256}

@@ -23,9 +23,9 @@ import trio_util
 from transport_peers import AioThread
 
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
-from trio_sidecar.endpoint import parse_grpc_endpoint
-from trio_sidecar.model import DiscoveredModel
-from trio_sidecar.prober import HealthKind, HealthState, run_health_prober
+from trio_sidecar.core.endpoint import parse_grpc_endpoint
+from trio_sidecar.core.model import DiscoveredModel
+from trio_sidecar.shell.prober import HealthKind, HealthState, run_health_prober
 from trio_sidecar.transport._keepalive import keepalive_time_for
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

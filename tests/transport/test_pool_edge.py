@@ -14,11 +14,11 @@ from transport_peers import GENERATE, GENERATE_STREAM, request
 
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar._proto.vllm import inference_pb2 as pb
-from trio_sidecar.config import SidecarConfig
-from trio_sidecar.endpoint import parse_grpc_endpoint
-from trio_sidecar.errors import CannotConnect, InvalidArgument, SidecarError, UnknownError
-from trio_sidecar.pool import ChannelPool, open_channel_pool
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.config import SidecarConfig
+from trio_sidecar.core.endpoint import parse_grpc_endpoint
+from trio_sidecar.core.errors import CannotConnect, InvalidArgument, SidecarError, UnknownError
+from trio_sidecar.core.status import StatusCode
+from trio_sidecar.shell.pool import ChannelPool, open_channel_pool
 from trio_sidecar.transport import ConnectionLostError, RpcError
 
 WATCH = "/grpc.health.v1.Health/Watch"

@@ -13,7 +13,7 @@ import trio
 from transport_peers import GENERATE, GENERATE_STREAM, MIB, request
 
 from trio_sidecar._proto.vllm import inference_pb2 as pb
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.status import StatusCode
 from trio_sidecar.transport import DEFAULT_MAX_MESSAGE_LENGTH, RpcError, open_channel
 
 R = pb.GenerateResponse

@@ -18,7 +18,7 @@ import trio
 from transport_peers import GENERATE, MIB, _aio_handlers, aio_options, aio_stream, aio_unary, request
 
 from trio_sidecar._proto.vllm import inference_pb2 as pb
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.status import StatusCode
 from trio_sidecar.transport import open_channel
 from trio_sidecar.transport._decompress import BoundedReadBuffer, MessageDecodeError
 

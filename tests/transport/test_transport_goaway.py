@@ -25,10 +25,10 @@ import trio
 from transport_peers import GENERATE, GENERATE_STREAM, AioServer, request
 
 from trio_sidecar._proto.vllm import inference_pb2 as pb
-from trio_sidecar.config import KeepaliveConfig, SidecarConfig
-from trio_sidecar.endpoint import parse_grpc_endpoint
-from trio_sidecar.pool import ChannelPool
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.config import KeepaliveConfig, SidecarConfig
+from trio_sidecar.core.endpoint import parse_grpc_endpoint
+from trio_sidecar.core.status import StatusCode
+from trio_sidecar.shell.pool import ChannelPool
 from trio_sidecar.transport import ConnectionLostError, RpcError, connect_channel
 from trio_sidecar.transport._errors import StreamNotProcessedError
 from trio_sidecar.transport._keepalive import keepalive_time_for

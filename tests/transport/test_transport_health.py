@@ -8,7 +8,7 @@ import trio
 from transport_peers import aio_options, status_of
 
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.status import StatusCode
 from trio_sidecar.transport import HealthServicer, RpcError, check_health, open_channel, serve_grpc, watch_health
 from trio_sidecar.transport.health import NOT_SERVING, SERVING, WATCH_METHOD
 

@@ -28,8 +28,8 @@ import trio
 from transport_peers import GENERATE_STREAM, request
 
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
-from trio_sidecar.config import KeepaliveConfig
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.config import KeepaliveConfig
+from trio_sidecar.core.status import StatusCode
 from trio_sidecar.transport import ConnectionLostError, RpcError, connect_channel
 
 HERE = Path(__file__).parent

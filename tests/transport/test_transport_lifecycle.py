@@ -17,7 +17,7 @@ import trio
 from transport_peers import GENERATE, GENERATE_STREAM, AioServer, TrioEcho, request
 
 from trio_sidecar._proto.vllm import inference_pb2 as pb
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.status import StatusCode
 from trio_sidecar.transport import ConnectionLostError, RpcError, connect_channel, open_channel, serve_grpc
 
 R = pb.GenerateResponse

@@ -22,7 +22,7 @@ import trio
 from transport_peers import GENERATE, GENERATE_STREAM, TrioEcho, request
 
 from trio_sidecar._proto.vllm import inference_pb2 as pb
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.status import StatusCode
 from trio_sidecar.transport import (
     ConnectionLostError,
     RpcError,

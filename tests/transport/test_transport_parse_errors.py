@@ -12,7 +12,7 @@ import trio
 
 from trio_sidecar._proto.vllm import inference_grpc
 from trio_sidecar._proto.vllm import inference_pb2 as pb
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.status import StatusCode
 from trio_sidecar.transport import FramedMessages, RpcError, open_channel, serve_grpc
 
 GENERATE = "/vllm.Inference/Generate"

@@ -21,11 +21,11 @@ from transport_peers import GENERATE_STREAM, Recorder, TrioEcho, request
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar._proto.vllm import control_grpc, control_pb2
 from trio_sidecar._proto.vllm import inference_pb2 as pb
-from trio_sidecar.config import KeepaliveConfig
-from trio_sidecar.endpoint import parse_grpc_endpoint
-from trio_sidecar.model import DiscoveredModel
-from trio_sidecar.pool import ChannelPool
-from trio_sidecar.prober import HealthKind, HealthState, run_health_prober
+from trio_sidecar.core.config import KeepaliveConfig
+from trio_sidecar.core.endpoint import parse_grpc_endpoint
+from trio_sidecar.core.model import DiscoveredModel
+from trio_sidecar.shell.pool import ChannelPool
+from trio_sidecar.shell.prober import HealthKind, HealthState, run_health_prober
 from trio_sidecar.transport import ConnectionLostError, HealthServicer, ServerLimits, connect_channel, serve_grpc
 from trio_sidecar.transport._keepalive import keepalive_time_for
 
@@ -75,7 +75,7 @@ async def test_our_server_answers_a_fourth_ping_too_soon_with_goaway_too_many_pi
 async def test_the_default_keepalive_keeps_a_silent_watch_on_a_policing_server_for_30_minutes(nursery, autojump_clock):
     server = await policed_server(nursery)
     keepalive = fakes.sidecar_config("127.0.0.1:1")  # the sidecar's defaults: 10 s, 4 s, 300 s
-    from trio_sidecar.config import keepalive_config
+    from trio_sidecar.core.config import keepalive_config
 
     channel = await connect_channel(nursery, "127.0.0.1", server.port, keepalive=keepalive_config(keepalive))
     pings = 0

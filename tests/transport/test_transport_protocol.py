@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.grpclib.connection import GRPCConnection
 
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.status import StatusCode
 from trio_sidecar.transport._events import (
     MessageReceived,
     RequestEnded,

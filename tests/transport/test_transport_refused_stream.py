@@ -20,7 +20,7 @@ import trio
 from transport_peers import GENERATE, GENERATE_STREAM, request
 
 from trio_sidecar._proto.vllm import inference_pb2 as pb
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.status import StatusCode
 from trio_sidecar.transport import RpcError, open_channel
 from trio_sidecar.transport._client import REFUSED_STREAM_RETRIES
 

@@ -13,7 +13,7 @@ from transport_peers import GENERATE, GENERATE_STREAM, MIB, aio_options, aio_str
 
 from trio_sidecar._proto.vllm import inference_grpc
 from trio_sidecar._proto.vllm import inference_pb2 as pb
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.status import StatusCode
 from trio_sidecar.transport import FramedMessages, RpcError, open_channel, serve_grpc
 from trio_sidecar.transport._wire import frame_message
 

@@ -34,7 +34,7 @@ import trio
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar._proto.vllm import inference_grpc
 from trio_sidecar._proto.vllm import inference_pb2 as pb
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.status import StatusCode
 from trio_sidecar.transport import RpcError
 
 GENERATE = "/vllm.Inference/Generate"

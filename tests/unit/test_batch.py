@@ -1,4 +1,4 @@
-"""The request task's batch builder (convert/batch.py): per-message decisions, compact batches, endings.
+"""The request task's batch builder (core/convert/batch.py): per-message decisions, compact batches, endings.
 
 Table-driven: each case feeds a message script to a ``BatchBuilder`` the way a paced consumer would
 (take the open batch after every ``END`` and whenever the script says the transport had nothing more
@@ -14,9 +14,9 @@ import attrs
 import pytest
 
 from trio_sidecar._proto.vllm import inference_pb2 as pb
-from trio_sidecar.config import DisaggregationMode
-from trio_sidecar.convert import ResponseState, build_generate_request
-from trio_sidecar.convert.batch import (
+from trio_sidecar.core.config import DisaggregationMode
+from trio_sidecar.core.convert import ResponseState, build_generate_request
+from trio_sidecar.core.convert.batch import (
     END,
     EOF_BEFORE_TERMINAL,
     MORE,
@@ -27,9 +27,9 @@ from trio_sidecar.convert.batch import (
     ChunkBatch,
     deliver_items,
 )
-from trio_sidecar.errors import ProtocolError, UnknownError
-from trio_sidecar.multimodal import HANDOFF_KEY
-from trio_sidecar.protocol import LLMEngineOutput, structure_request, token_chunk, token_chunk_dict
+from trio_sidecar.core.errors import ProtocolError, UnknownError
+from trio_sidecar.core.multimodal import HANDOFF_KEY
+from trio_sidecar.core.protocol import LLMEngineOutput, structure_request, token_chunk, token_chunk_dict
 
 AGG, PREFILL, DECODE = DisaggregationMode.AGG, DisaggregationMode.PREFILL, DisaggregationMode.DECODE
 STOP, LENGTH = 2, 1

@@ -8,8 +8,8 @@ import socket
 import attrs
 import pytest
 
-from trio_sidecar import config as config_module
-from trio_sidecar.config import (
+from trio_sidecar.core import config as config_module
+from trio_sidecar.core.config import (
     DYNAMO_EXTRA_MISSING,
     DisaggregationMode,
     SidecarConfig,
@@ -18,7 +18,7 @@ from trio_sidecar.config import (
     prepare,
     validate_sidecar_config,
 )
-from trio_sidecar.errors import InvalidArgument
+from trio_sidecar.core.errors import InvalidArgument
 
 UNKNOWN_TYPE = (
     "unknown endpoint type 'rerank'; expected some of chat, completions, embeddings, images, audios, videos, tensor"
@@ -184,7 +184,7 @@ def test_config_objects_are_frozen() -> None:
 
 
 def test_keepalive_config_of_the_vllm_connections() -> None:
-    from trio_sidecar.config import KeepaliveConfig, keepalive_config
+    from trio_sidecar.core.config import KeepaliveConfig, keepalive_config
 
     assert keepalive_config(_cfg()) == KeepaliveConfig.client(
         time=10.0, timeout=4.0, min_ping_interval_without_data=300.0

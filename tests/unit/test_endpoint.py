@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from trio_sidecar.endpoint import GrpcEndpoint, parse_grpc_endpoint
-from trio_sidecar.errors import InvalidArgument
+from trio_sidecar.core.endpoint import GrpcEndpoint, parse_grpc_endpoint
+from trio_sidecar.core.errors import InvalidArgument
 
 REQUIRED = "`--grpc-endpoint` is required and must specify a gRPC server address, such as `http://HOST:PORT`"
 HOST = "`--grpc-endpoint` must include a host"

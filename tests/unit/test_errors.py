@@ -7,7 +7,7 @@ import pickle
 
 import pytest
 
-from trio_sidecar.errors import (
+from trio_sidecar.core.errors import (
     CannotConnect,
     ConnectionTimeout,
     EngineShutdown,
@@ -20,7 +20,7 @@ from trio_sidecar.errors import (
     format_duration,
     status_to_error,
 )
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.status import StatusCode
 
 STATUS_TABLE = [
     (StatusCode.OK, ErrorKind.UNKNOWN, "Ok"),

@@ -7,8 +7,8 @@ import math
 import pytest
 from google.protobuf import struct_pb2
 
-from trio_sidecar.errors import InvalidArgument, ProtocolError
-from trio_sidecar.jsonstruct import json_to_struct, struct_to_json
+from trio_sidecar.core.errors import InvalidArgument, ProtocolError
+from trio_sidecar.core.jsonstruct import json_to_struct, struct_to_json
 
 REFERENCE = {"string": "s", "bool": True, "number": 42, "null": None, "list": [1, "two", False, {"nested": 3.5}]}
 

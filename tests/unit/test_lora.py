@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from trio_sidecar import lora
-from trio_sidecar.config import DisaggregationMode
-from trio_sidecar.convert import build_generate_request
-from trio_sidecar.errors import CannotConnect, InvalidArgument, ProtocolError, SidecarError
-from trio_sidecar.lora import LoadRequest, LoadResult, LoraAdapter
-from trio_sidecar.protocol import structure_request
+from trio_sidecar.core import lora_requests as lora
+from trio_sidecar.core.config import DisaggregationMode
+from trio_sidecar.core.convert import build_generate_request
+from trio_sidecar.core.errors import CannotConnect, InvalidArgument, ProtocolError, SidecarError
+from trio_sidecar.core.lora_requests import LoadRequest, LoadResult, LoraAdapter
+from trio_sidecar.core.protocol import structure_request
 
 
 def test_the_lora_module_is_pure():
-    code = "import sys\nimport trio_sidecar.lora\nassert 'trio' not in sys.modules, 'trio imported'\n"
+    code = "import sys\nimport trio_sidecar.core.lora_requests\nassert 'trio' not in sys.modules, 'trio imported'\n"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from trio_sidecar.mm_routing import (
+from trio_sidecar.core.mm_routing import (
     FETCH_FAILED,
     FETCH_TIMED_OUT,
     RESOLVED,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from trio_sidecar._proto.vllm import control_pb2
-from trio_sidecar.errors import ErrorKind, ProtocolError
-from trio_sidecar.model import (
+from trio_sidecar.core.errors import ErrorKind, ProtocolError
+from trio_sidecar.core.model import (
     DiscoveredModel,
     EngineConfig,
     ModelIdentity,

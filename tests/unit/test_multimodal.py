@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 
 from trio_sidecar._proto.vllm import inference_pb2 as pb
-from trio_sidecar.config import DisaggregationMode
-from trio_sidecar.convert import ResponseState, build_generate_request
-from trio_sidecar.errors import InvalidArgument, ProtocolError
-from trio_sidecar.jsonstruct import json_to_struct, struct_to_json
-from trio_sidecar.multimodal import HANDOFF_KEY, UNSAFE_UUID, classify_media_source, media_source_error, pad_uuid
-from trio_sidecar.protocol import structure_request
+from trio_sidecar.core.config import DisaggregationMode
+from trio_sidecar.core.convert import ResponseState, build_generate_request
+from trio_sidecar.core.errors import InvalidArgument, ProtocolError
+from trio_sidecar.core.jsonstruct import json_to_struct, struct_to_json
+from trio_sidecar.core.multimodal import HANDOFF_KEY, UNSAFE_UUID, classify_media_source, media_source_error, pad_uuid
+from trio_sidecar.core.protocol import structure_request
 
 AGG, PREFILL, DECODE, ENCODE = (
     DisaggregationMode.AGG,

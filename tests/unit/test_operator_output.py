@@ -13,8 +13,8 @@ import trio
 
 from trio_sidecar._logging import UtcFormatter, utc_timestamp
 from trio_sidecar.cli import OPTIONS, _build_run_parser, main
-from trio_sidecar.diagnostics import describe_exception, round_duration, short_cause, startup_hint
-from trio_sidecar.progress import StartupProgress, note_failure, tracking
+from trio_sidecar.shell.diagnostics import describe_exception, round_duration, short_cause, startup_hint
+from trio_sidecar.shell.progress import StartupProgress, note_failure, tracking
 
 
 async def test_a_refused_trio_connect_reads_as_one_clause_without_repetition():

@@ -8,9 +8,9 @@ import re
 import pytest
 import trio
 
-from trio_sidecar.config import WorkerOptions
+from trio_sidecar.core.config import WorkerOptions
 from trio_sidecar.dynamo.prerequisites import PrerequisiteUnreachable, prerequisites, wait_reachable
-from trio_sidecar.progress import StartupProgress, tracking
+from trio_sidecar.shell.progress import StartupProgress, tracking
 
 
 def test_the_default_etcd_backend_needs_etcd_at_dynamos_default_address():

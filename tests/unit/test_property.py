@@ -15,14 +15,14 @@ from hypothesis import event, given, note
 from hypothesis import strategies as st
 
 from trio_sidecar._proto.vllm import inference_pb2 as pb
-from trio_sidecar.config import DisaggregationMode
-from trio_sidecar.convert import ResponseState, build_generate_request
-from trio_sidecar.convert.batch import END, BatchBuilder, ChunkBatch
-from trio_sidecar.convert.response import plain_token_fields
-from trio_sidecar.errors import InvalidArgument, ProtocolError
-from trio_sidecar.jsonstruct import MAX_EXACT_INT, json_to_struct, struct_to_json
-from trio_sidecar.multimodal import HANDOFF_KEY
-from trio_sidecar.protocol import LLMEngineOutput, structure_request
+from trio_sidecar.core.config import DisaggregationMode
+from trio_sidecar.core.convert import ResponseState, build_generate_request
+from trio_sidecar.core.convert.batch import END, BatchBuilder, ChunkBatch
+from trio_sidecar.core.convert.response import plain_token_fields
+from trio_sidecar.core.errors import InvalidArgument, ProtocolError
+from trio_sidecar.core.jsonstruct import MAX_EXACT_INT, json_to_struct, struct_to_json
+from trio_sidecar.core.multimodal import HANDOFF_KEY
+from trio_sidecar.core.protocol import LLMEngineOutput, structure_request
 
 MODES = st.sampled_from(list(DisaggregationMode))
 

@@ -11,27 +11,29 @@ import trio_sidecar
 
 ROOT = Path(trio_sidecar.__file__).parent
 PURE = {
-    "completions",
-    "status",
-    "errors",
-    "config",
-    "endpoint",
-    "jsonstruct",
-    "protocol",
-    "model",
-    "convert",
-    "convert.request",
-    "convert.response",
-    "convert.batch",
-    "multimodal",
-    "mm_routing",
-    "routing",
-    "sampling_checks",
-    "run_options",
-    "tracecontext",
-    "rl",
-    "health_policy",
-    "stats",
+    "core",
+    "core.completions",
+    "core.lora_requests",
+    "core.status",
+    "core.errors",
+    "core.config",
+    "core.endpoint",
+    "core.jsonstruct",
+    "core.protocol",
+    "core.model",
+    "core.convert",
+    "core.convert.request",
+    "core.convert.response",
+    "core.convert.batch",
+    "core.multimodal",
+    "core.mm_routing",
+    "core.routing",
+    "core.sampling_checks",
+    "core.run_options",
+    "core.tracecontext",
+    "core.rl_requests",
+    "core.health_policy",
+    "core.stats",
     "dynamo.metrics",
     "dynamo.rotation",
 }
@@ -79,3 +81,11 @@ def test_pure_module_imports_only_pure_code(module: str) -> None:
         candidates = [target, target.rsplit(".", 1)[0]]
         ok = any(c in PURE or c.startswith("_proto") for c in candidates)
         assert ok, f"{module} imports {target}, which is not a pure module"
+
+
+def test_every_core_module_is_checked_as_pure() -> None:
+    core = ROOT / "core"
+    found = {
+        ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__") for path in core.rglob("*.py")
+    }
+    assert found == {m for m in PURE if m == "core" or m.startswith("core.")}

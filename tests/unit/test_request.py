@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 
 from trio_sidecar._proto.vllm import inference_pb2
-from trio_sidecar.config import DisaggregationMode
-from trio_sidecar.convert import build_generate_request
-from trio_sidecar.errors import InvalidArgument
-from trio_sidecar.jsonstruct import struct_to_json
-from trio_sidecar.protocol import PreprocessedRequest, RoutingHints, structure_request
+from trio_sidecar.core.config import DisaggregationMode
+from trio_sidecar.core.convert import build_generate_request
+from trio_sidecar.core.errors import InvalidArgument
+from trio_sidecar.core.jsonstruct import struct_to_json
+from trio_sidecar.core.protocol import PreprocessedRequest, RoutingHints, structure_request
 
 AGG, PREFILL, DECODE, ENCODE = (
     DisaggregationMode.AGG,

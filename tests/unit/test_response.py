@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 
 from trio_sidecar._proto.vllm import inference_pb2 as pb
-from trio_sidecar.config import DisaggregationMode
-from trio_sidecar.convert import ResponseState, build_generate_request
-from trio_sidecar.convert.response import plain_token_fields
-from trio_sidecar.errors import ErrorKind, ProtocolError
-from trio_sidecar.jsonstruct import json_to_struct
-from trio_sidecar.protocol import LLMEngineOutput, cancelled_chunk, structure_request
+from trio_sidecar.core.config import DisaggregationMode
+from trio_sidecar.core.convert import ResponseState, build_generate_request
+from trio_sidecar.core.convert.response import plain_token_fields
+from trio_sidecar.core.errors import ErrorKind, ProtocolError
+from trio_sidecar.core.jsonstruct import json_to_struct
+from trio_sidecar.core.protocol import LLMEngineOutput, cancelled_chunk, structure_request
 
 AGG, PREFILL, DECODE = DisaggregationMode.AGG, DisaggregationMode.PREFILL, DisaggregationMode.DECODE
 STOP, LENGTH, ABORTED, NOT_FINISHED = 2, 1, 3, 0

@@ -10,8 +10,8 @@ import json
 import pytest
 
 from trio_sidecar._proto.vllm import control_pb2
-from trio_sidecar.errors import CannotConnect, InvalidArgument, ProtocolError, native_error_text, status_to_error
-from trio_sidecar.rl import (
+from trio_sidecar.core.errors import CannotConnect, InvalidArgument, ProtocolError, native_error_text, status_to_error
+from trio_sidecar.core.rl_requests import (
     LORA_ROUTES,
     PauseMode,
     PauseRequest,
@@ -34,7 +34,7 @@ from trio_sidecar.rl import (
     system_port_required,
     wake_state_answer,
 )
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.status import StatusCode
 
 ALL = RlCapabilities(sleep_mode=True, weight_transfer=True, draft_weight_updates=True)
 NATIVE_ROUTES_ALL = [

@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 
 from trio_sidecar._proto.vllm import control_pb2
-from trio_sidecar.config import DisaggregationMode
-from trio_sidecar.errors import ProtocolError
-from trio_sidecar.protocol import RoutingHints
-from trio_sidecar.routing import (
+from trio_sidecar.core.config import DisaggregationMode
+from trio_sidecar.core.errors import ProtocolError
+from trio_sidecar.core.protocol import RoutingHints
+from trio_sidecar.core.routing import (
     KvEventSource,
     dp_rank_metadata,
     rewrite_wildcard_endpoint,

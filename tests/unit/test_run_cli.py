@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from trio_sidecar import __version__
-from trio_sidecar import config as config_module
 from trio_sidecar.__main__ import main as dunder_main
 from trio_sidecar.cli import OPTIONS, UsageError, main, parse_bool, parse_run_args
-from trio_sidecar.config import DYNAMO_EXTRA_MISSING, DisaggregationMode, SidecarConfig, WorkerOptions
+from trio_sidecar.core import config as config_module
+from trio_sidecar.core.config import DYNAMO_EXTRA_MISSING, DisaggregationMode, SidecarConfig, WorkerOptions
 
 EP = ["--grpc-endpoint", "127.0.0.1:50051"]
 

@@ -15,14 +15,14 @@ import pytest
 from vllm_float_table import BAD, INF, LOGIT_BIASES, NAN, ORDER, TABLE
 
 from trio_sidecar._proto.vllm import inference_pb2 as pb
-from trio_sidecar.config import DisaggregationMode
-from trio_sidecar.convert import build_generate_request
-from trio_sidecar.errors import InvalidArgument
+from trio_sidecar.core.config import DisaggregationMode
+from trio_sidecar.core.convert import build_generate_request
+from trio_sidecar.core.errors import InvalidArgument
+from trio_sidecar.core.protocol import PreprocessedRequest, SamplingOptions, structure_request
+from trio_sidecar.core.sampling_checks import format_f32, sampling_error
+from trio_sidecar.core.status import StatusCode
 from trio_sidecar.mock.generation import RequestRejected
 from trio_sidecar.mock.validation import RequestPolicy, prepare_request
-from trio_sidecar.protocol import PreprocessedRequest, SamplingOptions, structure_request
-from trio_sidecar.sampling_checks import format_f32, sampling_error
-from trio_sidecar.status import StatusCode
 
 TABLE_IDS = [f"{field}={value!r}" for field, value, _ in TABLE]
 

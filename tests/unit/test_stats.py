@@ -1,4 +1,4 @@
-"""The pure stats core (``trio_sidecar.stats``) and its Prometheus mapping (``trio_sidecar.dynamo.metrics``);
+"""The pure stats core (``trio_sidecar.core.stats``) and its Prometheus mapping (``trio_sidecar.dynamo.metrics``);
 docs/observability.md. The Grafana dashboard (``deploy/grafana-dashboard.json``) uses only published names."""
 
 from __future__ import annotations
@@ -10,6 +10,17 @@ from pathlib import Path
 
 import pytest
 
+from trio_sidecar.core.errors import ErrorKind
+from trio_sidecar.core.health_policy import HealthKind
+from trio_sidecar.core.stats import (
+    ERROR_TYPES,
+    HEALTH_STATES,
+    ITL_BUCKETS,
+    TTFT_BUCKETS,
+    Histogram,
+    SidecarStats,
+    error_type,
+)
 from trio_sidecar.dynamo.metrics import (
     LIFECYCLE_METRICS,
     METRICS,
@@ -20,17 +31,6 @@ from trio_sidecar.dynamo.metrics import (
     prometheus_label,
     render_text,
     render_typed,
-)
-from trio_sidecar.errors import ErrorKind
-from trio_sidecar.health_policy import HealthKind
-from trio_sidecar.stats import (
-    ERROR_TYPES,
-    HEALTH_STATES,
-    ITL_BUCKETS,
-    TTFT_BUCKETS,
-    Histogram,
-    SidecarStats,
-    error_type,
 )
 
 REPO = Path(__file__).resolve().parents[2]

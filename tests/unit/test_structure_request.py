@@ -11,8 +11,8 @@ import math
 
 import pytest
 
-from trio_sidecar.errors import InvalidArgument
-from trio_sidecar.protocol import PreprocessedRequest, _request_inner, structure_request
+from trio_sidecar.core.errors import InvalidArgument
+from trio_sidecar.core.protocol import PreprocessedRequest, _request_inner, structure_request
 
 DYNAMO = {
     "model": "m",

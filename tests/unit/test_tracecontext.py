@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from trio_sidecar import GenerateContext
+from trio_sidecar.core.tracecontext import trace_metadata
 from trio_sidecar.dynamo.bridge import _trace_context
-from trio_sidecar.tracecontext import trace_metadata
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 

@@ -11,10 +11,10 @@ import copy
 
 import pytest
 
-from trio_sidecar.config import DisaggregationMode
-from trio_sidecar.convert import build_generate_request
-from trio_sidecar.errors import InvalidArgument
-from trio_sidecar.protocol import structure_request
+from trio_sidecar.core.config import DisaggregationMode
+from trio_sidecar.core.convert import build_generate_request
+from trio_sidecar.core.errors import InvalidArgument
+from trio_sidecar.core.protocol import structure_request
 
 FLOAT_FIELDS = [
     "temperature",

@@ -45,7 +45,7 @@ task per request on this side and no hand-over between tasks. The engine deliver
 request's :class:`_Sink` as their messages are read (from the connection's reader task:
 ``ResponseStream.listen``; those of messages read together at the end of their run, consecutive plain token
 chunks as one), which emits ``chunk.to_dict()``; then the final chunk or the error (a
-:class:`~trio_sidecar.errors.SidecarError` as an exception object), and always the end sentinel. A request
+:class:`~trio_sidecar.core.errors.SidecarError` as an exception object), and always the end sentinel. A request
 that ``submit`` refuses (conversion, admission) ends at once with its error.
 
 Wake-ups: one ``call_soon_threadsafe`` per chunk (a self-pipe write and a loop wake-up each) cost about
@@ -105,10 +105,10 @@ from typing import Any, Protocol
 import attrs
 import trio
 
-from ..context import GenerateContext
-from ..errors import EngineShutdown, SidecarError
-from ..protocol import token_chunk_dict
-from ..tracecontext import TRACEPARENT, TRACESTATE, is_metadata_value
+from ..core.errors import EngineShutdown, SidecarError
+from ..core.protocol import token_chunk_dict
+from ..core.tracecontext import TRACEPARENT, TRACESTATE, is_metadata_value
+from ..shell.context import GenerateContext
 from .coalesce import take_merged
 from .egress import Egress
 from .error_map import dynamo_exception
@@ -250,7 +250,7 @@ class _Submit(Protocol):
 
 
 class _Sink:
-    """One request's :class:`~trio_sidecar.engine.ChunkSink`: chunk dicts onto its outbox (Trio thread)."""
+    """One request's :class:`~trio_sidecar.shell.engine.ChunkSink`: chunk dicts onto its outbox (Trio thread)."""
 
     __slots__ = ("_bridge", "_item", "ended")
 

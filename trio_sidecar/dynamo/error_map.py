@@ -8,7 +8,7 @@ SidecarError crosses into Dynamo as the class of its kind, with its message unch
 
 from __future__ import annotations
 
-from ..errors import ErrorKind, SidecarError
+from ..core.errors import ErrorKind, SidecarError
 
 __all__ = ["dynamo_exception"]
 

@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from ..errors import SidecarError, UnknownError
-from ..lora import (
+from ..core.errors import SidecarError, UnknownError
+from ..core.lora_requests import (
     LORA_UNAVAILABLE,
     LoadRequest,
     LoraAdapter,
@@ -41,7 +41,7 @@ from .thread import AsyncioThread, TrioCalls
 
 if TYPE_CHECKING:
     from ..api import Sidecar
-    from ..lora_lifecycle import LoraLifecycle
+    from ..shell.lora_lifecycle import LoraLifecycle
     from .plan import WorkerPlan
     from .runtime import DynamoSide
 

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 
-from ..stats import HEALTH_STATES, HistogramSnapshot, StatsSnapshot
+from ..core.stats import HEALTH_STATES, HistogramSnapshot, StatsSnapshot
 
 __all__ = [
     "METRICS",

@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from ..config import DisaggregationMode, SidecarConfig, WorkerOptions, model_type_names
-from ..errors import InvalidArgument
+from ..core.config import DisaggregationMode, SidecarConfig, WorkerOptions, model_type_names
+from ..core.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from ..model import EngineConfig
-    from ..routing import KvEventSource
+    from ..core.model import EngineConfig
+    from ..core.routing import KvEventSource
 
 __all__ = [
     "HEALTH_CHECK_KEY",

@@ -21,10 +21,10 @@ from urllib.parse import urlsplit
 import attrs
 import trio
 
-from ..config import WorkerOptions
-from ..diagnostics import describe_exception, round_duration
-from ..errors import SidecarError, format_duration
-from ..progress import note_failure
+from ..core.config import WorkerOptions
+from ..core.errors import SidecarError, format_duration
+from ..shell.diagnostics import describe_exception, round_duration
+from ..shell.progress import note_failure
 
 __all__ = ["Prerequisite", "PrerequisiteUnreachable", "prerequisites", "wait_reachable"]
 

@@ -11,16 +11,16 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from ..diagnostics import round_duration
-from ..errors import format_duration
-from ..progress import StartupProgress
+from ..core.errors import format_duration
+from ..shell.diagnostics import round_duration
+from ..shell.progress import StartupProgress
 from ..transport import collapse_single_exception
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from ..model import DiscoveredModel, EngineConfig
-    from ..routing import KvEventSource
+    from ..core.model import DiscoveredModel, EngineConfig
+    from ..core.routing import KvEventSource
     from .plan import WorkerPlan
 
 __all__ = ["Reporter", "TICK_INTERVAL"]

@@ -15,7 +15,7 @@ the native sidecar:
   and ``wake_up`` put it back once vLLM no longer sleeps.
 
 The callbacks reach the sidecar (Trio) through :class:`.thread.TrioCalls`; the Control calls go through the
-sidecar's own pool (:class:`~trio_sidecar.rl_controls.RlControls`).
+sidecar's own pool (:class:`~trio_sidecar.shell.rl_controls.RlControls`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from ..errors import InvalidArgument, SidecarError, native_error_text, native_kind_name
-from ..rl import (
+from ..core.errors import InvalidArgument, SidecarError, native_error_text, native_kind_name
+from ..core.rl_requests import (
     CONTROL_BODY_NOT_OBJECT,
     UPDATE_BODY_NOT_OBJECT,
     engine_routes,

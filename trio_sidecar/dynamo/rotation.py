@@ -4,7 +4,7 @@
 Theory of operation
 -------------------
 
-The worker's counterpart of :class:`~trio_sidecar.health_policy.HealthPolicy`, built the same way: events in
+The worker's counterpart of :class:`~trio_sidecar.core.health_policy.HealthPolicy`, built the same way: events in
 (every change of the prober's published state, the grace timer, the outcomes of Dynamo calls), actions out
 (arm or cancel the grace timer, take the instance out of rotation, restore it, re-create the KV publishers).
 Its I/O adapter is ``worker._supervise_health``.
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import attrs
 
-from ..health_policy import ArmTimer, CancelTimer, HealthState, Timer, TimerFired
-from ..routing import KvEventSource
+from ..core.health_policy import ArmTimer, CancelTimer, HealthState, Timer, TimerFired
+from ..core.routing import KvEventSource
 
 __all__ = [
     "HealthChanged",

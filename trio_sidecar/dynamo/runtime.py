@@ -13,8 +13,8 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .. import mm_routing
-from ..config import WorkerOptions
+from ..core import mm_routing
+from ..core.config import WorkerOptions
 from .metrics import Lifecycle
 from .prefill_completion import PrefillCompletion
 
@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from dynamo.llm import KvEventPublisher
     from dynamo.runtime import DistributedRuntime, Endpoint
 
-    from ..routing import KvEventSource
-    from ..stats import StatsSnapshot
+    from ..core.routing import KvEventSource
+    from ..core.stats import StatsSnapshot
     from .plan import WorkerPlan
 
     Handler = Callable[..., AsyncIterator[dict[str, Any]]]

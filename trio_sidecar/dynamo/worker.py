@@ -48,12 +48,12 @@ import trio
 
 from .._logging import emit, notice, print_error
 from .._signals import SIGNALS, held, hold_signals, interrupted_code
-from ..config import SidecarConfig, WorkerOptions
-from ..diagnostics import startup_hint
-from ..errors import SidecarError, format_duration
-from ..health_policy import ArmTimer, CancelTimer, HealthState, Timer, TimerFired
-from ..progress import StartupProgress, tracking
-from ..rl import parse_admin_base_url, rl_endpoint_name, rl_world_size, system_port_required
+from ..core.config import SidecarConfig, WorkerOptions
+from ..core.errors import SidecarError, format_duration
+from ..core.health_policy import ArmTimer, CancelTimer, HealthState, Timer, TimerFired
+from ..core.rl_requests import parse_admin_base_url, rl_endpoint_name, rl_world_size, system_port_required
+from ..shell.diagnostics import startup_hint
+from ..shell.progress import StartupProgress, tracking
 from ..transport import collapse_single_exception
 from .bridge import RequestBridge
 from .lora_routes import publish_held, start_lora
@@ -76,8 +76,8 @@ from .thread import AsyncioThread, TrioCalls
 
 if TYPE_CHECKING:
     from ..api import Sidecar
-    from ..model import DiscoveredModel
-    from ..routing import KvEventSource
+    from ..core.model import DiscoveredModel
+    from ..core.routing import KvEventSource
 
 __all__ = ["run_worker", "exit_on_late_signals"]
 
@@ -214,7 +214,7 @@ async def _main(config: SidecarConfig, options: WorkerOptions) -> int:
 
 async def _run(config: SidecarConfig, options: WorkerOptions, state: _Shutdown, reporter: Reporter) -> int:
     from ..api import discover
-    from ..endpoint import parse_grpc_endpoint
+    from ..core.endpoint import parse_grpc_endpoint
 
     vllm = f"vLLM at {parse_grpc_endpoint(config.grpc_endpoint).canonical}"
     with state.startup() as scope:
@@ -488,7 +488,7 @@ async def _supervise_health(
 ) -> None:
     """Take the instance out of rotation while vLLM is not serving (docs/reference/worker.md#out-of-rotation-while-vllm-is-not-serving, docs/reference/sidecar.md#recovery).
 
-    The I/O adapter of :class:`~trio_sidecar.health_policy.RotationPolicy`: every change of the prober's
+    The I/O adapter of :class:`~trio_sidecar.dynamo.rotation.RotationPolicy`: every change of the prober's
     published state goes in, and its actions are carried out on the asyncio thread. After
     ``unserving_grace`` of continuous non-SERVING state, ``unregister_endpoint_instance()``; on recovery (the
     prober only returns to SERVING after re-checking identity and DP size), ``register_endpoint_instance()``.

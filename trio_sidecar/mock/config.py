@@ -142,7 +142,7 @@ def prepare_config(config: MockConfig) -> PreparedConfig:
 def _text_tokenizer(model: str) -> Callable[[str], list[int]] | None:
     """Text prompts are served when the model is a directory with a tokenizer (``--tiny-model``) and the
     ``tokenizers`` package is installed (docs/reference/mock.md#request-validation)."""
-    from trio_sidecar.tokenizer import local_tokenizer
+    from trio_sidecar.shell.tokenizer import local_tokenizer
 
     encoder = local_tokenizer(model)
     return None if encoder is None else encoder.encode

@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING, Any
 
 import trio_sidecar
 from trio_sidecar._proto.vllm import control_grpc, control_pb2
+from trio_sidecar.core.status import StatusCode
 from trio_sidecar.mock import engine_args as _engine_args
 from trio_sidecar.mock import lora as _lora
 from trio_sidecar.mock import rl as _rl
 from trio_sidecar.mock.config import PreparedConfig
 from trio_sidecar.mock.generation import RequestRejected
-from trio_sidecar.status import StatusCode
 from trio_sidecar.transport import RpcError
 
 if TYPE_CHECKING:

@@ -32,7 +32,7 @@ import attrs
 from blake3 import blake3
 
 from trio_sidecar._proto.vllm import inference_pb2 as pb
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.status import StatusCode
 
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",

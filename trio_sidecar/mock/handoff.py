@@ -16,8 +16,8 @@ from typing import Any
 
 from google.protobuf import struct_pb2
 
+from trio_sidecar.core.status import StatusCode
 from trio_sidecar.mock.generation import RequestRejected
-from trio_sidecar.status import StatusCode
 
 __all__ = [
     "HANDOFF_CHUNK_TOKENS",

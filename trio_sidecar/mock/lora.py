@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 import attrs
 
+from trio_sidecar.core.status import StatusCode
 from trio_sidecar.mock.generation import RequestRejected
-from trio_sidecar.status import StatusCode
 
 __all__ = ["LORA_DISABLED", "LoraAdapter", "LoraTable", "lora_disabled"]
 

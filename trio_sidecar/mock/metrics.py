@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 
 import trio
 
-from trio_sidecar.stats import Histogram
+from trio_sidecar.core.stats import Histogram
 
 __all__ = [
     "E2E_BUCKETS",

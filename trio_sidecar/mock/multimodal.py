@@ -18,9 +18,9 @@ from collections.abc import Sequence
 import blake3
 
 from trio_sidecar._proto.vllm import inference_pb2 as pb
+from trio_sidecar.core.status import StatusCode
 from trio_sidecar.mock.generation import RequestRejected
 from trio_sidecar.mock.kvcache import MmSpan
-from trio_sidecar.status import StatusCode
 
 __all__ = [
     "DEFAULT_IMAGE_TOKEN_ID",

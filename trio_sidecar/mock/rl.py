@@ -24,8 +24,8 @@ from collections.abc import Sequence
 
 import attrs
 
+from trio_sidecar.core.status import StatusCode
 from trio_sidecar.mock.generation import RequestRejected
-from trio_sidecar.status import StatusCode
 
 __all__ = [
     "SLEEP_MODE_NOT_CONFIGURED",

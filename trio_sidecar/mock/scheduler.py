@@ -51,11 +51,11 @@ import trio
 import trio_util
 from trio.lowlevel import Abort, current_task, reschedule, wait_task_rescheduled
 
+from trio_sidecar.core.status import StatusCode
 from trio_sidecar.mock.engine_args import EngineArgs, PreemptionMode
 from trio_sidecar.mock.generation import TokenPlan, token_at
 from trio_sidecar.mock.kvcache import KvPool, MmSpan, SeqKv
 from trio_sidecar.mock.timing import pass_seconds
-from trio_sidecar.status import StatusCode
 
 if TYPE_CHECKING:
     from trio_sidecar.mock.kv_events import KvEventPublisher

@@ -39,6 +39,7 @@ import trio_util
 
 from trio_sidecar._proto.grpc.health.v1 import health_pb2
 from trio_sidecar._proto.vllm import inference_pb2 as pb
+from trio_sidecar.core.status import StatusCode
 from trio_sidecar.mock import engine_args as _engine_args
 from trio_sidecar.mock import lora as _lora
 from trio_sidecar.mock import rl as _rl
@@ -54,7 +55,6 @@ from trio_sidecar.mock.inference import InferenceServicer
 from trio_sidecar.mock.metrics import MockMetrics
 from trio_sidecar.mock.tiny_model import WordText
 from trio_sidecar.mock.validation import PreparedRequest, parse_dp_rank, prepare_request
-from trio_sidecar.status import StatusCode
 from trio_sidecar.transport import (
     DEFAULT_MAX_MESSAGE_LENGTH,
     HealthServicer,

@@ -11,7 +11,7 @@ server state stay in the server and bracket the pure part:
 Differences from the upstream mocker's order, adopted for parity with vLLM (docs/reference/mock.md#request-validation): a wrong model is
 ``NOT_FOUND`` ``model `{name}` not found``; ``lora_name`` is ``FAILED_PRECONDITION`` without LoRA and
 ``NOT_FOUND`` for an adapter that is not loaded (docs/reference/mock.md#lora-adapters); an empty stop string
-is rejected after row 11; vLLM's float sampling checks (``trio_sidecar.sampling_checks``: temperature,
+is rejected after row 11; vLLM's float sampling checks (``trio_sidecar.core.sampling_checks``: temperature,
 top_p, min_p and the penalties, with vLLM's texts) run after row 18 (context length and ``min_new_tokens``),
 where vLLM runs them (docs/conformance.md).
 """
@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 import attrs
 
 from trio_sidecar._proto.vllm import inference_pb2 as pb
+from trio_sidecar.core.sampling_checks import format_f32, sampling_error
+from trio_sidecar.core.status import StatusCode
 from trio_sidecar.mock import handoff, lora, multimodal
 from trio_sidecar.mock.generation import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -39,8 +41,6 @@ from trio_sidecar.mock.generation import (
 from trio_sidecar.mock.handoff import Role
 from trio_sidecar.mock.kvcache import MmSpan
 from trio_sidecar.mock.scripted import ScriptedOutput, Scripts
-from trio_sidecar.sampling_checks import format_f32, sampling_error
-from trio_sidecar.status import StatusCode
 
 __all__ = [
     "DP_RANK_METADATA",

@@ -11,8 +11,8 @@ from typing import Any, NoReturn
 import trio
 from purerpc.grpclib.config import GRPCConfiguration
 
-from trio_sidecar.config import KeepaliveConfig
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.config import KeepaliveConfig
+from trio_sidecar.core.status import StatusCode
 
 from ._client_connection import ClientCall, ClientConnection, NoStreamSlot, StreamRefused, listener_failed
 from ._connection import _copy_error, deadline_after, encode_metadata, parse_message

@@ -12,7 +12,7 @@ from typing import cast
 
 import trio
 
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.status import StatusCode
 
 from ._connection import Call, Connection
 from ._errors import RpcError, StreamNotProcessedError

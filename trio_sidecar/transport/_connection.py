@@ -18,8 +18,8 @@ import trio
 from google.protobuf.message import DecodeError
 from trio.lowlevel import Abort, current_task, reschedule, wait_task_rescheduled
 
-from trio_sidecar.config import KeepaliveConfig
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.config import KeepaliveConfig
+from trio_sidecar.core.status import StatusCode
 
 from ._errors import ConnectionLostError, RpcError
 from ._events import StreamClosed

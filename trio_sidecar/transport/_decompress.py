@@ -10,7 +10,7 @@ import zlib
 
 from purerpc.grpclib.buffers import MessageReadBuffer
 
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.status import StatusCode
 
 __all__ = ["BoundedReadBuffer", "MessageDecodeError", "buffered_flow_controlled_length"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.status import StatusCode
 
 __all__ = ["DEFAULT_MAX_MESSAGE_LENGTH", "ConnectionLostError", "RpcError", "StreamNotProcessedError"]
 

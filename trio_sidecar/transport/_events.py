@@ -17,7 +17,7 @@ from purerpc.grpclib.events import (
     WindowUpdated,
 )
 
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.status import StatusCode
 
 __all__ = [
     "GoAway",

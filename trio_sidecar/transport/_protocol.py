@@ -35,7 +35,7 @@ from purerpc.grpclib.exceptions import MessageTooLargeError
 from purerpc.grpclib.exceptions import ProtocolError as GrpcProtocolError
 from purerpc.grpclib.headers import HeaderDict
 
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.status import StatusCode
 
 from . import _fast
 from ._decompress import BoundedReadBuffer, MessageDecodeError, buffered_flow_controlled_length

@@ -15,8 +15,8 @@ import trio
 from purerpc.grpclib.config import GRPCConfiguration
 from purerpc.rpc import Cardinality
 
-from trio_sidecar.config import KeepaliveConfig
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.config import KeepaliveConfig
+from trio_sidecar.core.status import StatusCode
 
 from ._connection import Call, Connection, encode_metadata, parse_message
 from ._errors import DEFAULT_MAX_MESSAGE_LENGTH, RpcError

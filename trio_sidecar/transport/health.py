@@ -9,7 +9,7 @@ from typing import Any
 import trio
 
 from trio_sidecar._proto.grpc.health.v1 import health_grpc, health_pb2
-from trio_sidecar.status import StatusCode
+from trio_sidecar.core.status import StatusCode
 
 from ._client import Channel, ResponseStream
 from ._errors import RpcError

@@ -1,6 +1,6 @@
 """gRPC status codes (pure: no I/O, no Trio).
 
-Shared by the transport (``trio_sidecar.transport``) and the error taxonomy (``trio_sidecar.errors``).
+Shared by the transport (``trio_sidecar.transport``) and the error taxonomy (``trio_sidecar.core.errors``).
 ``rust_name`` is the CamelCase form Rust's tonic prints (``InvalidArgument``); upstream error texts embed
 it, so messages such as ``GenerateStream: rejected (InvalidArgument)`` match the native sidecar's.
 """

@@ -31,12 +31,19 @@ from typing import TYPE_CHECKING, Any
 import trio
 import trio_util
 
+from ..core.config import DisaggregationMode, SidecarConfig, validate_sidecar_config
+from ..core.convert.batch import BatchBuilder
+from ..core.convert.request import build_generate_request
+from ..core.convert.response import ResponseState
+from ..core.endpoint import GrpcEndpoint
+from ..core.errors import CannotConnect, EngineShutdown, InvalidArgument, SidecarError
+from ..core.health_policy import SERVING_STATE, HealthState
+from ..core.model import DiscoveredModel, EngineConfig, engine_config, ensure_startup_compatible
+from ..core.protocol import PreprocessedRequest, structure_request
+from ..core.routing import KvEventSource
+from ..core.stats import SidecarStats, StatsSnapshot
 from .abort import ABORT, ABORT_FLUSH_GRACE, AbortSender
-from .config import DisaggregationMode, SidecarConfig, validate_sidecar_config
 from .context import ChunkSink, GenerateContext
-from .convert.batch import BatchBuilder
-from .convert.request import build_generate_request
-from .convert.response import ResponseState
 from .discovery import (
     CONTROL_SERVICE,
     INFERENCE_SERVICE,
@@ -44,15 +51,8 @@ from .discovery import (
     fetch_kv_event_sources,
     wait_for_services,
 )
-from .endpoint import GrpcEndpoint
-from .errors import CannotConnect, EngineShutdown, InvalidArgument, SidecarError
-from .health_policy import SERVING_STATE, HealthState
-from .model import DiscoveredModel, EngineConfig, engine_config, ensure_startup_compatible
 from .pool import ChannelPool
-from .protocol import PreprocessedRequest, structure_request
 from .request_task import GENERATE_STREAM, MergingSink, RequestTask, RunSink
-from .routing import KvEventSource
-from .stats import SidecarStats, StatsSnapshot
 from .stream import ChunkStream
 
 if TYPE_CHECKING:  # (imported only when tracing is on: docs/reference/sidecar.md#opentelemetry-span)
@@ -366,7 +366,7 @@ class SidecarEngine:
         ``__aenter__`` converts the request (``InvalidArgument`` on error; nothing is sent), checks admission,
         starts the request and waits for the open: an open failure raises the mapped error
         (docs/reference/sidecar.md#stream-level-rules). The yielded iterator produces
-        :class:`~trio_sidecar.protocol.LLMEngineOutput` chunks, one per message; a stream error is raised
+        :class:`~trio_sidecar.core.protocol.LLMEngineOutput` chunks, one per message; a stream error is raised
         from iteration after the chunks already produced. The request reads at most one run of messages
         ahead of the caller (back-pressure reaches HTTP/2 flow control).
 

@@ -2,7 +2,7 @@
 connection pool, each one unary call with the pool's error edge (a gRPC status becomes the sidecar error of
 its kind, ``"{Rpc}: {message} ({Code})"``).
 
-The request messages are built here from already-validated values (:mod:`trio_sidecar.rl` parses the JSON
+The request messages are built here from already-validated values (:mod:`trio_sidecar.core.rl_requests` parses the JSON
 bodies of the engine routes).
 """
 
@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from ._proto.vllm import control_pb2
-from .errors import EngineShutdown
-from .rl import PauseMode
+from .._proto.vllm import control_pb2
+from ..core.errors import EngineShutdown
+from ..core.rl_requests import PauseMode
 
 if TYPE_CHECKING:
     from .pool import ChannelPool

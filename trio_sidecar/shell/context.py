@@ -10,8 +10,8 @@ from typing import Protocol
 
 import trio
 
-from .protocol import LLMEngineOutput
-from .tracecontext import trace_metadata
+from ..core.protocol import LLMEngineOutput
+from ..core.tracecontext import trace_metadata
 
 __all__ = ["ChunkSink", "GenerateContext"]
 
@@ -95,7 +95,7 @@ class ChunkSink(Protocol):
     message is read, from whichever task read it (the connection's reader or the request task); plain token
     chunks of messages read together come as one ``tokens`` call (ids in order, texts concatenated); ``end`` is
     called exactly once, last: with the final chunk (terminal or cancelled) or the error (a
-    :class:`~trio_sidecar.errors.SidecarError`, or an unexpected exception), the other ``None``. An
+    :class:`~trio_sidecar.core.errors.SidecarError`, or an unexpected exception), the other ``None``. An
     exception from ``chunk``/``tokens`` fails the request like a bug in the engine (logged, ``end`` with the
     error); one from ``end`` is logged.
     """

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._proto.vllm import inference_pb2
+from .._proto.vllm import inference_pb2
 from .errors import InvalidArgument, ProtocolError
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""``generate()``'s face of the engine: a :class:`~trio_sidecar.request_task.RunSink` that queues each run of
+"""``generate()``'s face of the engine: a :class:`~trio_sidecar.shell.request_task.RunSink` that queues each run of
 chunks for an async iterator (docs/reference/sidecar.md#embedded-api, docs/reference/sidecar.md#cancellation).
 
 Theory of operation
@@ -28,9 +28,9 @@ from trio.lowlevel import Abort, RaiseCancelT, Task, current_task, reschedule, w
 from trio.lowlevel import checkpoint as _checkpoint
 from trio.lowlevel import checkpoint_if_cancelled as _checkpoint_if_cancelled
 
-from .convert.batch import ChunkBatch
-from .convert.response import ResponseState
-from .protocol import LLMEngineOutput
+from ..core.convert.batch import ChunkBatch
+from ..core.convert.response import ResponseState
+from ..core.protocol import LLMEngineOutput
 
 __all__ = ["ChunkStream"]
 

@@ -1,4 +1,4 @@
-"""The continuous health prober: the I/O adapter of :class:`~trio_sidecar.health_policy.HealthPolicy`
+"""The continuous health prober: the I/O adapter of :class:`~trio_sidecar.core.health_policy.HealthPolicy`
 (docs/reference/sidecar.md#health-prober, docs/reference/sidecar.md#recovery,
 docs/reference/real-vllm.md#shutdown-and-engine-death).
 
@@ -40,12 +40,11 @@ import attrs
 import trio
 import trio_util
 
-from ._proto.grpc.health.v1 import health_pb2
-from .config import SidecarConfig
-from .discovery import HEALTH_CHECK, discover_model, fetch_kv_event_sources
-from .endpoint import GrpcEndpoint
-from .errors import CannotConnect, ConnectionTimeout, ProtocolError, SidecarError, format_status
-from .health_policy import (
+from .._proto.grpc.health.v1 import health_pb2
+from ..core.config import SidecarConfig
+from ..core.endpoint import GrpcEndpoint
+from ..core.errors import CannotConnect, ConnectionTimeout, ProtocolError, SidecarError, format_status
+from ..core.health_policy import (
     SERVICES,
     AbandonRecovery,
     Adopt,
@@ -75,12 +74,13 @@ from .health_policy import (
     compare_models,
     hung_engine_deadline,
 )
-from .model import DiscoveredModel
+from ..core.model import DiscoveredModel
+from ..core.routing import KvEventSource
+from ..core.stats import SidecarStats
+from ..core.status import StatusCode
+from ..transport import Channel, RpcError, connect_channel
+from .discovery import HEALTH_CHECK, discover_model, fetch_kv_event_sources
 from .pool import ChannelPool, cause_chain, channel_options
-from .routing import KvEventSource
-from .stats import SidecarStats
-from .status import StatusCode
-from .transport import Channel, RpcError, connect_channel
 
 __all__ = ["run_health_prober"]
 

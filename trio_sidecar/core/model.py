@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 from google.protobuf import text_format
 
-from ._proto.vllm import control_pb2
+from .._proto.vllm import control_pb2
 from .errors import ProtocolError
 
 LOGGER = logging.getLogger("trio_sidecar.model")

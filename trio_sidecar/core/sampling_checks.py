@@ -18,7 +18,7 @@ import math
 import struct
 from decimal import Decimal
 
-from ._proto.vllm import inference_pb2
+from .._proto.vllm import inference_pb2
 
 __all__ = ["format_f32", "sampling_error"]
 

@@ -23,11 +23,11 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from .errors import SidecarError
-from .tracecontext import TRACEPARENT, TRACESTATE, trace_metadata
+from ..core.errors import SidecarError
+from ..core.tracecontext import TRACEPARENT, TRACESTATE, trace_metadata
 
 if TYPE_CHECKING:
-    from .convert.request import BuiltRequest
+    from ..core.convert.request import BuiltRequest
 
 __all__ = ["SPAN_NAME", "RequestSpan", "RequestTracing"]
 

@@ -1,7 +1,7 @@
 """LoRA adapter lifecycle through ``vllm.Control`` (docs/lora.md): load, unload, list, reconcile.
 
 vLLM is authoritative for what is loaded: every operation starts with ``ListLoras``. The checks and texts
-are in :mod:`trio_sidecar.lora` (pure). What is *published* (a discovery record per adapter, so Dynamo's
+are in :mod:`trio_sidecar.core.lora_requests` (pure). What is *published* (a discovery record per adapter, so Dynamo's
 frontend routes ``model=<adapter>`` to this worker) goes through a :class:`LoraPublisher`; the embedded API
 uses :class:`NoPublisher`, ``trio-sidecar run`` Dynamo's ``register_model``/``unregister_model``.
 
@@ -18,9 +18,9 @@ from typing import Any, Protocol
 
 import trio
 
-from ._proto.vllm import control_pb2
-from .errors import EngineShutdown, ErrorKind, InvalidArgument, ProtocolError, SidecarError
-from .lora import (
+from .._proto.vllm import control_pb2
+from ..core.errors import EngineShutdown, ErrorKind, InvalidArgument, ProtocolError, SidecarError
+from ..core.lora_requests import (
     LORA_UNSUPPORTED,
     LoadRequest,
     LoadResult,
@@ -34,9 +34,9 @@ from .lora import (
     parse_lora_name,
     resolve_local_source,
 )
-from .model import DiscoveredModel
+from ..core.model import DiscoveredModel
+from ..core.status import StatusCode
 from .pool import ChannelPool
-from .status import StatusCode
 
 __all__ = ["LocalSources", "LoraLifecycle", "LoraPublisher", "NoPublisher", "SourceResolver"]
 
@@ -197,7 +197,7 @@ class LoraLifecycle:
         """Load the adapter of a ``{"lora_name": …, "source": {"uri": …}}`` body and publish it.
 
         Control calls: ``ListLoras``, then ``LoadLora`` unless a check refuses (the texts of
-        :mod:`trio_sidecar.lora`) or the name is already loaded (then the answer is "already loaded", whatever
+        :mod:`trio_sidecar.core.lora_requests`) or the name is already loaded (then the answer is "already loaded", whatever
         the path, unless hot swap was requested). When publishing fails, the adapter is unloaded again.
         """
         pool, model = self._started()

@@ -16,7 +16,7 @@ import attrs
 
 from .endpoint import GrpcEndpoint, parse_grpc_endpoint
 from .errors import InvalidArgument, format_duration
-from .rl import parse_admin_base_url
+from .rl_requests import parse_admin_base_url
 
 __all__ = [
     "DisaggregationMode",

@@ -40,15 +40,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import attrs
 import trio
 
+from ..core.convert.batch import END, WARN_ERROR_AFTER_CANCEL, BatchBuilder, Ending, deliver_items
+from ..core.convert.request import BuiltRequest
+from ..core.convert.response import ResponseState
+from ..core.errors import SidecarError
+from ..core.protocol import LLMEngineOutput
+from ..core.stats import SidecarStats
+from ..transport import ResponseStream
 from .context import ChunkSink, GenerateContext
-from .convert.batch import END, WARN_ERROR_AFTER_CANCEL, BatchBuilder, Ending, deliver_items
-from .convert.request import BuiltRequest
-from .convert.response import ResponseState
-from .errors import SidecarError
 from .pool import ChannelPool
-from .protocol import LLMEngineOutput
-from .stats import SidecarStats
-from .transport import ResponseStream
 
 if TYPE_CHECKING:  # (imported only when tracing is on: docs/reference/sidecar.md#opentelemetry-span)
     from .otel import RequestTracing

@@ -51,7 +51,7 @@ from collections.abc import Callable, Mapping
 
 import attrs
 
-from ._proto.grpc.health.v1 import health_pb2
+from .._proto.grpc.health.v1 import health_pb2
 from .errors import ProtocolError
 from .model import DiscoveredModel
 from .routing import KvEventSource
@@ -531,7 +531,7 @@ class HealthPolicy:
 
 
 _SESSION_EVENTS = (Connected, ConnectFailed, StatusReceived, WatchEnded)
-_HANDLERS: Mapping[type, Callable] = {
+_HANDLERS: Mapping[type, Callable[..., list[HealthAction]]] = {
     Connected: HealthPolicy._on_connected,
     ConnectFailed: HealthPolicy._on_connect_failed,
     StatusReceived: HealthPolicy._on_status,

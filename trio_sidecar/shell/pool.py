@@ -37,15 +37,15 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import trio
 
-from .config import SidecarConfig, keepalive_config
+from ..core.config import SidecarConfig, keepalive_config
+from ..core.endpoint import GrpcEndpoint
+from ..core.errors import CannotConnect, ConnectionTimeout, SidecarError, format_duration, status_to_error
+from ..core.status import StatusCode
 from .diagnostics import describe_exception, round_duration
-from .endpoint import GrpcEndpoint
-from .errors import CannotConnect, ConnectionTimeout, SidecarError, format_duration, status_to_error
 from .progress import note_failure
-from .status import StatusCode
 
 if TYPE_CHECKING:
-    from .transport import Channel
+    from ..transport import Channel
 
 __all__ = [
     "ChannelPool",
@@ -72,7 +72,7 @@ NOT_PROCESSED_RETRIES = 3
 def _transport() -> Any:
     # Imported lazily: the transport package is the I/O layer; importing it at call time keeps this
     # module importable (and its pure helpers testable) on its own.
-    from . import transport
+    from .. import transport
 
     return transport
 
@@ -110,7 +110,7 @@ def channel_options(config: SidecarConfig) -> dict[str, Any]:
 
     The message limit each way on Inference and Control calls (docs/reference/sidecar.md#connection-pool) is
     the transport's ``DEFAULT_MAX_MESSAGE_LENGTH`` (64 MiB), the one definition of it. The keepalive is
-    :func:`~trio_sidecar.config.keepalive_config` (docs/reference/transport.md#keepalive).
+    :func:`~trio_sidecar.core.config.keepalive_config` (docs/reference/transport.md#keepalive).
     """
     return {
         "max_message_length": _transport().DEFAULT_MAX_MESSAGE_LENGTH,

@@ -1,5 +1,6 @@
-"""RL controls (docs/rl.md) — pure: the engine routes a worker serves, the parsing and validation of their JSON
-bodies, their JSON answers, and the ``rl`` request-plane endpoint's answers. No I/O, no Trio.
+"""RL requests, the pure half of the RL controls (docs/rl.md): the engine routes a worker serves, the parsing
+and validation of their JSON bodies, their JSON answers, and the ``rl`` request-plane endpoint's answers. No
+I/O, no Trio (the Control calls are :mod:`trio_sidecar.shell.rl_controls`).
 
 The texts are the native 1.6.1 sidecar's, as observed (docs/dynamo.md#rl-controls). A body that fails here
 makes no Control call.
@@ -322,7 +323,7 @@ def rl_world_size(server_info: Any, flag: int | None) -> int:
     if par.world_size:
         if par.world_size % minimum:
             raise ProtocolError("vLLM reports an engine world size that is not divisible by TP * PP")
-        return int(par.world_size) * par.data_parallel_size
+        return int(par.world_size) * int(par.data_parallel_size)
     if flag is None:
         raise InvalidArgument("--vllm-rl-world-size is required when vLLM omits engine world size from gRPC metadata")
     if flag % (minimum * par.data_parallel_size):

@@ -14,10 +14,10 @@ import math
 
 import trio
 
-from ._proto.vllm import control_pb2
-from .errors import SidecarError
+from .._proto.vllm import control_pb2
+from ..core.errors import SidecarError
+from ..core.stats import SidecarStats
 from .pool import ChannelPool
-from .stats import SidecarStats
 
 __all__ = ["ABORT", "ABORT_FLUSH_GRACE", "AbortSender"]
 

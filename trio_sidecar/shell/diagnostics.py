@@ -1,4 +1,5 @@
-"""Operator-facing wording: one clean clause per cause, a short label, and a hint. PURE: no I/O, no Trio.
+"""Operator-facing wording: one clean clause per cause, a short label, and a hint. No I/O and no Trio, but it
+reads the I/O layer's exception types (``socket.gaierror``, errno codes), so it sits in the shell beside the pool.
 
 Connection failures arrive as exception chains whose texts repeat each other (Trio's ``open_tcp_stream``
 raises ``OSError("all attempts to connect to H:P failed")`` caused by an ``ExceptionGroup`` with the same

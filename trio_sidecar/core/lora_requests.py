@@ -1,8 +1,8 @@
-"""LoRA adapter lifecycle, the pure part (docs/lora.md): request checks, texts and JSON answers. No Trio.
+"""LoRA requests, the pure half of the adapter lifecycle (docs/lora.md): checks, texts and JSON answers. No Trio.
 
 The texts and the order of the checks are the native 1.6.1 sidecar's, as observed (docs/dynamo.md, "LoRA
 and RL controls in the native 1.6.1 sidecar, as observed"). Control calls, locking and discovery records
-live in :mod:`trio_sidecar.lora_lifecycle`; the Dynamo surface (``/v1/loras`` and the ``update/*`` engine
+live in :mod:`trio_sidecar.shell.lora_lifecycle`; the Dynamo surface (``/v1/loras`` and the ``update/*`` engine
 routes on the system port) in :mod:`trio_sidecar.dynamo.lora_routes`.
 """
 

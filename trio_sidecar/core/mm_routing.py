@@ -2,7 +2,7 @@
 
 Theory of operation: for a model that routes images exactly, Dynamo's frontend replaces each image's
 placeholder run in the routing tokens with a value derived from the image's hash, and sends that hash to
-the worker, which passes it to vLLM as the ``MediaItem.uuid`` (:func:`trio_sidecar.multimodal.pad_uuid`).
+the worker, which passes it to vLLM as the ``MediaItem.uuid`` (:func:`trio_sidecar.core.multimodal.pad_uuid`).
 vLLM stores the image's blocks with the placeholder ids and reports the uuid in ``BlockStored.extra_keys``.
 The KV publisher can only rewrite those placeholder runs the way the frontend did when it knows the
 placeholder id; without it the router's hashes of every block from the image on never match the worker's,

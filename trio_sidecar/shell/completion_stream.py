@@ -21,11 +21,11 @@ from typing import Union
 
 import trio
 
-from .completions import Completion, CompletionBuilder, Delta
+from ..core.completions import Completion, CompletionBuilder, Delta
+from ..core.errors import ProtocolError, SidecarError
+from ..transport import collapse_single_exception
 from .context import GenerateContext
-from .errors import ProtocolError, SidecarError
 from .stream import ChunkStream
-from .transport import collapse_single_exception
 
 __all__ = ["CompletionStream", "Prompt", "Result", "open_many"]
 

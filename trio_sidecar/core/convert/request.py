@@ -14,7 +14,7 @@ from typing import Any, TypeGuard
 
 import attrs
 
-from .._proto.vllm import inference_pb2
+from ..._proto.vllm import inference_pb2
 from ..config import DisaggregationMode
 from ..errors import InvalidArgument
 from ..jsonstruct import json_to_struct

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .._proto.vllm import inference_pb2
+from ..._proto.vllm import inference_pb2
 from ..config import DisaggregationMode
 from ..errors import ProtocolError
 from ..jsonstruct import struct_to_json

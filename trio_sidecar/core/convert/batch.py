@@ -43,7 +43,7 @@ from typing import Any
 import attrs
 from google.protobuf.message import DecodeError
 
-from .._proto.vllm import inference_pb2
+from ..._proto.vllm import inference_pb2
 from ..errors import ProtocolError, SidecarError, status_to_error
 from ..protocol import LLMEngineOutput, token_chunk
 from ..status import StatusCode

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
-from .errors import InvalidArgument
+from ..core.errors import InvalidArgument
 
 __all__ = ["EXTRA", "Encoder", "load_tokenizer", "local_tokenizer"]
 

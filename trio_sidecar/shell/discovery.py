@@ -12,12 +12,11 @@ from typing import Any
 
 import trio
 
-from ._proto.grpc.health.v1 import health_pb2
-from ._proto.vllm import control_pb2
-from .config import SidecarConfig, validate_sidecar_config
-from .diagnostics import round_duration
-from .endpoint import GrpcEndpoint
-from .errors import (
+from .._proto.grpc.health.v1 import health_pb2
+from .._proto.vllm import control_pb2
+from ..core.config import SidecarConfig, validate_sidecar_config
+from ..core.endpoint import GrpcEndpoint
+from ..core.errors import (
     CannotConnect,
     ConnectionTimeout,
     ProtocolError,
@@ -25,10 +24,11 @@ from .errors import (
     format_duration,
     format_status,
 )
-from .model import DiscoveredModel
+from ..core.model import DiscoveredModel
+from ..core.status import StatusCode
+from .diagnostics import round_duration
 from .pool import ChannelPool, cause_chain, open_channel_pool
 from .progress import note_failure
-from .status import StatusCode
 
 __all__ = [
     "CONTROL_SERVICE",
@@ -202,7 +202,7 @@ async def fetch_kv_event_sources(
         ConnectionTimeout: ``GetKvEventSources exceeded the total vLLM startup deadline``.
         SidecarError: mapped gRPC status (rpc name ``GetKvEventSources``); ProtocolError as in docs/reference/sidecar.md#kv-event-sources.
     """
-    from .routing import validate_kv_event_sources
+    from ..core.routing import validate_kv_event_sources
 
     if channel is None:
         channel = await pool.channel("GetKvEventSources")
