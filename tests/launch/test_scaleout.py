@@ -227,8 +227,8 @@ def test_scaleout_kv_router_sends_a_repeated_prefix_to_the_worker_holding_it(clu
     cached prefix. A router that ignored KV events would pick the holder of all three by chance (1/3)^6."""
     mocks = cluster.mocks
     port = cluster.port("kv")
-    instances = cluster.instances(port)
-    assert len(instances) == WORKERS
+    # (a wait, not a snapshot: on a loaded machine one /health read can time out and list nobody)
+    instances = cluster.wait_instances(port, WORKERS, timeout=60)
     holders = {}
     for k, pin in enumerate(instances):
         prefix = " ".join(WORDS[k * 5 :] + WORDS[: k * 5]) * 8  # ~190 tokens: about 12 blocks of 16
@@ -304,7 +304,7 @@ def kill_run(cluster) -> KillRun:
     victim = cluster.mocks[0]
     listen = victim.address
     sidecar = cluster.sidecars[0]
-    assert len(cluster.instances(port)) == WORKERS
+    cluster.wait_instances(port, WORKERS, timeout=60)
 
     with Load(port) as load:
         time.sleep(1.0)
