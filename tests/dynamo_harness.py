@@ -127,6 +127,31 @@ class Deployment:
     def wait_ready(self, *names: str, timeout: float = 180.0) -> None:
         local.wait_for_models(self.http_port, names, timeout=timeout, watch=self.processes)
 
+    def wait_workers(self, *components: str, timeout: float = 60.0) -> None:
+        """Until the frontend's ``/health`` lists a ``generate`` instance of each component in this namespace.
+
+        A model is listed once its first worker registered; in a disaggregated deployment the other worker can
+        still be missing from the frontend's view then, and a request meanwhile gets HTTP 503."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                status, body = local.get_json(self.http_port, "/health", timeout=5)
+            except OSError:
+                status, body = 0, None
+            listed = {
+                i.get("component")
+                for i in (body.get("instances", []) if status == 200 and isinstance(body, dict) else [])
+                if i.get("namespace") == self.namespace and i.get("endpoint") == "generate"
+            }
+            if set(components) <= listed:
+                return
+            for proc in self.processes:
+                assert proc.alive(), f"{proc.name} exited: {proc.log()[-3000:]}"
+            assert time.monotonic() < deadline, f"the frontend lists {sorted(listed)}, expected {sorted(components)}"
+            time.sleep(0.1)
+
     def close(self) -> None:
         """Stop everything by PID: all sidecars at once (they unregister), then the frontends, then mocks.
 

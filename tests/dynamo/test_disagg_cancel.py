@@ -83,6 +83,7 @@ def pd(deployment_factory) -> PD:
     prefill_worker = dep.trio_sidecar(prefill, "--disaggregation-mode", "prefill", name="prefill-sidecar")
     decode_worker = dep.trio_sidecar(decode, "--disaggregation-mode", "decode", name="decode-sidecar")
     dep.wait_ready("tiny")
+    dep.wait_workers("backend", "prefill")
     return PD(dep, prefill, decode, prefill_worker, decode_worker)
 
 
