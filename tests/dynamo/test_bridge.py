@@ -425,13 +425,15 @@ def test_the_sinks_token_fast_path_emits_the_dict_of_the_same_chunk(token_ids, t
     assert type(emitted[0]["token_ids"]) is list
 
 
-def cancelled_in_place_of_the_first_token(nursery: trio.Nursery):
-    """``Sidecar.submit`` for a decode request whose deferred cancellation replaced the first token's chunk
-    (docs/reference/sidecar.md#decode-deferral): ``ctx.on_first_token``, then the cancelled chunk alone."""
+def deferred_until_the_transfer(nursery: trio.Nursery):
+    """``Sidecar.submit`` for a decode request whose client left before the first token (decode deferral,
+    docs/reference/sidecar.md#decode-deferral): an output without tokens, then, once stopped, the transfer
+    completes: ``ctx.on_first_token`` and the cancelled chunk in place of the first token's chunk."""
 
     def submit(request: dict, ctx, sink) -> None:
         async def run() -> None:
-            await trio.lowlevel.checkpoint()
+            sink.chunk(Chunk({"token_ids": [], "index": 0, "step": 0}))
+            await ctx.wait_stopped()
             ctx._notify_first_token()
             sink.end(Chunk(CANCELLED), None)
 
@@ -441,23 +443,23 @@ def cancelled_in_place_of_the_first_token(nursery: trio.Nursery):
 
 
 @pytest.mark.parametrize("bound", [True, False])
-async def test_a_first_token_replaced_by_the_cancelled_chunk_is_notified_once_on_the_asyncio_thread(loop_thread, bound):
+async def test_the_deferred_first_token_is_notified_on_the_loop_after_the_handler_is_gone(loop_thread, bound):
     bridge = RequestBridge(loop_thread, bind_context=lambda context, request: bound)
-    ctx = FakeDynamoContext("replaced")
+    ctx = FakeDynamoContext("deferred")
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(bridge.run_dispatcher, cancelled_in_place_of_the_first_token(nursery))
+        nursery.start_soon(bridge.run_dispatcher, deferred_until_the_transfer(nursery))
         with trio.fail_after(10):
-            out = await loop_thread.run(consume, bridge, {"token_ids": [1]}, ctx)
+            out = await loop_thread.run(partial(consume, close_after=1), bridge, {"token_ids": [1]}, ctx)
             await wait_idle(bridge)
+            while not ctx.first_token_threads:
+                await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
 
     async def loop_thread_id():
         return threading.get_ident()
 
-    assert out == [CANCELLED]
-    asyncio_ident = await loop_thread.run(loop_thread_id)
-    assert ctx.first_token_threads == ([asyncio_ident] if bound else [])
-    assert asyncio_ident != threading.get_ident()
+    assert out == [{"token_ids": [], "index": 0, "step": 0}]  # the handler left after its first output
+    assert ctx.first_token_threads == [await loop_thread.run(loop_thread_id)]
 
 
 async def test_a_stalled_consumer_is_reported_once(loop_thread, caplog):

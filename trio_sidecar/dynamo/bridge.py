@@ -33,12 +33,12 @@ for the same request. A stop that comes before the request task exists (``run_di
 only marks the context stopped; the engine's ``submit`` subscribes the task to the context and finds it
 stopped — a cancel that arrives before the Trio side starts the request is never lost.
 
-First token: a request bound to a prefill-completion source (``bind_context``) gets its
-``context.notify_first_token()`` from one place, :meth:`_Stream.take` on the loop, as its first output with
-tokens is handed to Dynamo. In decode mode a deferred cancellation can replace the first token's chunk by
-the cancelled chunk (docs/reference/sidecar.md#decode-deferral); the Trio side then only marks the stream
-(``ctx.on_first_token``, a plain attribute write before that chunk is emitted) and the same ``take`` calls
-``notify_first_token()`` as it hands the cancelled chunk over.
+First token: ``context.notify_first_token()`` comes from two places, both run on the loop. A request
+bound to a prefill-completion source (``bind_context``) gets it from :meth:`_Stream.take` as its first
+output with tokens is handed to Dynamo. In decode mode a deferred cancellation can replace the first token's
+chunk by the cancelled chunk (docs/reference/sidecar.md#decode-deferral); the deferral exists for a client
+that is gone, so its handler may be gone too and nothing would take that chunk: the request task's
+``ctx.on_first_token`` then schedules the notification on the loop itself (``call_soon_threadsafe``).
 
 Trio side: ``_dispatch`` (the ``run_sync_soon`` callback itself) calls ``sidecar.submit(request, ctx, sink)``, which starts the engine's request task; there is no
 task per request on this side and no hand-over between tasks. The engine delivers the chunks to the
@@ -167,7 +167,6 @@ class _Stream:
         "ended",
         "warned",
         "first_token",
-        "first_token_replaced",
     )
 
     def __init__(
@@ -189,9 +188,6 @@ class _Stream:
         # The request's context until its first output with tokens is taken, when the request's prefill
         # completion must be published (``RequestBridge``'s ``bind_context``); else None.
         self.first_token: Any = None
-        # Set on the Trio thread before the chunk that replaced the first token's chunk is emitted (decode
-        # deferral): that chunk, with no tokens, then publishes the prefill completion.
-        self.first_token_replaced = False
 
     async def wait(self, drain: Callable[[], bool] | None = None) -> None:
         """Park until Trio emits (the waiter handshake in "Wake-ups" above); with ``drain`` (push), until an
@@ -228,7 +224,7 @@ class _Stream:
             self.ended = True
             raise dynamo_exception(out)
         out = take_merged(items) if self.merge else items.popleft()
-        if self.first_token is not None and (out.get("token_ids") or self.first_token_replaced):
+        if self.first_token is not None and out.get("token_ids"):
             context, self.first_token = self.first_token, None
             _notify_first_token(context)
         return out
@@ -354,7 +350,11 @@ class RequestBridge:
         token = self._thread._token
         assert token is not None
         traceparent, tracestate = _trace_context(context)  # (values gRPC metadata can carry: never raises)
-        ctx = GenerateContext(request_id, traceparent=traceparent, tracestate=tracestate)
+
+        def on_first_token() -> None:  # (Trio thread) the decode deferral's notification: "First token" above
+            loop.call_soon_threadsafe(_notify_first_token, context)
+
+        ctx = GenerateContext(request_id, on_first_token=on_first_token, traceparent=traceparent, tracestate=tracestate)
 
         def emit(item: Any) -> None:
             waker.emit(outbox, item)
@@ -368,11 +368,6 @@ class RequestBridge:
         stream = _Stream(loop, outbox, request_id, request_stop, self.merge)
         if bound:
             stream.first_token = context
-
-            def on_first_token() -> None:  # (Trio thread; see "First token" above)
-                stream.first_token_replaced = True
-
-            ctx.on_first_token = on_first_token
         try:
             token.run_sync_soon(self._dispatch, RequestItem(request, request_id, emit, ctx))
         except trio.RunFinishedError:
