@@ -40,8 +40,9 @@ chunk by the cancelled chunk (docs/reference/sidecar.md#decode-deferral); the de
 that is gone, so its handler may be gone too and nothing would take that chunk: the request task's
 ``ctx.on_first_token`` then schedules the notification on the loop itself (``call_soon_threadsafe``).
 
-Trio side: ``_dispatch`` (the ``run_sync_soon`` callback itself) calls ``sidecar.submit(request, ctx, sink)``, which starts the engine's request task; there is no
-task per request on this side and no hand-over between tasks. The engine delivers the chunks to the
+Trio side: ``_dispatch`` (the ``run_sync_soon`` callback itself) calls ``sidecar.submit(request, ctx,
+sink)``, which starts the engine's request task; there is no task per request on this side and no hand-over
+between tasks. The engine delivers the chunks to the
 request's :class:`_Sink` as their messages are read (from the connection's reader task:
 ``ResponseStream.listen``; those of messages read together at the end of their run, consecutive plain token
 chunks as one), which emits ``chunk.to_dict()``; then the final chunk or the error (a
