@@ -24,6 +24,7 @@ __all__ = [
     "restore_handlers",
     "hold_signals",
     "held",
+    "forget_held",
     "interrupted_code",
     "interrupted_exit",
 ]
@@ -42,6 +43,9 @@ class Interrupted(BaseException):
 
 
 def _raise_interrupted(signum: int, _frame: object) -> None:
+    # Also recorded: the exception can be raised inside code that swallows it (a ``__del__`` or a weakref
+    # callback during an import, where Python only prints "Exception ignored"); stage 2 then replays it.
+    _held.append(signum)
     raise Interrupted(signum)
 
 
@@ -70,13 +74,18 @@ def restore_handlers(previous: dict[int, Any]) -> None:
 
 
 def hold_signals() -> None:
-    """Stage 2: record SIGINT/SIGTERM instead of raising (no-op off the main thread)."""
-    _held.clear()
+    """Stage 2: record SIGINT/SIGTERM instead of raising (no-op off the main thread). A stage-1 signal whose
+    :class:`Interrupted` was swallowed stays recorded, so the command's first task replays it."""
     try:
         for signum in SIGNALS:
             signal.signal(signum, _hold)
     except ValueError:
         pass
+
+
+def forget_held() -> None:
+    """The stage-1 signal was handled (its :class:`Interrupted` reached the entry point)."""
+    _held.clear()
 
 
 def held() -> list[int]:

@@ -21,7 +21,7 @@ from typing import Any
 
 import cattrs
 
-from ._signals import Interrupted, install_interrupt_handlers, interrupted_exit, restore_handlers
+from ._signals import Interrupted, forget_held, install_interrupt_handlers, interrupted_exit, restore_handlers
 from .core.config import DisaggregationMode, SidecarConfig, WorkerOptions, discovery_banner, prepare
 from .core.endpoint import GrpcEndpoint
 from .core.errors import SidecarError
@@ -244,6 +244,7 @@ def main(argv: Sequence[str] | None = None, *, environ: Mapping[str, str] | None
     try:
         return _main(argv, environ)
     except Interrupted as exc:
+        forget_held()
         return interrupted_exit(exc.signum)
     except KeyboardInterrupt:
         return interrupted_exit(signal.SIGINT)
