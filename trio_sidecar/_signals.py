@@ -14,6 +14,7 @@ Three stages, so that a signal is honoured in every phase of a command's life:
 from __future__ import annotations
 
 import signal
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,7 @@ __all__ = [
     "forget_held",
     "interrupted_code",
     "interrupted_exit",
+    "pending",
 ]
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -49,6 +51,17 @@ def _raise_interrupted(signum: int, _frame: object) -> None:
     raise Interrupted(signum)
 
 
+def _quiet_unraisable(args: Any) -> None:
+    # A swallowed Interrupted is recorded above and replayed, so Python's "Exception ignored in ..." traceback
+    # for it is noise on the operator's terminal; anything else goes to the hook that was there before.
+    if isinstance(args.exc_value, Interrupted):
+        return
+    _previous_unraisablehook(args)
+
+
+_previous_unraisablehook: Callable[[Any], None] = sys.unraisablehook
+
+
 def _hold(signum: int, _frame: object) -> None:
     _held.append(signum)
 
@@ -61,6 +74,10 @@ def install_interrupt_handlers() -> dict[int, Any]:
             previous[signum] = signal.signal(signum, _raise_interrupted)
     except ValueError:  # signal only works in the main thread
         return {}
+    global _previous_unraisablehook
+    if sys.unraisablehook is not _quiet_unraisable:
+        _previous_unraisablehook = sys.unraisablehook
+        sys.unraisablehook = _quiet_unraisable
     return previous
 
 
@@ -71,6 +88,8 @@ def restore_handlers(previous: dict[int, Any]) -> None:
     for signum, handler in previous.items():
         if signal.getsignal(signum) in ours:
             signal.signal(signum, handler)
+    if previous and sys.unraisablehook is _quiet_unraisable:
+        sys.unraisablehook = _previous_unraisablehook
 
 
 def hold_signals() -> None:
@@ -86,6 +105,11 @@ def hold_signals() -> None:
 def forget_held() -> None:
     """The stage-1 signal was handled (its :class:`Interrupted` reached the entry point)."""
     _held.clear()
+
+
+def pending() -> int | None:
+    """A stage-1 signal that was swallowed and never replayed (the command ended before stage 2), if any."""
+    return _held[0] if _held else None
 
 
 def held() -> list[int]:

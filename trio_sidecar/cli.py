@@ -21,7 +21,14 @@ from typing import Any
 
 import cattrs
 
-from ._signals import Interrupted, forget_held, install_interrupt_handlers, interrupted_exit, restore_handlers
+from ._signals import (
+    Interrupted,
+    forget_held,
+    install_interrupt_handlers,
+    interrupted_exit,
+    pending,
+    restore_handlers,
+)
 from .core.config import DisaggregationMode, SidecarConfig, WorkerOptions, discovery_banner, prepare
 from .core.endpoint import GrpcEndpoint
 from .core.errors import SidecarError
@@ -242,7 +249,12 @@ def main(argv: Sequence[str] | None = None, *, environ: Mapping[str, str] | None
     """
     previous = install_interrupt_handlers()
     try:
-        return _main(argv, environ)
+        code = _main(argv, environ)
+        swallowed = pending()
+        if swallowed is not None:  # raised inside a callback that ate it, and no Trio run replayed it
+            forget_held()
+            return interrupted_exit(swallowed)
+        return code
     except Interrupted as exc:
         forget_held()
         return interrupted_exit(exc.signum)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 
 import pytest
 
@@ -40,3 +41,51 @@ def test_a_stage_one_signal_that_reached_the_entry_point_is_not_replayed(stage_o
         _signals.forget_held()  # what the CLI's entry point does with it
     _signals.hold_signals()
     assert _signals.held() == []
+
+
+class _Owner:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        signal.pthread_sigmask(signal.SIG_BLOCK, [])  # the handler runs inside __del__, which swallows it
+
+
+def test_a_swallowed_stage_one_signal_prints_no_exception_ignored_traceback(stage_one):
+    seen = []
+    previous_hook = _signals._previous_unraisablehook
+    _signals._previous_unraisablehook = seen.append
+    try:
+        _Owner()  # dropped at once: __del__ runs, raises Interrupted, and Python hands it to sys.unraisablehook
+        assert _signals.pending() == signal.SIGINT
+        assert seen == []
+    finally:
+        _signals._previous_unraisablehook = previous_hook
+
+
+def test_other_unraisable_exceptions_still_reach_the_previous_hook(stage_one):
+    seen = []
+    previous_hook = _signals._previous_unraisablehook
+    _signals._previous_unraisablehook = seen.append
+
+    class Broken:
+        def __del__(self):
+            raise ValueError("kept")
+
+    try:
+        Broken()
+        assert [str(args.exc_value) for args in seen] == ["kept"]
+    finally:
+        _signals._previous_unraisablehook = previous_hook
+
+
+def test_the_entry_point_exits_130_for_a_swallowed_signal_when_no_trio_run_replayed_it(monkeypatch, capsys):
+    from trio_sidecar import cli
+
+    def swallowing_main(argv, environ):
+        _Owner()
+        return 0
+
+    monkeypatch.setattr(cli, "_main", swallowing_main)
+    assert cli.main([]) == 130
+    assert "interrupted by SIGINT" in capsys.readouterr().err
+    assert _signals.pending() is None
+    assert sys.unraisablehook is not _signals._quiet_unraisable
