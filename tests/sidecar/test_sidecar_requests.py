@@ -257,6 +257,23 @@ async def test_several_tokens_arrive_as_chunks_in_order_then_the_terminal_as_fin
     assert fake.abort_calls == []
 
 
+@pytest.mark.parametrize("tokens", [1, 5])
+async def test_on_first_token_is_called_once_before_the_first_tokens_reach_the_caller(fake, face, tokens):
+    fake.tokens = tokens  # 1: the terminal itself carries the only token
+    seen: list[tuple[int, int]] = []
+    async with open_sidecar(sidecar_config(fake.endpoint)) as sidecar:
+        rec_box: list[Recording] = []
+        ctx = GenerateContext(
+            "first", on_first_token=lambda: seen.append((len(rec_box[0].chunks), len(rec_box[0].ends)))
+        )
+        rec = await face.start(sidecar, request(), ctx)
+        rec_box.append(rec)
+        with trio.fail_after(2):
+            await rec.ended.wait()
+    assert usage(rec.final()) == (3, tokens, 3 + tokens)
+    assert seen == [(0, 0)]  # once, before any chunk or the final one
+
+
 async def test_chunks_are_delivered_while_the_request_is_still_running(fake, face):
     fake.hang = True  # endless chunks
     async with open_sidecar(sidecar_config(fake.endpoint)) as sidecar:

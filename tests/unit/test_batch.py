@@ -250,7 +250,7 @@ ENDINGS = [
         True,
         [out([]), out([7], text="a"), out([8])],
         [],
-        {"server_ended": False, "finish_reason": "cancelled", "first_token": True, "error": None},
+        {"server_ended": False, "finish_reason": "cancelled", "error": None},
         (3, 1),
     ),
     (
@@ -259,7 +259,7 @@ ENDINGS = [
         True,
         [out([7], finish=1)],
         [],
-        {"server_ended": True, "finish_reason": "cancelled", "first_token": True},
+        {"server_ended": True, "finish_reason": "cancelled"},
         (3, 1),
     ),
     (
@@ -268,7 +268,7 @@ ENDINGS = [
         True,
         [out([], finish=0)],
         [],
-        {"server_ended": True, "finish_reason": "cancelled", "first_token": False},
+        {"server_ended": True, "finish_reason": "cancelled"},
         (3, 0),
     ),
     (
@@ -286,7 +286,7 @@ ENDINGS = [
         False,
         [out([7]), out([], finish=1)],
         [[tok(7, "")]],
-        {"server_ended": True, "finish_reason": "stop", "first_token": False},
+        {"server_ended": True, "finish_reason": "stop"},
         (3, 1),
     ),
     (

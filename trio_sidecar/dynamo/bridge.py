@@ -33,12 +33,12 @@ for the same request. A stop that comes before the request task exists (``run_di
 only marks the context stopped; the engine's ``submit`` subscribes the task to the context and finds it
 stopped — a cancel that arrives before the Trio side starts the request is never lost.
 
-First token: ``context.notify_first_token()`` comes from two places, both run on the loop. A request
-bound to a prefill-completion source (``bind_context``) gets it from :meth:`_Stream.take` as its first
-output with tokens is handed to Dynamo. In decode mode a deferred cancellation can replace the first token's
-chunk by the cancelled chunk (docs/reference/sidecar.md#decode-deferral); the deferral exists for a client
-that is gone, so its handler may be gone too and nothing would take that chunk: the request task's
-``ctx.on_first_token`` then schedules the notification on the loop itself (``call_soon_threadsafe``).
+First token: a request bound to a prefill-completion source (``bind_context``) gets one
+``context.notify_first_token()``, from one place: the request task calls ``ctx.on_first_token`` when the
+request's first tokens are converted, including the decode deferral's first token that the cancelled chunk
+replaces (docs/reference/sidecar.md#decode-deferral). That callback queues the notification with
+:meth:`Waker.call_soon`, so it rides the batch's one loop wake-up, runs before the handler resumes with those
+tokens, and runs even when the handler is gone (the deferral exists for a client that left).
 
 Trio side: ``_dispatch`` (the ``run_sync_soon`` callback itself) calls ``sidecar.submit(request, ctx,
 sink)``, which starts the engine's request task; there is no task per request on this side and no hand-over
@@ -101,6 +101,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Protocol
 
 import attrs
@@ -167,7 +168,6 @@ class _Stream:
         "merge",
         "ended",
         "warned",
-        "first_token",
     )
 
     def __init__(
@@ -186,9 +186,6 @@ class _Stream:
         self.watcher: asyncio.Future | None = None  # context.async_killed_or_stopped(), set by _open
         self.ended = False
         self.warned = False
-        # The request's context until its first output with tokens is taken, when the request's prefill
-        # completion must be published (``RequestBridge``'s ``bind_context``); else None.
-        self.first_token: Any = None
 
     async def wait(self, drain: Callable[[], bool] | None = None) -> None:
         """Park until Trio emits (the waiter handshake in "Wake-ups" above); with ``drain`` (push), until an
@@ -224,11 +221,7 @@ class _Stream:
             items.popleft()
             self.ended = True
             raise dynamo_exception(out)
-        out = take_merged(items) if self.merge else items.popleft()
-        if self.first_token is not None and out.get("token_ids"):
-            context, self.first_token = self.first_token, None
-            _notify_first_token(context)
-        return out
+        return take_merged(items) if self.merge else items.popleft()
 
     def close(self) -> None:
         """Leave the request: stop the Trio side unless it already ended."""
@@ -299,7 +292,7 @@ class RequestBridge:
         bind_context: ``bind_context(context, request) -> bool``, called on the asyncio thread for every
             request before it is handed to Trio (the worker binds the request to its prefill-completion
             source, :mod:`.prefill_completion`); when it returns True, ``context.notify_first_token()`` is
-            called once, as the request's first output with tokens is handed to Dynamo.
+            called once, on the loop, when the request's first tokens are converted ("First token" above).
     """
 
     def __init__(
@@ -352,9 +345,7 @@ class RequestBridge:
         assert token is not None
         traceparent, tracestate = _trace_context(context)  # (values gRPC metadata can carry: never raises)
 
-        def on_first_token() -> None:  # (Trio thread) the decode deferral's notification: "First token" above
-            loop.call_soon_threadsafe(_notify_first_token, context)
-
+        on_first_token = partial(waker.call_soon, _notify_first_token, context) if bound else None  # (Trio thread)
         ctx = GenerateContext(request_id, on_first_token=on_first_token, traceparent=traceparent, tracestate=tracestate)
 
         def emit(item: Any) -> None:
@@ -367,8 +358,6 @@ class RequestBridge:
                 pass
 
         stream = _Stream(loop, outbox, request_id, request_stop, self.merge)
-        if bound:
-            stream.first_token = context
         try:
             token.run_sync_soon(self._dispatch, RequestItem(request, request_id, emit, ctx))
         except trio.RunFinishedError:

@@ -10,9 +10,9 @@ falls back to noticing the first token in the response stream.
 
 Dynamo's Python API: ``await endpoint.first_token_source(worker_type)`` creates the channel (``None`` for a
 prefill worker); ``source.bind(context, dp_rank)`` attaches one request; the event is published once, at the
-first ``context.notify_first_token()``, which the bridge calls when it hands the request's first chunk with
-tokens to Dynamo. A request without a DP rank publishes nothing (Dynamo's rule: the router would not know
-which rank's load to change).
+first ``context.notify_first_token()``, which the bridge runs on the loop when the request task converted the
+request's first tokens (the "First token" section of ``bridge.py``). A request without a DP rank publishes
+nothing (Dynamo's rule: the router would not know which rank's load to change).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class PrefillCompletion:
 
     def bind(self, context: Any, request: Any) -> bool:
         """Attach one request; returns whether it was attached. The caller then calls
-        ``context.notify_first_token()`` when it hands the request's first token to Dynamo: the runtime's own
+        ``context.notify_first_token()`` once the request's first tokens are converted: the runtime's own
         trigger (the first response chunk with tokens) does not fire on the push egress the worker serves on
         (observed with 1.6.1: no event without the explicit call)."""
         source = self.source

@@ -1,6 +1,6 @@
 """The wake-up handshake between the Trio thread and the asyncio loop (the "Wake-ups" section of
 ``bridge.py``): each request's :class:`Outbox`, and a :class:`Waker` that resolves the parked handlers'
-futures with one ``call_soon_threadsafe`` per batch. No lock: under the GIL, the handler publishes its waiter
+futures (and runs the callbacks :meth:`Waker.call_soon` queued) with one ``call_soon_threadsafe`` per batch. No lock: under the GIL, the handler publishes its waiter
 *then* re-checks the deque, and ``emit`` appends *then* reads the waiter, so at least one sees the other.
 """
 
@@ -41,7 +41,16 @@ class Waker:
         self._loop = loop
         self._poke = poke
         self._ready: deque[tuple[Outbox, asyncio.Future]] = deque()
+        self._calls: deque[tuple[Callable[[Any], None], Any]] = deque()
         self._scheduled = False
+
+    def call_soon(self, callback: Callable[[Any], None], arg: Any) -> None:  # the Trio thread
+        """Run ``callback(arg)`` on the loop at the next flush, before the parked handlers resume (it shares
+        the batch's one wake-up). It runs whether or not any handler is still there."""
+        self._calls.append((callback, arg))
+        if not self._scheduled:
+            self._scheduled = True
+            self._poke()
 
     def emit(self, outbox: Outbox, item: Any) -> None:  # the Trio thread
         outbox.items.append(item)
@@ -61,6 +70,10 @@ class Waker:
 
     def _flush(self) -> None:  # the loop's thread
         self._scheduled = False  # before draining: a waiter appended after this schedules a new flush
+        calls = self._calls
+        while calls:
+            callback, arg = calls.popleft()
+            callback(arg)
         ready = self._ready
         while ready:
             outbox, waiter = ready.popleft()

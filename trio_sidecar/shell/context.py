@@ -22,7 +22,8 @@ class GenerateContext:
 
     Args:
         request_id: sent as ``GenerateRequest.request_id``; empty → a fresh UUID4 string.
-        on_first_token: called where upstream calls ``notify_first_token()`` (decode deferral,
+        on_first_token: called once, from the request's task, when its first tokens are converted (before
+            the sink gets them; also for the first token the decode deferral replaces,
             docs/reference/sidecar.md#decode-deferral).
         traceparent: a W3C ``traceparent`` header value, sent to vLLM as ``GenerateStream`` metadata so its
             OpenTelemetry spans join the request's trace (docs/reference/sidecar.md#trace-context).

@@ -301,13 +301,14 @@ class RequestTask:
         self.first_token_at = now
         self.first_tokens = self.state.completion_tokens
         self.stats.ttft.observe(now - self.started_at)
+        # The one first-token notification (the worker's ``notify_first_token()``), also when the decode
+        # deferral replaces the first token's chunk by the cancelled chunk: its tokens are counted already.
+        self.ctx._notify_first_token()
 
     def _end(self, ending: Ending) -> bool:
         """Apply the builder's ending; returns whether the server ended the stream."""
         if ending.warning is not None:
             LOGGER.warning(ending.warning)
-        if ending.first_token:
-            self.ctx._notify_first_token()
         if ending.error is not None:
             self.error = ending.error
         else:

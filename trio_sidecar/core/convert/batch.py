@@ -97,14 +97,12 @@ class Ending:
         final: the last chunk (the terminal or the cancelled chunk), when there is no ``error``.
         error: raised to the caller after the chunks already handed over.
         warning: to be logged (WARNING).
-        first_token: the cancelled chunk replaced the first token's chunk: call ``on_first_token``.
     """
 
     server_ended: bool
     final: LLMEngineOutput | None = None
     error: SidecarError | None = None
     warning: str | None = None
-    first_token: bool = False
 
 
 def _item_tokens(ids: Any) -> int:
@@ -279,11 +277,7 @@ class BatchBuilder:
         if completing and request_cancelled:
             # docs/reference/sidecar.md#decode-deferral, step 3: the chunk with the first token is replaced by the cancelled
             # chunk, whose usage counts it.
-            self.ending = Ending(
-                server_ended=state.finished,
-                final=state.cancelled_chunk(),
-                first_token=bool(chunk.token_ids),
-            )
+            self.ending = Ending(server_ended=state.finished, final=state.cancelled_chunk())
             return END
         if state.finished:
             self.ending = Ending(server_ended=True, final=chunk)
