@@ -37,8 +37,8 @@ First token: a request bound to a prefill-completion source (``bind_context``) g
 ``context.notify_first_token()``, from one place: the request task calls ``ctx.on_first_token`` when the
 request's first tokens are converted, including the decode deferral's first token that the cancelled chunk
 replaces (docs/reference/sidecar.md#decode-deferral). That callback queues the notification with
-:meth:`Waker.call_soon`, so it rides the batch's one loop wake-up, runs before the handler resumes with those
-tokens, and runs even when the handler is gone (the deferral exists for a client that left).
+:meth:`Waker.call_soon`, so it rides the batch's one loop wake-up, runs ahead of the chunks that flush hands
+to a parked handler, and runs even when the handler is gone (the deferral exists for a client that left).
 
 Trio side: ``_dispatch`` (the ``run_sync_soon`` callback itself) calls ``sidecar.submit(request, ctx,
 sink)``, which starts the engine's request task; there is no task per request on this side and no hand-over

@@ -1,7 +1,8 @@
 """The wake-up handshake between the Trio thread and the asyncio loop (the "Wake-ups" section of
 ``bridge.py``): each request's :class:`Outbox`, and a :class:`Waker` that resolves the parked handlers'
-futures (and runs the callbacks :meth:`Waker.call_soon` queued) with one ``call_soon_threadsafe`` per batch. No lock: under the GIL, the handler publishes its waiter
-*then* re-checks the deque, and ``emit`` appends *then* reads the waiter, so at least one sees the other.
+futures, and runs the callbacks :meth:`Waker.call_soon` queued, with one ``call_soon_threadsafe`` per batch.
+No lock: under the GIL, the handler publishes its waiter *then* re-checks the deque, and ``emit`` appends
+*then* reads the waiter, so at least one sees the other.
 """
 
 from __future__ import annotations
