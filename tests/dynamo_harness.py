@@ -132,19 +132,9 @@ class Deployment:
 
         A model is listed once its first worker registered; in a disaggregated deployment the other worker can
         still be missing from the frontend's view then, and a request meanwhile gets HTTP 503."""
-        import time
-
         deadline = time.monotonic() + timeout
         while True:
-            try:
-                status, body = local.get_json(self.http_port, "/health", timeout=5)
-            except OSError:
-                status, body = 0, None
-            listed = {
-                i.get("component")
-                for i in (body.get("instances", []) if status == 200 and isinstance(body, dict) else [])
-                if i.get("namespace") == self.namespace and i.get("endpoint") == "generate"
-            }
+            listed = {i.get("component") for i in local.frontend_instances(self.http_port, self.namespace)}
             if set(components) <= listed:
                 return
             for proc in self.processes:

@@ -401,19 +401,7 @@ def start_native_sidecar(
 
 def instances(port: int, namespace: str, endpoint: str = "generate") -> list[int]:
     """Worker instance ids the frontend on ``port`` currently knows (its ``/health``), any discovery."""
-    try:
-        status, body = local.get_json(port, "/health", timeout=5)
-    except (OSError, http.client.HTTPException, ValueError):
-        return []
-    if status != 200 or not isinstance(body, dict):
-        return []
-    return sorted(
-        {
-            i["instance_id"]
-            for i in body.get("instances", [])
-            if i.get("namespace") == namespace and i.get("endpoint") == endpoint
-        }
-    )
+    return sorted({i["instance_id"] for i in local.frontend_instances(port, namespace, endpoint)})
 
 
 @pytest.fixture(scope="module", name="etcd_nats")

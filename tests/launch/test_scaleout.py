@@ -133,19 +133,7 @@ class Cluster:
 
     def instances(self, port: int) -> list[int]:
         """Worker instance ids (``generate`` endpoints in our namespace) the frontend currently knows."""
-        try:
-            status, body = local.get_json(port, "/health", timeout=5)
-        except OSError:
-            return []
-        if status != 200 or not isinstance(body, dict):
-            return []
-        return sorted(
-            {
-                i["instance_id"]
-                for i in body.get("instances", [])
-                if i.get("namespace") == self.namespace and i.get("endpoint") == "generate"
-            }
-        )
+        return sorted({i["instance_id"] for i in local.frontend_instances(port, self.namespace)})
 
     def wait_instances(self, port: int, n: int, *, timeout: float) -> list[int]:
         deadline = time.monotonic() + timeout

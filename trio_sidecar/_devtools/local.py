@@ -387,6 +387,22 @@ def list_models(port: int) -> list[str]:
     return [m.get("id") for m in body.get("data", [])]
 
 
+def frontend_instances(port: int, namespace: str, endpoint: str = "generate") -> list[dict[str, Any]]:
+    """The worker instances the frontend on ``port`` currently lists in its ``/health`` for ``endpoint`` of
+    ``namespace`` (``[]`` while it does not answer 200)."""
+    try:
+        status, body = get_json(port, "/health", timeout=5.0)
+    except (OSError, http.client.HTTPException, ValueError):
+        return []
+    if status != 200 or not isinstance(body, dict):
+        return []
+    return [
+        i
+        for i in body.get("instances", [])
+        if isinstance(i, dict) and i.get("namespace") == namespace and i.get("endpoint") == endpoint
+    ]
+
+
 def wait_for_models(port: int, names: Sequence[str], *, timeout: float = 120.0, watch: Sequence[Process] = ()) -> float:
     """Poll ``/v1/models`` until every name is listed; returns the seconds waited.
 
