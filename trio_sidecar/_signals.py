@@ -28,7 +28,6 @@ __all__ = [
     "forget_held",
     "interrupted_code",
     "interrupted_exit",
-    "pending",
 ]
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -105,11 +104,6 @@ def hold_signals() -> None:
 def forget_held() -> None:
     """The stage-1 signal was handled (its :class:`Interrupted` reached the entry point)."""
     _held.clear()
-
-
-def pending() -> int | None:
-    """A stage-1 signal that was swallowed and never replayed (the command ended before stage 2), if any."""
-    return _held[0] if _held else None
 
 
 def held() -> list[int]:

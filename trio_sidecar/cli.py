@@ -24,9 +24,9 @@ import cattrs
 from ._signals import (
     Interrupted,
     forget_held,
+    held,
     install_interrupt_handlers,
     interrupted_exit,
-    pending,
     restore_handlers,
 )
 from .core.config import DisaggregationMode, SidecarConfig, WorkerOptions, discovery_banner, prepare
@@ -250,11 +250,8 @@ def main(argv: Sequence[str] | None = None, *, environ: Mapping[str, str] | None
     previous = install_interrupt_handlers()
     try:
         code = _main(argv, environ)
-        swallowed = pending()
-        if swallowed is not None:  # raised inside a callback that ate it, and no Trio run replayed it
-            forget_held()
-            return interrupted_exit(swallowed)
-        return code
+        swallowed = held()  # raised inside a callback that ate it, and no Trio run took it over
+        return interrupted_exit(swallowed[0]) if swallowed else code
     except Interrupted as exc:
         forget_held()
         return interrupted_exit(exc.signum)
