@@ -262,12 +262,9 @@ async def test_on_first_token_is_called_once_before_the_first_tokens_reach_the_c
     fake.tokens = tokens  # 1: the terminal itself carries the only token
     seen: list[tuple[int, int]] = []
     async with open_sidecar(sidecar_config(fake.endpoint)) as sidecar:
-        rec_box: list[Recording] = []
-        ctx = GenerateContext(
-            "first", on_first_token=lambda: seen.append((len(rec_box[0].chunks), len(rec_box[0].ends)))
-        )
-        rec = await face.start(sidecar, request(), ctx)
-        rec_box.append(rec)
+        ctx = GenerateContext("first")
+        rec = await face.start(sidecar, request(), ctx)  # (no checkpoint yet: the request has not run)
+        ctx.on_first_token = lambda: seen.append((len(rec.chunks), len(rec.ends)))
         with trio.fail_after(2):
             await rec.ended.wait()
     assert usage(rec.final()) == (3, tokens, 3 + tokens)
